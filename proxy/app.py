@@ -1,0 +1,98 @@
+"""ASGI wiring: the proxy's own routes, the relay for everything else, and lifespan.
+
+A plain ASGI callable rather than a framework router: every request that is not one
+of the proxy's own few paths goes straight to the relay without a routing table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from . import __version__
+from .metrics import Metrics
+from .precision import PrecisionTable
+from .record import Recorder
+from .relay import Relay
+from .settings import Settings
+from .upstreams import Upstream, Upstreams
+
+log = logging.getLogger("phasewatch")
+
+METRICS_PATH = "/metrics"
+HEALTH_PATH = "/phasewatch/health"
+
+
+class ProxyApp:
+    """The phasewatch proxy as one ASGI application."""
+
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.precision = PrecisionTable(settings.pairs("precision"))
+        engines = settings.pairs("engine")
+        self.upstreams = Upstreams([
+            Upstream(name, url, engine=engines.get(name), metrics=self.metrics,
+                     precision=self.precision, extra_models=settings.models,
+                     max_models=settings.max_models,
+                     connect_timeout=settings.connect_timeout,
+                     read_timeout=settings.read_timeout,
+                     max_concurrency=settings.max_concurrency,
+                     max_queue=settings.max_queue, queue_timeout=settings.queue_timeout)
+            for name, url in settings.upstream_specs()
+        ])
+        self.recorder = Recorder(self.metrics, settings.log_format)
+        self.relay = Relay(self.upstreams, self.recorder, inject_usage=settings.inject_usage,
+                           max_body_bytes=settings.max_body_bytes)
+
+    async def startup(self) -> None:
+        await self.upstreams.start(self.settings.model_refresh)
+        for u in self.upstreams.all:
+            log.info("phasewatch %s relaying to %s = %s (engine %s)", __version__, u.name, u.url,
+                     u.engine)
+
+    async def shutdown(self) -> None:
+        await self.upstreams.stop()
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path == METRICS_PATH and scope["method"] in ("GET", "HEAD"):
+                await self._metrics(send)
+            elif path == HEALTH_PATH:
+                await _plain(send, 200, b"ok\n")
+            else:
+                await self.relay(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _metrics(self, send) -> None:
+        body = generate_latest(self.metrics.registry)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # noqa: BLE001 - reported to the server, once
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _plain(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,136 @@
+"""Proxy settings: one typed model, filled from flags and ``PHASEWATCH_*`` variables.
+
+The command line (proxy.cli) builds its flags from these fields, so a setting exists
+once, with one description, used for both ``--help`` and the README's table.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split_list(value):
+    """Accept a JSON list, or a comma/space separated string (friendlier in env files)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part for part in text.replace(",", " ").split() if part]
+    return value
+
+
+def parse_upstream(spec: str) -> tuple[str | None, str]:
+    """``[name=]URL`` -> (name or None, normalised base URL). Raises ValueError."""
+    name = None
+    url = spec.strip()
+    if "=" in url and not url.split("=", 1)[0].startswith(("http:", "https:")):
+        name, url = url.split("=", 1)
+        name = name.strip()
+        if not name or not all(c.isalnum() or c in "-_." for c in name):
+            raise ValueError(f"upstream name {name!r} must be letters, digits, '-', '_' or '.'")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream {spec!r} is not an http(s)://host[:port] URL")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"upstream {spec!r} has a bad port") from exc
+    if parts.query or parts.fragment:
+        raise ValueError(f"upstream {spec!r} must not carry a query or fragment")
+    return name, url.rstrip("/")
+
+
+class Settings(BaseSettings):
+    """Every setting of ``phasewatch serve``."""
+
+    model_config = SettingsConfigDict(env_prefix="PHASEWATCH_", extra="ignore")
+
+    upstream: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Engine base URL, optionally named: [name=]http://host:port "
+        "(repeatable; requests are routed by model).")
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8090, ge=0, le=65535, description="Port to listen on.")
+    engine: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Engine dialect override per upstream: name=vllm|openai|ollama|llamacpp "
+        "(default: detected).")
+    max_concurrency: int = Field(
+        0, ge=0, description="Most generation requests in flight per upstream; more wait "
+        "in the proxy's queue (0: no limit).")
+    max_queue: int = Field(
+        256, ge=0, description="Most requests waiting per upstream when max-concurrency is "
+        "reached; beyond it requests get 429.")
+    queue_timeout: float = Field(
+        0.0, ge=0, description="Seconds a request may wait in the queue before a 503 "
+        "(0: no limit).")
+    precision: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Precision override per model: model=precision (bf16, fp8, int4, "
+        "Q4_K_M, AWQ ...).")
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Extra model names to label as themselves (beyond the upstreams' "
+        "model lists); any other name is labelled 'other'.")
+    max_models: int = Field(
+        64, ge=1, description="Most distinct model label values per upstream.")
+    model_refresh: float = Field(
+        30.0, gt=0, description="Seconds between refreshes of each upstream's model list.")
+    inject_usage: bool = Field(
+        True, description="Ask the engine for usage on streams whose client did not, and "
+        "strip it again byte for byte.")
+    connect_timeout: float = Field(
+        10.0, gt=0, description="Seconds to connect to an upstream.")
+    read_timeout: float = Field(
+        600.0, gt=0, description="Seconds an upstream may stay silent (long prefills "
+        "and cold loads need minutes).")
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
+    log_format: Literal["logfmt", "json", "none"] = Field(
+        "logfmt", description="Per-request log line format.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level.")
+
+    @field_validator("upstream", "engine", "precision", "models", mode="before")
+    @classmethod
+    def _lists(cls, value):
+        return _split_list(value)
+
+    @field_validator("upstream")
+    @classmethod
+    def _check_upstreams(cls, value: list[str]) -> list[str]:
+        names = set()
+        for spec in value:
+            name, url = parse_upstream(spec)
+            key = name or url
+            if key in names:
+                raise ValueError(f"upstream {key!r} given twice")
+            names.add(key)
+        return value
+
+    @field_validator("precision", "engine")
+    @classmethod
+    def _check_pairs(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
+                raise ValueError(f"{item!r} is not a name=value pair")
+        return value
+
+    def upstream_specs(self) -> list[tuple[str, str]]:
+        """(name, base URL) per upstream; unnamed ones are named by host:port."""
+        out = []
+        for spec in self.upstream:
+            name, url = parse_upstream(spec)
+            if name is None:
+                parts = urlsplit(url)
+                name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+            out.append((name, url))
+        return out
+
+    def pairs(self, field: str) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in getattr(self, field))
