@@ -1,0 +1,151 @@
+"""Real servers for tests: the simulator and the proxy as subprocesses on loopback.
+
+Each runs the real command line (``python -m proxy ...``) under uvicorn, on a free port,
+and is stopped with SIGTERM (then SIGKILL) when the test is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running subprocess with an HTTP base URL."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    truth_path: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def truth(self) -> list[dict]:
+        """The simulator's ground-truth records (one per finished request)."""
+        if self.truth_path is None or not self.truth_path.exists():
+            return []
+        return [json.loads(line) for line in self.truth_path.read_text().splitlines() if line]
+
+    def request_lines(self) -> list[dict]:
+        """The proxy's per-request log lines, parsed from logfmt."""
+        out = []
+        for line in self.log().splitlines():
+            if "msg=request " in line:
+                out.append(parse_logfmt(line.split("msg=request ", 1)[1]))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def parse_logfmt(text: str) -> dict:
+    out = {}
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i] == " ":
+            i += 1
+        j = text.find("=", i)
+        if j < 0:
+            break
+        key = text[i:j]
+        i = j + 1
+        if i < n and text[i] == '"':
+            value, end = json.JSONDecoder().raw_decode(text, i)
+            i = end
+        else:
+            end = text.find(" ", i)
+            end = n if end < 0 else end
+            value = text[i:end]
+            i = end
+        out[key] = value
+    return out
+
+
+def _spawn(args: list[str], port: int, ready_path: str, env: dict | None = None,
+           timeout: float = 30.0) -> tuple[subprocess.Popen, Path]:
+    log = Path(tempfile.mkstemp(prefix="pw-", suffix=".log")[1])
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT, env=full_env,
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()}")
+        try:
+            if httpx.get(url + ready_path, timeout=1.0).status_code < 500:
+                return proc, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not start in {timeout}s:\n{log.read_text()}")
+
+
+def start_sim(engine: str = "vllm", *, speed: float = 1.0, deterministic: bool = True,
+              max_num_seqs: int = 16, jitter: float = 0.0, extra: list[str] | None = None) -> Server:
+    port = free_port()
+    truth = Path(tempfile.mkstemp(prefix="pw-truth-", suffix=".jsonl")[1])
+    args = ["simulate", "--engine", engine, "--port", str(port), "--speed", str(speed),
+            "--max-num-seqs", str(max_num_seqs), "--jitter", str(jitter),
+            "--truth-log", str(truth)] + (["--deterministic"] if deterministic else []) + (extra or [])
+    ready = "/api/version" if engine == "ollama" else ("/health")
+    proc, log = _spawn(args, port, ready)
+    return Server(proc, f"http://127.0.0.1:{port}", log, truth)
+
+
+def start_proxy(*upstreams: str, env: dict | None = None, args: list[str] | None = None) -> Server:
+    port = free_port()
+    cli = ["serve", "--port", str(port)]
+    for u in upstreams:
+        cli += ["--upstream", u]
+    proc, log = _spawn(cli + (args or []), port, "/phasewatch/health", env=env)
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, keyed by (name, sorted label items)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sample(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for (n, items), value in samples.items():
+        if n == name and all(dict(items).get(k) == v for k, v in labels.items()):
+            total += value
+    return total
