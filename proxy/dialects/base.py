@@ -79,9 +79,10 @@ class Tap:
         raise NotImplementedError
 
     def flush(self) -> bytes:
-        """Bytes still held back when the upstream ends (forwarded as they are)."""
-        held, self._buf = self._buf, b""
-        return held
+        """Bytes still held back when the upstream ends, to forward as they are. A tap
+        that only inspects has forwarded everything already and returns nothing."""
+        self._buf = b""
+        return b""
 
 
 def loads(payload: bytes | None):

@@ -97,6 +97,9 @@ class SSETap(Tap):
         return b"".join(out)
 
     def flush(self) -> bytes:
+        if not self.strip:  # inspect mode forwarded every byte already
+            self._buf = b""
+            return b""
         held = b"".join(self._held) + self._buf
         self._held.clear()
         self._buf = b""
