@@ -115,5 +115,11 @@ def as_int(value) -> int | None:
     return None
 
 
+#: An event carrying generated output: non-empty text, reasoning or a tool-call delta, or
+#: a finish reason (the finish event carries the last token). Tolerates spaced JSON.
 OUTPUT_RE = re.compile(
-    rb'"(?:content|text|reasoning_content|reasoning)":"(?!")|"tool_calls":\[\{|"finish_reason":"')
+    rb'"(?:content|text|reasoning_content|reasoning)":\s*"(?!")|"tool_calls":\s*\[\s*\{'
+    rb'|"finish_reason":\s*"')
+FINISH_RE = re.compile(rb'"finish_reason":\s*"')
+USAGE_RE = re.compile(rb'"usage":\s*\{')
+EMPTY_CHOICES_RE = re.compile(rb'"choices":\s*\[\s*\]')

@@ -16,7 +16,7 @@ import json
 import re
 
 from ..timeline import Marks, Usage
-from .base import OUTPUT_RE, Outcome, Prepared, Tap, as_int, error_message, loads
+from .base import EMPTY_CHOICES_RE, FINISH_RE, OUTPUT_RE, USAGE_RE, Outcome, Prepared, Tap, as_int, error_message, loads
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -46,18 +46,18 @@ class SSETap(Tap):
         if payload[:6] == b"[DONE]":
             self.done = True
             return _KEEP
-        if payload[:8] == b'{"error"':
+        if payload[:8] == b'{"error"' or payload[:9] == b'{ "error"':
             self.error_payload = payload
             return _KEEP
         kind = _KEEP
         if OUTPUT_RE.search(payload) is not None:
             self._output(now)
-            if b'"finish_reason":"' in payload:
+            if FINISH_RE.search(payload) is not None:
                 self.finish_seen = True
                 kind = _FINISH
-        if b'"usage":{' in payload:
+        if USAGE_RE.search(payload) is not None:
             self.usage_payload = payload
-            if b'"choices":[]' in payload:
+            if EMPTY_CHOICES_RE.search(payload) is not None:
                 kind = _USAGE_ONLY
         return kind
 
