@@ -162,6 +162,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- bench / report (logic in proxy.bench and proxy.report) ------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import run
+
+    return run(args)
+
+
 # --- entry --------------------------------------------------------------------------------
 
 
@@ -199,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Stop after this many seconds (default: run until interrupted).")
     add_sim_flags(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from . import bench as _bench, report as _report
+
+    bench = sub.add_parser("bench", help="benchmark an endpoint with the seeds' method",
+                           description="Warm-up, then decode, prefill/TTFT (~4K, ~8K, ~16K-token "
+                           "prompts) and a concurrency sweep, each repeated (median reported).")
+    _bench.add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+    report = sub.add_parser("report", help="the seeds' table from phasewatch's metrics",
+                            description="Per model x precision: decode tok/s, prefill ms/token and "
+                            "TTFT by prompt band, power, J/token, phase shares and speed-ups, from a "
+                            "phasewatch /metrics URL or a Prometheus server.")
+    _report.add_arguments(report)
+    report.set_defaults(func=cmd_report)
     return parser
 
 
