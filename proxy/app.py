@@ -11,6 +11,7 @@ import logging
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import __version__
+from .access import Access
 from .metrics import Metrics
 from .precision import PrecisionTable
 from .record import Recorder
@@ -44,7 +45,12 @@ class ProxyApp:
         ])
         self.recorder = Recorder(self.metrics, settings.log_format)
         self.relay = Relay(self.upstreams, self.recorder, inject_usage=settings.inject_usage,
-                           max_body_bytes=settings.max_body_bytes)
+                           max_body_bytes=settings.max_body_bytes,
+                           access=Access([k.get_secret_value() for k in settings.api_key],
+                                         settings.upstream_keys()))
+        #: /metrics on the proxy port, unless it has its own address (then the proxy port
+        #: relays /metrics to the engine like any other path).
+        self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
 
     async def startup(self) -> None:
         await self.upstreams.start(self.settings.model_refresh)
@@ -59,14 +65,30 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path == METRICS_PATH and scope["method"] in ("GET", "HEAD"):
+            if path == METRICS_PATH and self.serve_metrics and scope["method"] in ("GET", "HEAD"):
                 await self._metrics(send)
             elif path == HEALTH_PATH:
-                await _plain(send, 200, b"ok\n")
+                if self.relay.draining:
+                    await _plain(send, 503, b"draining\n")
+                else:
+                    await _plain(send, 200, b"ok\n")
             else:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def metrics_app(self, scope, receive, send) -> None:
+        """The ASGI app of the separate metrics address (--metrics-host/--metrics-port)."""
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                while (await receive())["type"] != "lifespan.shutdown":
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == METRICS_PATH:
+            await self._metrics(send)
+        else:
+            await _plain(send, 404, b"only /metrics here\n")
 
     async def _metrics(self, send) -> None:
         body = generate_latest(self.metrics.registry)

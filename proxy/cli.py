@@ -99,8 +99,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = ProxyApp(settings)
     except ValueError as exc:
         _fail(str(exc))
-    server = uvicorn.Server(uvicorn_config(app, settings.host, settings.port, settings.log_level))
-    server.run()
+    from .server import serve
+
+    config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
+    metrics_config = None
+    if settings.metrics_port is not None or settings.metrics_host is not None:
+        metrics_config = uvicorn_config(app.metrics_app, settings.metrics_host or settings.host,
+                                        settings.metrics_port or 0, settings.log_level)
+        metrics_config.lifespan = "off"
+    config.load()  # picks uvloop when installed
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(serve(app, config, metrics_config))
     return 0
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from .access import Access
 from .dialects import Prepared, Tap
 from .dialects.base import Outcome
 from .record import Recorder
@@ -125,15 +126,26 @@ class Relay:
     """ASGI app forwarding everything to the upstreams (measuring generation)."""
 
     def __init__(self, upstreams: Upstreams, recorder: Recorder, *, inject_usage: bool,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, access: Access | None = None) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
         self.inject_usage = inject_usage
         self.max_body_bytes = max_body_bytes
+        self.access = access or Access([], {})
+        #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
+
+    def busy(self) -> int:
+        """Generation requests in flight or queued, over all upstreams."""
+        return sum(len(u.active) + u.gate.queued for u in self.upstreams.all)
 
     async def __call__(self, scope, receive, send) -> None:
         headers = scope["headers"]
+        if not self.access.allowed(headers):
+            await send_error(send, 401, "missing or invalid phasewatch API key (send "
+                             "Authorization: Bearer KEY or x-api-key: KEY)", "authentication_error",
+                             [(b"www-authenticate", b'Bearer realm="phasewatch"')])
+            return
         for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
                 await send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
@@ -290,6 +302,11 @@ class Relay:
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                 tail = tap.flush()
+                if not tap.done and tap.error_payload is None:
+                    # the engine closed the stream cleanly but never finished it: say so in
+                    # the stream's own framing so clients do not take a cut answer as whole
+                    tail += dialect.stream_error(f"upstream {ex.upstream.name} ended the stream "
+                                                 "without its terminator")
             else:
                 async for chunk in resp.aiter_raw():
                     if kept_size < _MAX_KEPT_BODY:
@@ -321,9 +338,9 @@ class Relay:
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
         url = upstream.url + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
-        req = upstream.client.build_request(
-            scope["method"], url, headers=request_headers(scope["headers"], request_id, had_id),
-            content=body)
+        headers = self.access.upstream_headers(
+            request_headers(scope["headers"], request_id, had_id), upstream.name)
+        req = upstream.client.build_request(scope["method"], url, headers=headers, content=body)
         if marks is not None:
             marks.t_sent = time.monotonic()
         try:
@@ -393,7 +410,7 @@ def _describe(exc: BaseException) -> str:
 def _peek_model(body: bytes) -> str | None:
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     model = obj.get("model") if isinstance(obj, dict) else None
     return model if isinstance(model, str) else None

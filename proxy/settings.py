@@ -10,7 +10,7 @@ import json
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -91,10 +91,47 @@ class Settings(BaseSettings):
         "and cold loads need minutes).")
     max_body_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
+
+    # Access (never logged, never exported)
+    api_key: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Keys clients must present (Authorization: Bearer KEY or x-api-key) "
+        "to use the proxy (repeatable; default: no proxy keys, the client's own "
+        "Authorization reaches the engine).")
+    upstream_key: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Engine API key per upstream, name=KEY, sent as Authorization: Bearer "
+        "KEY in place of the client's (repeatable).")
+    metrics_host: str | None = Field(
+        None, description="Serve /metrics on its own address instead of the proxy port "
+        "(the proxy port then relays /metrics to the engine).")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Port for --metrics-host (default: the proxy's "
+        "host when only the port is given).")
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests to finish "
+        "(new ones get 503 meanwhile) before exiting.")
     log_format: Literal["logfmt", "json", "none"] = Field(
         "logfmt", description="Per-request log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level.")
+
+    @field_validator("api_key", "upstream_key", mode="before")
+    @classmethod
+    def _secret_lists(cls, value):
+        return _split_list(value)
+
+    @field_validator("upstream_key")
+    @classmethod
+    def _check_upstream_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for item in value:
+            name, _, key = item.get_secret_value().partition("=")
+            if not name or not key:
+                raise ValueError("each upstream key must be name=KEY (value not shown)")
+        return value
+
+    def upstream_keys(self) -> dict[str, str]:
+        return dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
 
     @field_validator("upstream", "engine", "precision", "models", mode="before")
     @classmethod

@@ -55,7 +55,8 @@ class Tap:
         self.gap_counts = [0] * (len(GAP_BUCKETS) + 1)
         self.gap_sum = 0.0
         self._last_out = 0.0
-        self.done = False  # saw the stream's terminator
+        self.done = False  # saw the stream's terminator; without it the relay appends
+        # the dialect's stream_error() and the request counts as an error (truncated)
         self.error_payload: bytes | None = None
         self.usage_payload: bytes | None = None
         self.timings_payload: bytes | None = None
@@ -91,7 +92,7 @@ def loads(payload: bytes | None):
         return None
     try:
         return json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
 
 

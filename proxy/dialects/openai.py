@@ -140,7 +140,7 @@ class OpenAIDialect:
     def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared:
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             obj = None
         if not isinstance(obj, dict):  # the engine answers malformed input itself
             return Prepared(endpoint, None, False, raw)
