@@ -17,6 +17,7 @@ from .precision import PrecisionTable
 from .record import Recorder
 from .relay import Relay
 from .settings import Settings
+from .status import StatusPage, wants_page
 from .upstreams import Upstream, Upstreams
 
 log = logging.getLogger("phasewatch")
@@ -44,6 +45,10 @@ class ProxyApp:
             for name, url in settings.upstream_specs()
         ])
         self.recorder = Recorder(self.metrics, settings.log_format)
+        # The live status page (/phasewatch/, and / for browsers): proxy.status, fed by the
+        # recorder with one point per finished request.
+        self.status = StatusPage(self)
+        self.recorder.listeners.append(self.status.on_request)
         self.relay = Relay(self.upstreams, self.recorder, inject_usage=settings.inject_usage,
                            max_body_bytes=settings.max_body_bytes,
                            access=Access([k.get_secret_value() for k in settings.api_key],
@@ -72,6 +77,8 @@ class ProxyApp:
                     await _plain(send, 503, b"draining\n")
                 else:
                     await _plain(send, 200, b"ok\n")
+            elif self.serve_metrics and wants_page(scope):
+                await self.status(scope, receive, send)  # status page (proxy.status)
             else:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
@@ -87,6 +94,8 @@ class ProxyApp:
             return
         if scope["path"] == METRICS_PATH:
             await self._metrics(send)
+        elif wants_page(scope):
+            await self.status(scope, receive, send)  # status page (proxy.status)
         else:
             await _plain(send, 404, b"only /metrics here\n")
 

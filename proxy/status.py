@@ -1,0 +1,163 @@
+"""The live status page: the seeds' table, recent TTFT and decode rates, in-flight and
+queued requests and power, served by the proxy itself (no Grafana, no external assets).
+
+Routes (all GET/HEAD):
+
+- ``/phasewatch/``: the page, always;
+- ``/``: the page only for browsers (``Accept`` naming ``text/html``); API clients still
+  reach the engine's own ``GET /`` (Ollama answers "Ollama is running" there);
+- ``/phasewatch/api/summary``: the JSON the page polls.
+
+The table is :mod:`proxy.report` computed from the proxy's own registry. The charts come
+from a bounded ring of per-request points that the recorder hands over after each
+request (one deque append per request, nothing on the per-event path).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import time
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from . import __version__
+from .report import Samples, build
+
+if TYPE_CHECKING:
+    from .app import ProxyApp
+    from .relay import Exchange
+    from .timeline import Figures
+
+PAGE_PATH = "/phasewatch/"
+SUMMARY_PATH = "/phasewatch/api/summary"
+#: How far back the charts reach, and the most points kept.
+WINDOW_SECONDS = 600.0
+MAX_POINTS = 4000
+#: Window of the "recent" columns.
+RECENT_SECONDS = 60.0
+
+_INITIAL_MARK = "/*__INITIAL_SUMMARY__*/null"
+
+
+def wants_page(scope) -> bool:
+    """True for the requests the status page answers (see the module docstring)."""
+    if scope["method"] not in ("GET", "HEAD"):
+        return False
+    path = scope["path"]
+    if path in (PAGE_PATH, "/phasewatch", SUMMARY_PATH):
+        return True
+    if path == "/":
+        for k, v in scope["headers"]:
+            if k == b"accept":
+                return b"text/html" in v.lower()
+    return False
+
+
+class StatusPage:
+    """Serves the page and its JSON; collects recent per-request points."""
+
+    def __init__(self, app: "ProxyApp") -> None:
+        self.app = app
+        self.started = time.time()
+        self.points: collections.deque = collections.deque(maxlen=MAX_POINTS)
+        self._keys: dict[tuple[str, str, str], int] = {}
+        self._template: str | None = None
+
+    # --- the recorder's listener (once per finished request) -------------------------
+
+    def on_request(self, ex: "Exchange", f: "Figures") -> None:
+        if ex.outcome != "ok":
+            return None
+        precision = ex.upstream.precision_of(ex.model_label).precision
+        key = (ex.upstream.name, ex.model_label, precision)
+        idx = self._keys.get(key)
+        if idx is None:
+            if len(self._keys) >= 256:  # labels are bounded already; belt and braces
+                return None
+            idx = self._keys[key] = len(self._keys)
+        self.points.append((time.time(), idx, f.ttft, f.decode_tps.get("proxy", f.decode_tps.get("engine")),
+                            f.prompt_tokens, f.completion_tokens))
+        return None
+
+    # --- data ------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        now = time.time()
+        reg = Samples.from_registry(self.app.metrics.registry)
+        rep = build(reg, source="this proxy", include_idle_models=True)
+        as_dict = rep.as_dict()
+        keys = [None] * len(self._keys)
+        for key, i in self._keys.items():
+            keys[i] = key
+        cutoff = now - WINDOW_SECONDS
+        points = [p for p in list(self.points) if p[0] >= cutoff]
+        recent: dict[int, dict] = {}
+        for t, idx, ttft, dec, _pt, ct in points:
+            if t >= now - RECENT_SECONDS:
+                r = recent.setdefault(idx, {"ttft": [], "dec": [], "n": 0, "tokens": 0})
+                r["n"] += 1
+                r["tokens"] += ct or 0
+                if ttft is not None:
+                    r["ttft"].append(ttft)
+                if dec is not None:
+                    r["dec"].append(dec)
+        rows = []
+        for row in as_dict["rows"]:
+            key = (row["upstream"], row["model"], row["precision"])
+            r = recent.get(self._keys.get(key, -1))
+            row["recent"] = {
+                "requests_per_min": r["n"] * 60.0 / RECENT_SECONDS if r else 0.0,
+                "tokens_per_s": r["tokens"] / RECENT_SECONDS if r else 0.0,
+                "ttft_s": statistics.median(r["ttft"]) if r and r["ttft"] else None,
+                "decode_tok_s": statistics.median(r["dec"]) if r and r["dec"] else None,
+            }
+            rows.append(row)
+        upstreams = []
+        for u in self.app.upstreams.all:
+            upstreams.append({
+                "name": u.name, "engine": u.engine, "up": bool(getattr(u, "up", False)),
+                "models": len(getattr(u, "models", ()) or ()),
+                "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
+                "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
+                "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))
+                if rep.gpus else None,
+            })
+        return {
+            "version": __version__, "now": now, "uptime_s": now - self.started,
+            "window_s": WINDOW_SECONDS, "recent_s": RECENT_SECONDS,
+            "power_sampled": rep.power, "gpus": rep.gpus, "upstreams": upstreams,
+            "bands": as_dict["bands"], "rows": rows,
+            "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
+            "points": [[round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
+                       for t, idx, ttft, dec, pt, ct in points],
+        }
+
+    def page(self) -> bytes:
+        if self._template is None:
+            self._template = resources.files("proxy").joinpath("static/status.html").read_text("utf-8")
+        initial = json.dumps(self.summary(), separators=(",", ":")).replace("<", "\\u003c")
+        return self._template.replace(_INITIAL_MARK, initial, 1).encode("utf-8")
+
+    # --- ASGI --------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["path"] == SUMMARY_PATH:
+            body = json.dumps(self.summary(), separators=(",", ":")).encode()
+            headers = [(b"content-type", b"application/json")]
+        else:
+            body = self.page()
+            headers = [(b"content-type", b"text/html; charset=utf-8"), (b"vary", b"Accept"),
+                       (b"content-security-policy",
+                        b"default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                        b"connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+                        b"frame-ancestors 'none'"),
+                       (b"x-content-type-options", b"nosniff")]
+        headers += [(b"cache-control", b"no-store"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+
+def _r(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
