@@ -37,6 +37,8 @@ WINDOW_SECONDS = 600.0
 MAX_POINTS = 4000
 #: Window of the "recent" columns.
 RECENT_SECONDS = 60.0
+#: Seconds between two points of the power chart.
+POWER_STEP_SECONDS = 2.0
 
 _INITIAL_MARK = "/*__INITIAL_SUMMARY__*/null"
 
@@ -64,6 +66,11 @@ class StatusPage:
         self.points: collections.deque = collections.deque(maxlen=MAX_POINTS)
         self._keys: dict[tuple[str, str, str], int] = {}
         self._template: str | None = None
+        #: (time, {gpu label: watts}) every POWER_STEP_SECONDS while requests finish or
+        #: the page is open: the latest power samples, read from the one gauge.
+        self.power_points: collections.deque = collections.deque(
+            maxlen=int(WINDOW_SECONDS / POWER_STEP_SECONDS) + 1)
+        self._power_t = 0.0
 
     # --- the recorder's listener (once per finished request) -------------------------
 
@@ -77,14 +84,32 @@ class StatusPage:
             if len(self._keys) >= 256:  # labels are bounded already; belt and braces
                 return None
             idx = self._keys[key] = len(self._keys)
-        self.points.append((time.time(), idx, f.ttft, f.decode_tps.get("proxy", f.decode_tps.get("engine")),
+        now = time.time()
+        self.points.append((now, idx, f.ttft, f.decode_tps.get("proxy", f.decode_tps.get("engine")),
                             f.prompt_tokens, f.completion_tokens))
+        self._power_tick(now)
         return None
+
+    def _power_tick(self, now: float) -> None:
+        if now - self._power_t < POWER_STEP_SECONDS:
+            return
+        self._power_t = now
+        watts = {}
+        for family in self.app.metrics.gpu_power_current_watts.collect():
+            for s in family.samples:
+                lab = s.labels
+                model = lab.get("model", "")
+                label = f"{lab.get('upstream', '')} gpu {lab.get('gpu', '')}" + (
+                    f" · {model}" if model and model != "all" else "")
+                watts[label] = s.value
+        if watts:
+            self.power_points.append((now, watts))
 
     # --- data ------------------------------------------------------------------------
 
     def summary(self) -> dict:
         now = time.time()
+        self._power_tick(now)
         reg = Samples.from_registry(self.app.metrics.registry)
         rep = build(reg, source="this proxy", include_idle_models=True)
         as_dict = rep.as_dict()
@@ -132,6 +157,7 @@ class StatusPage:
             "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
             "points": [[round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
                        for t, idx, ttft, dec, pt, ct in points],
+            "power_points": [[round(t - now, 3), w] for t, w in list(self.power_points) if t >= cutoff],
         }
 
     def page(self) -> bytes:
