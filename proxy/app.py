@@ -41,7 +41,8 @@ class ProxyApp:
                      connect_timeout=settings.connect_timeout,
                      read_timeout=settings.read_timeout,
                      max_concurrency=settings.max_concurrency,
-                     max_queue=settings.max_queue, queue_timeout=settings.queue_timeout)
+                     max_queue=settings.max_queue, queue_timeout=settings.queue_timeout,
+                     client=settings.upstream_client)
             for name, url in settings.upstream_specs()
         ])
         self.recorder = Recorder(self.metrics, settings.log_format)

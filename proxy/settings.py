@@ -56,6 +56,9 @@ class Settings(BaseSettings):
         "(repeatable; requests are routed by model).")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8090, ge=0, le=65535, description="Port to listen on.")
+    workers: int = Field(
+        1, ge=1, le=256, description="Worker processes sharing the port (one per core to "
+        "scale); /metrics sums them, and GPU power is sampled by one of them only.")
     engine: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Engine dialect override per upstream: name=vllm|openai|ollama|llamacpp "
@@ -89,6 +92,10 @@ class Settings(BaseSettings):
     read_timeout: float = Field(
         600.0, gt=0, description="Seconds an upstream may stay silent (long prefills "
         "and cold loads need minutes).")
+    upstream_client: Literal["lean", "httpx"] = Field(
+        "lean", description="HTTP client for the upstream connections: lean (an asyncio + "
+        "httptools HTTP/1.1 transport under httpx's API, several times cheaper per "
+        "streamed event) or httpx (httpx's own transport).")
     max_body_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
 

@@ -16,6 +16,7 @@ import httpx
 from .dialects import get_dialect
 from .metrics import Metrics
 from .precision import Precision, PrecisionTable
+from .upstream_client import LeanTransport
 
 log = logging.getLogger("phasewatch")
 
@@ -94,7 +95,7 @@ class Upstream:
     def __init__(self, name: str, url: str, *, engine: str | None, metrics: Metrics,
                  precision: PrecisionTable, extra_models: list[str], max_models: int,
                  connect_timeout: float, read_timeout: float, max_concurrency: int,
-                 max_queue: int, queue_timeout: float) -> None:
+                 max_queue: int, queue_timeout: float, client: str = "lean") -> None:
         self.name = name
         self.url = url
         self.engine_override = engine
@@ -115,6 +116,10 @@ class Upstream:
                                 keepalive_expiry=60.0),
             follow_redirects=False,
             trust_env=False,
+            # The lean transport (proxy.upstream_client) keeps httpx's API but costs a
+            # fraction per streamed chunk; limits above apply to httpx's own transport.
+            transport=LeanTransport(max_keepalive=256, keepalive_expiry=60.0)
+            if client == "lean" else None,
         )
         self._label_cache: dict[str, str] = {}
         #: Exchanges admitted and not finished. Side services (the power sampler) read it

@@ -124,3 +124,36 @@ OUTPUT_RE = re.compile(
 FINISH_RE = re.compile(rb'"finish_reason":\s*"')
 USAGE_RE = re.compile(rb'"usage":\s*\{')
 EMPTY_CHOICES_RE = re.compile(rb'"choices":\s*\[\s*\]')
+
+
+# Per-event checks with the same answers as the patterns above, cheaper on the events
+# that dominate a stream (a token delta, "finish_reason":null, no usage): a substring
+# find decides those, the pattern runs only on the few events it cannot decide.
+
+_CONTENT, _TEXT, _FINISH_KEY, _USAGE_KEY = b'"content":"', b'"text":"', b'"finish_reason":', b'"usage":'
+
+
+def is_output(payload: bytes) -> bool:
+    """``OUTPUT_RE.search(payload) is not None``, fast for compact token deltas."""
+    i = payload.find(_CONTENT)
+    if i >= 0 and payload[i + 11:i + 12] != b'"':
+        return True
+    i = payload.find(_TEXT)
+    if i >= 0 and payload[i + 8:i + 9] != b'"':
+        return True
+    return OUTPUT_RE.search(payload) is not None
+
+
+def is_finish(payload: bytes) -> bool:
+    """``FINISH_RE.search(payload) is not None``, fast for one ``"finish_reason":null``."""
+    i = payload.find(_FINISH_KEY)
+    if i < 0:
+        return False
+    if payload[i + 16:i + 20] == b"null" and payload.find(_FINISH_KEY, i + 16) < 0:
+        return False
+    return FINISH_RE.search(payload) is not None
+
+
+def has_usage(payload: bytes) -> bool:
+    """``USAGE_RE.search(payload) is not None``, fast when there is no usage key."""
+    return _USAGE_KEY in payload and USAGE_RE.search(payload) is not None

@@ -16,7 +16,7 @@ import json
 import re
 
 from ..timeline import Marks, Usage
-from .base import EMPTY_CHOICES_RE, FINISH_RE, OUTPUT_RE, USAGE_RE, Outcome, Prepared, Tap, as_int, error_message, loads
+from .base import EMPTY_CHOICES_RE, Outcome, Prepared, Tap, as_int, error_message, has_usage, is_finish, is_output, loads
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -50,12 +50,12 @@ class SSETap(Tap):
             self.error_payload = payload
             return _KEEP
         kind = _KEEP
-        if OUTPUT_RE.search(payload) is not None:
+        if is_output(payload):  # same answers as OUTPUT_RE etc., by substring first
             self._output(now)
-            if FINISH_RE.search(payload) is not None:
+            if is_finish(payload):
                 self.finish_seen = True
                 kind = _FINISH
-        if USAGE_RE.search(payload) is not None:
+        if has_usage(payload):
             self.usage_payload = payload
             if EMPTY_CHOICES_RE.search(payload) is not None:
                 kind = _USAGE_ONLY

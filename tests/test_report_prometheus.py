@@ -1,0 +1,122 @@
+"""`phasewatch report --from` a real Prometheus server scraping the proxy gives the same
+table as reading the proxy's /metrics directly (and a --window of recent traffic)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .servers import ROOT, free_port
+
+MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-FP8",
+          "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4")
+
+
+@pytest.fixture(scope="module")
+def prometheus(proxy):
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("a real Prometheus is needed for this test: apt-get install -y prometheus")
+    work = Path(tempfile.mkdtemp(prefix="pw-prom-"))
+    target = proxy.url.removeprefix("http://")
+    (work / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: phasewatch\n    static_configs: [{{targets: ['{target}']}}]\n")
+    port = free_port()
+    log = (work / "prometheus.log").open("wb")
+    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={work / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (work / "prometheus.log").read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(source: str, *extra: str) -> dict:
+    res = subprocess.run([sys.executable, "-m", "proxy", "report", "--from", source, "--format", "json",
+                          *extra], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _rows(rep: dict) -> dict:
+    return {(r["upstream"], r["model"], r["precision"]): r for r in rep["rows"]}
+
+
+def _traffic(proxy_url: str, tag: str) -> None:
+    with httpx.Client(base_url=proxy_url, timeout=60) as client:
+        for i, model in enumerate(MODELS):
+            for n, words in ((3, 60), (1, 3000)):
+                for _ in range(n):
+                    body = {"model": model, "stream": True, "max_tokens": 40, "ignore_eos": True,
+                            "messages": [{"role": "user", "content": f"{tag}{i} " + "token " * words}]}
+                    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def _scraped(proxy_url: str, prometheus: str) -> None:
+    """Wait until Prometheus holds the proxy's current request count."""
+    want = sum(r["requests"] for r in _report(proxy_url)["rows"])
+    deadline = time.monotonic() + 20
+    while True:
+        data = httpx.get(prometheus + "/api/v1/query", params={"query": "sum(phasewatch_requests_total)"}).json()
+        got = float(data["data"]["result"][0]["value"][1]) if data["data"]["result"] else 0
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == want
+
+
+def test_report_from_prometheus_equals_report_from_metrics(proxy, prometheus):
+    _traffic(proxy.url, "a")
+    _scraped(proxy.url, prometheus)
+    # a second round once the series exist: increase() over a window sees it
+    _traffic(proxy.url, "b")
+    _scraped(proxy.url, prometheus)
+
+    direct, via = _report(proxy.url), _report(prometheus)
+    assert via["source"] == prometheus
+    assert _rows(direct).keys() == _rows(via).keys() and len(_rows(via)) >= 3
+    for key, d in _rows(direct).items():
+        v = _rows(via)[key]
+        for field in ("requests", "decode_tok_s", "ttft_all_s", "share_prefill", "decode_speedup", "quant"):
+            assert v[field] == (pytest.approx(d[field]) if isinstance(d[field], float) else d[field]), (key, field)
+        assert v["prefill_ms_per_token"] == pytest.approx(d["prefill_ms_per_token"])
+        assert "2k-6k" in v["prefill_ms_per_token"]
+
+    recent = _rows(_report(prometheus, "--window", "5m"))
+    assert recent.keys() == _rows(direct).keys()
+    for key, d in _rows(direct).items():
+        assert 0 < recent[key]["requests"] < d["requests"] * 1.5, key  # (extrapolated) recent part
+        assert recent[key]["decode_tok_s"] == pytest.approx(d["decode_tok_s"], rel=0.1), key
+
+
+def test_window_needs_prometheus(proxy):
+    res = subprocess.run([sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--window", "5m"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "--window needs a Prometheus server" in res.stderr
