@@ -96,6 +96,10 @@ class Settings(BaseSettings):
         "lean", description="HTTP client for the upstream connections: lean (an asyncio + "
         "httptools HTTP/1.1 transport under httpx's API, several times cheaper per "
         "streamed event) or httpx (httpx's own transport).")
+    upstream_client: Literal["lean", "httpx"] = Field(
+        "lean", description="HTTP client for the upstream connections: lean (an asyncio + "
+        "httptools HTTP/1.1 transport under httpx's API, several times cheaper per "
+        "streamed event) or httpx (httpx's own transport).")
     max_body_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
 
