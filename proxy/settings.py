@@ -84,13 +84,6 @@ class Settings(BaseSettings):
         64, ge=1, description="Most distinct model label values per upstream.")
     model_refresh: float = Field(
         30.0, gt=0, description="Seconds between refreshes of each upstream's model list.")
-    model_dir: str | None = Field(
-        None, description="Folder where the upstreams' checkpoints are readable (vLLM): "
-        "each model's config.json there tells its precision (quantization_config, "
-        "torch_dtype).")
-    engine_scrape: float = Field(
-        5.0, ge=0, description="Seconds between scrapes of the engines' own state (running "
-        "and waiting requests, KV-cache use, Ollama's loaded models); 0: off.")
     inject_usage: bool = Field(
         True, description="Ask the engine for usage on streams whose client did not, and "
         "strip it again byte for byte.")
@@ -129,22 +122,6 @@ class Settings(BaseSettings):
         "logfmt", description="Per-request log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level.")
-
-    # GPU power (proxy.power)
-    power_source: Literal["auto", "nvml", "dcgm", "none"] = Field(
-        "auto", description="Where GPU power is read: nvml (this host's GPUs), dcgm (a "
-        "DCGM-exporter /metrics URL, for GPUs on another host), none, or auto (dcgm when "
-        "--power-dcgm-url is given, else nvml, which says once when there is no GPU).")
-    power_dcgm_url: str | None = Field(
-        None, description="DCGM-exporter metrics URL, e.g. http://gpu-host:9400/metrics "
-        "(DCGM_FI_DEV_POWER_USAGE, DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION).")
-    power_interval: float = Field(
-        0.2, ge=0.02, le=10.0, description="Seconds between GPU power samples.")
-    power_gpu: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="Which upstream or model a GPU serves: GPU=UPSTREAM or GPU=MODEL, GPU "
-        "numbered as the power source numbers it (repeatable; default: every GPU serves "
-        "every upstream; GPUs left out of a mapping are not sampled).")
 
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
@@ -201,35 +178,3 @@ class Settings(BaseSettings):
 
     def pairs(self, field: str) -> dict[str, str]:
         return dict(item.split("=", 1) for item in getattr(self, field))
-
-    @field_validator("power_gpu", mode="before")
-    @classmethod
-    def _power_gpu_list(cls, value):
-        return _split_list(value)
-
-    @field_validator("power_gpu")
-    @classmethod
-    def _check_power_gpu(cls, value: list[str]) -> list[str]:
-        seen = set()
-        for item in value:
-            gpu, _, target = item.partition("=")
-            if not gpu.strip() or not target.strip():
-                raise ValueError(f"{item!r} is not a GPU=UPSTREAM or GPU=MODEL pair")
-            if gpu.strip() in seen:
-                raise ValueError(f"GPU {gpu.strip()!r} mapped twice")
-            seen.add(gpu.strip())
-        return value
-
-    @field_validator("power_dcgm_url")
-    @classmethod
-    def _check_dcgm_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            parts = urlsplit(value)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"{value!r} is not an http(s) URL")
-        return value
-
-    def power_gpu_map(self) -> dict[str, str]:
-        """GPU -> upstream name or model name, from --power-gpu."""
-        return {gpu.strip(): target.strip() for gpu, _, target in
-                (item.partition("=") for item in self.power_gpu)}
