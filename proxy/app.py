@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import __version__
 from .access import Access
 from .metrics import Metrics
+from .power import PowerService
 from .precision import PrecisionTable
 from .record import Recorder
 from .relay import Relay
@@ -46,6 +47,9 @@ class ProxyApp:
             for name, url in settings.upstream_specs()
         ])
         self.recorder = Recorder(self.metrics, settings.log_format)
+        # GPU power: a side service sampling on its own thread, hooked into the recorder.
+        self.power = PowerService(settings, self.metrics, self.upstreams)
+        self.recorder.listeners.append(self.power.on_request)
         # The live status page (/phasewatch/, and / for browsers): proxy.status, fed by the
         # recorder with one point per finished request.
         self.status = StatusPage(self)
@@ -60,11 +64,13 @@ class ProxyApp:
 
     async def startup(self) -> None:
         await self.upstreams.start(self.settings.model_refresh)
+        self.power.start()  # after the model lists, so GPU labels name the models
         for u in self.upstreams.all:
             log.info("phasewatch %s relaying to %s = %s (engine %s)", __version__, u.name, u.url,
                      u.engine)
 
     async def shutdown(self) -> None:
+        self.power.stop()
         await self.upstreams.stop()
 
     async def __call__(self, scope, receive, send) -> None:

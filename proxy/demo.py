@@ -28,7 +28,13 @@ async def run_demo(args) -> None:
     sim_config = uvicorn_config(sim_app, "127.0.0.1", sim_port, "warning")
     sim_config.server_header, sim_config.date_header = True, True
     sim_server = uvicorn.Server(sim_config)
-    settings = Settings(upstream=[f"sim=http://127.0.0.1:{sim_port}"], host=args.host, port=args.port)
+    # power from the simulator's dcgm-exporter lines, each simulated GPU mapped to its model
+    from .sim.power import gpu_models
+
+    power_gpu = [f"{gpu}={model}" for gpu, model in gpu_models(sim_app.engine).items()]
+    settings = Settings(upstream=[f"sim=http://127.0.0.1:{sim_port}"], host=args.host, port=args.port,
+                        power_source="dcgm", power_dcgm_url=f"http://127.0.0.1:{sim_port}/metrics",
+                        power_gpu=power_gpu)
     proxy_server = uvicorn.Server(uvicorn_config(ProxyApp(settings), args.host, args.port, "info"))
     for server in (sim_server, proxy_server):
         server.install_signal_handlers = lambda: None  # noqa: E731 - handled below

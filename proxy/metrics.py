@@ -197,16 +197,20 @@ class Metrics:
         self.gpu_power_watts = hist(
             "gpu_power_watts", "Per-request mean GPU power over its prefill or decode "
             "window (the GPUs of the request's upstream, summed).", ("phase",), WATT_BUCKETS)
+        # GPU-keyed series carry the model and precision the GPU serves (from
+        # --power-gpu; "all" and the common precision or "mixed" when it serves several),
+        # so rate(energy) / rate(tokens) by precision is joules per token.
         self.gpu_energy_joules_total = Counter(
-            PREFIX + "gpu_energy_joules", "GPU energy (NVML total-energy counter where "
-            "supported, else integrated power).", ("upstream", "gpu"), registry=r)
+            PREFIX + "gpu_energy_joules", "GPU energy (the device's energy counter where "
+            "supported, else integrated power).", BASE + ("gpu",), registry=r)
         self.gpu_power_sample_watts = Histogram(
             PREFIX + "gpu_power_sample_watts", "Power samples, classified by what the "
             "proxy had in flight on the GPU's upstream: idle, prefill, decode.",
-            ("upstream", "gpu", "state"), buckets=WATT_BUCKETS, registry=r)
+            BASE + ("gpu", "state"), buckets=WATT_BUCKETS, registry=r)
         self.gpu_power_current_watts = Gauge(
-            PREFIX + "gpu_power_current_watts", "Latest power sample per GPU.",
-            ("upstream", "gpu"), registry=r, multiprocess_mode="max")
+            PREFIX + "gpu_power_current_watts", "Latest power sample per GPU (absent while "
+            "power is not being sampled).", BASE + ("gpu",), registry=r,
+            multiprocess_mode="max")
         self.power_sampling_up = Gauge(
             PREFIX + "power_sampling_up", "1 while GPU power is being sampled, 0 when "
             "the power source failed or none is configured.", ("source",), registry=r,

@@ -80,6 +80,10 @@ class Truth:
     t_end: float | None = None
     prefill_seconds: float = 0.0
     aborted: bool = False
+    gpu: int | None = None
+    #: The request's share of its GPU's energy: each moment's draw split evenly among the
+    #: requests running then (idle draw belongs to no request).
+    energy_joules: float | None = None
     step_seconds: list[float] = field(default_factory=list, repr=False)
 
     def as_json(self) -> str:
@@ -114,6 +118,7 @@ class ModelEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.energy_joules = 0.0
+        self.request_energy: dict[int, float] = {}  # running request key -> joules so far
         self._power_t = time.monotonic()
         self._power_lock = threading.Lock()
 
@@ -130,8 +135,13 @@ class ModelEngine:
     def _integrate(self) -> None:
         with self._power_lock:
             now = time.monotonic()
-            self.energy_joules += self.power() * (now - self._power_t)
+            joules = self.power() * (now - self._power_t)
+            self.energy_joules += joules
             self._power_t = now
+            if self.running:
+                share = joules / len(self.running)
+                for key in self.running:
+                    self.request_energy[key] = self.request_energy.get(key, 0.0) + share
 
     def read_energy(self) -> float:
         self._integrate()
@@ -158,10 +168,13 @@ class ModelEngine:
         self._integrate()
         self.running[key] = context
 
-    def release(self, key: int) -> None:
+    def release(self, key: int) -> float:
+        """Free the request's slot; returns its share of the GPU's energy (J)."""
         self._integrate()
         self.running.pop(key, None)
         self._wake_next()
+        with self._power_lock:
+            return self.request_energy.pop(key, 0.0)
 
     def _wake_next(self) -> None:
         while self._waiting and len(self.running) < self.max_num_seqs:

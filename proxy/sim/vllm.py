@@ -15,6 +15,7 @@ import time
 import uuid
 
 from .engine import ModelEngine, SimEngine, Truth, count_tokens, plan_output, sleep_until, tokenize
+from .power import dcgm_metrics
 
 VERSION = "0.32.0"
 
@@ -129,7 +130,8 @@ class VLLMSim:
             lines.append(f"# TYPE {name} {kind}")
             for mid, me in self.engine.models.items():
                 lines.append(f'{name}{{engine="0",model_name="{mid}"}} {float(fn(me))}')
-        return "\n".join(lines) + "\n"
+        # the simulated GPUs' power, as a dcgm-exporter beside the engine would serve it
+        return "\n".join(lines) + "\n" + dcgm_metrics(self.engine)
 
     async def tokenize(self, receive, send) -> None:
         obj = _loads(await _body(receive))
@@ -210,7 +212,8 @@ class VLLMSim:
         else:
             tag, created = uuid.uuid4().hex[:16], int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + tag
-        truth = Truth(rid, model_id, me.spec.profile.name, prompt_tokens, t_recv=t_recv)
+        truth = Truth(rid, model_id, me.spec.profile.name, prompt_tokens, t_recv=t_recv,
+                      gpu=me.gpu_index)
         writer = _Writer(send, chat, ident, created, model_id, self.fingerprint, prompt_tokens,
                          include_usage, continuous)
         task = asyncio.current_task()
@@ -264,7 +267,7 @@ class VLLMSim:
         finally:
             watcher.cancel()
             if admitted:
-                me.release(key)
+                truth.energy_joules = me.release(key)
             truth.t_end = time.monotonic()
             self.engine.write_truth(truth)
 
