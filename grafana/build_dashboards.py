@@ -278,19 +278,19 @@ def overview() -> dict:
                 f'{{{SEL}, source="$source"}}[$__rate_interval]))', "{{le}}", fmt="heatmap")],
         TOKS))
     d.add(timeseries(
-        "Median decode rate by precision",
-        "Median decode tokens/s per precision over 5 min (recording rule). DecodeRateRegression "
-        "fires when the 30 min median falls below 80 % of the same window 1 d / 7 d earlier.",
-        [target("histogram_quantile(0.5, sum by (precision, le) "
-                f'(phasewatch:decode_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
-                "{{precision}}")],
+        "Median decode rate by model",
+        "Median decode tokens/s per upstream, model and precision over 5 min (recording rule): "
+        "the series DecodeRateRegression watches (it fires when the 30 min median falls below "
+        "80 % of the same window 1 d / 7 d earlier).",
+        [target(f'phasewatch:decode_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
+                "{{model}} ({{precision}}) on {{upstream}}")],
         TOKS, steps(RED, (10, YELLOW), (25, GREEN)), fill=0))
     d.add(timeseries(
-        "Median prefill rate by precision",
-        "Median prefill tokens/s per precision over 5 min (recording rule).",
-        [target("histogram_quantile(0.5, sum by (precision, le) "
-                f'(phasewatch:prefill_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
-                "{{precision}}")],
+        "Median prefill rate by model",
+        "Median prefill tokens/s per upstream, model and precision over 5 min, all prompt "
+        "lengths (recording rule).",
+        [target(f'phasewatch:prefill_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
+                "{{model}} ({{precision}}) on {{upstream}}")],
         TOKS, steps(RED, (100, YELLOW), (1000, GREEN)), fill=0))
 
     d.row("Where the wait goes")
@@ -424,13 +424,10 @@ def _sel(precision_matcher: str) -> str:
 def figures(pm: str, rng: str = "$__range") -> dict[str, str]:
     """The seeds' 'what to report' figures, one series per precision, for precision matcher pm."""
     s = _sel(pm)
-    power_sel = 'upstream=~"$upstream"'
-    idle_per_upstream = (
-        f'sum by (upstream) (sum by (upstream, gpu) (rate(phasewatch_gpu_power_sample_watts_sum{{{power_sel}, state="idle"}}[{rng}]))'
-        f' / sum by (upstream, gpu) (rate(phasewatch_gpu_power_sample_watts_count{{{power_sel}, state="idle"}}[{rng}])))')
-    joules_per_upstream = (
-        f"sum by (upstream) (max by (upstream, gpu) (rate(phasewatch_gpu_energy_joules_total{{{power_sel}}}[{rng}])))"
-        f' / sum by (upstream) (rate(phasewatch_tokens_total{{{power_sel}, phase="decode"}}[{rng}]))')
+    per_gpu = "upstream, model, precision, gpu"
+    idle_per_model = (
+        f'sum by (upstream, model, precision) (sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_sum{{{s}, state="idle"}}[{rng}]))'
+        f' / sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_count{{{s}, state="idle"}}[{rng}])))')
     return {
         "decode": ("histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_decode_tokens_per_second_bucket"
                    f'{{{s}, source="$source"}}[{rng}])))'),
@@ -442,10 +439,8 @@ def figures(pm: str, rng: str = "$__range") -> dict[str, str]:
                    f'{{{s}, prompt_band="6k-12k"}}[{rng}])))'),
         "decode_watts": (f'sum by (precision) (rate(phasewatch_gpu_power_watts_sum{{{s}, phase="decode"}}[{rng}]))'
                          f' / sum by (precision) (rate(phasewatch_gpu_power_watts_count{{{s}, phase="decode"}}[{rng}]))'),
-        "idle_watts": (f"avg by (precision) ({idle_per_upstream} * on (upstream) group_right () "
-                       f"max by (upstream, precision) (phasewatch_model_info{{{s}}}))"),
-        "joules": (f"avg by (precision) (({joules_per_upstream}) * on (upstream) group_right () "
-                   f'(0 * sum by (upstream, precision) (rate(phasewatch_tokens_total{{{s}, phase="decode"}}[{rng}])) + 1))'),
+        "idle_watts": f"avg by (precision) ({idle_per_model})",
+        "joules": (f"avg by (precision) (avg_over_time(phasewatch:joules_per_decode_token:rate5m{{{s}}}[{rng}]))"),
     }
 
 
@@ -460,8 +455,8 @@ def precision_comparison() -> dict:
                                        "bf16", "The precision speed-up and power saving are relative to.")])
     f = figures('precision=~"$precision"')
     b = figures('precision="$baseline"')
-    speedup = f"{f['decode']} / ignoring (precision) group_left {b['decode']}"
-    saving = f"1 - ({f['decode_watts']}) / ignoring (precision) group_left ({b['decode_watts']})"
+    speedup = f"{f['decode']} / ignoring (precision) group_left () {b['decode']}"
+    saving = f"1 - ({f['decode_watts']}) / ignoring (precision) group_left () ({b['decode_watts']})"
 
     rows = [
         ("decode", "Decode tok/s (median)", TOKS, steps(RED, (10, YELLOW), (25, GREEN)), 1,
@@ -479,11 +474,12 @@ def precision_comparison() -> dict:
          "Mean GPU power over requests' decode windows (the upstream's GPUs summed). Lower "
          "precision reads fewer bytes per token and draws less."),
         ("idle_watts", "Idle power", "watt", steps(GREEN, (50, YELLOW), (100, RED)), 0,
-         "Mean power of the upstream's GPUs while phasewatch had nothing in flight on them, "
-         "shown for each precision that upstream serves."),
+         "Mean power of a model's GPUs while phasewatch had nothing in flight on them "
+         "(GPUs mapped to models with --power-gpu GPU=MODEL; 'all' GPUs show as their upstream's)."),
         ("joules", "Energy per generated token", "joule", steps(GREEN, (1, YELLOW), (3, RED)), 3,
-         "GPU energy over generated tokens (rate(energy) / rate(decode tokens)) of the upstreams "
-         "serving each precision; exact when an upstream serves one precision."),
+         "GPU energy over generated tokens, rate(energy) / rate(decode tokens), averaged over the "
+         "time range (recording rule). Exact per precision when GPUs are mapped to models "
+         "(--power-gpu GPU=MODEL); a GPU shared by several models gives their blend."),
     ]
     d.row("What to report: one column per precision")
     for key, title, unit, th, dec, desc in rows:
@@ -544,8 +540,7 @@ def precision_comparison() -> dict:
     d.add(timeseries(
         "Energy per generated token by precision",
         "J per generated token over 5 min (recording rule phasewatch:joules_per_decode_token:rate5m).",
-        [target('avg by (precision) (phasewatch:joules_per_decode_token:rate5m{upstream=~"$upstream", '
-                'precision=~"$precision"})', "{{precision}}")],
+        [target(f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})", "{{precision}}")],
         "joule", steps(GREEN, (1, YELLOW), (3, RED)), fill=0, decimals=3))
     return d.json()
 
@@ -554,13 +549,13 @@ def precision_comparison() -> dict:
 
 
 def power() -> dict:
-    gpu_var = query_var("gpu", "GPU", 'label_values(phasewatch_gpu_energy_joules_total{upstream=~"$upstream"}, gpu)',
+    gpu_var = query_var("gpu", "GPU", 'label_values(phasewatch_gpu_energy_joules_total, gpu)',
                         "GPU index (as the power source numbers them).")
     d = Dash("phasewatch-power", "phasewatch / Power & energy",
              "GPU power by what phasewatch had in flight (idle, prefill, decode), energy per GPU, "
              "and joules per token by precision. Empty when no power source is configured.",
              ["power"], base_vars() + [gpu_var])
-    PG = 'upstream=~"$upstream", gpu=~"$gpu"'
+    PG = SEL + ', gpu=~"$gpu"'
 
     d.row("Power")
     d.add(stat(
@@ -590,13 +585,14 @@ def power() -> dict:
     d.add(timeseries(
         "GPU power",
         "Latest power sample per GPU (max over replicas, which sample the same GPUs).",
-        [target(f"max by (upstream, gpu) (phasewatch_gpu_power_current_watts{{{PG}}})", "{{upstream}} gpu {{gpu}}")],
+        [target(f"max by (upstream, model, gpu) (phasewatch_gpu_power_current_watts{{{PG}}})",
+                "gpu {{gpu}}: {{model}} on {{upstream}}")],
         "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=10))
     d.add(timeseries(
         "Power by state",
         "5 min mean of the power samples per GPU and state (recording rule): idle power and "
         "decode-load power side by side.",
-        [target(f"phasewatch:gpu_power_sample_watts:mean5m{{{PG}}}", "{{upstream}} gpu {{gpu}} {{state}}")],
+        [target(f"phasewatch:gpu_power_sample_watts:mean5m{{{PG}}}", "gpu {{gpu}} ({{model}}) {{state}}")],
         "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=0))
     d.add(timeseries(
         "Per-request power by phase and precision",
@@ -614,28 +610,26 @@ def power() -> dict:
     d.add(timeseries(
         "Energy per generated token by precision",
         "GPU energy over generated tokens, 5 min (recording rule). Exact per precision when "
-        "each upstream serves one precision; a blend where one upstream serves several.",
-        [target('avg by (precision) (phasewatch:joules_per_decode_token:rate5m{upstream=~"$upstream", '
-                'precision=~"$precision"})', "{{precision}}")],
+        "GPUs are mapped to models (--power-gpu GPU=MODEL); a blend where a GPU serves several.",
+        [target(f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})", "{{precision}}")],
         "joule", steps(GREEN, (1, YELLOW), (3, RED)), fill=0, decimals=3))
     d.add(timeseries(
         "Generated tokens per joule by precision",
         "The inverse: tokens per joule (higher is better).",
-        [target('1 / avg by (precision) (phasewatch:joules_per_decode_token:rate5m{upstream=~"$upstream", '
-                'precision=~"$precision"})', "{{precision}}")],
+        [target(f"1 / avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})", "{{precision}}")],
         "suffix: tok/J", steps(RED, (0.3, YELLOW), (1, GREEN)), fill=0, decimals=2))
     d.add(timeseries(
         "Average power per GPU (from energy)",
         "rate of the energy counter per GPU (recording rule, deduplicated over replicas): the "
         "GPU's average draw.",
-        [target(f"phasewatch:gpu_energy_joules:rate5m{{{PG}}}", "{{upstream}} gpu {{gpu}}")],
+        [target(f"phasewatch:gpu_energy_joules:rate5m{{{PG}}}", "gpu {{gpu}}: {{model}} on {{upstream}}")],
         "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=10))
     d.add(bargauge(
         "Energy per GPU over the time range",
         "Energy each GPU used over the dashboard's time range (max over replicas, which read "
         "the same counter), in watt-hours.",
-        [target(f"max by (upstream, gpu) (increase(phasewatch_gpu_energy_joules_total{{{PG}}}[$__range])) / 3600",
-                "{{upstream}} gpu {{gpu}}", instant=True)],
+        [target(f"max by (upstream, model, gpu) (increase(phasewatch_gpu_energy_joules_total{{{PG}}}[$__range])) / 3600",
+                "gpu {{gpu}}: {{model}} on {{upstream}}", instant=True)],
         "watth", steps(GREEN, (100, YELLOW), (1000, RED)), decimals=2))
     return d.json()
 
