@@ -33,7 +33,7 @@ class ProxyApp:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.precision = PrecisionTable(settings.pairs("precision"))
+        self.precision = PrecisionTable(settings.pairs("precision"), model_dir=settings.model_dir)
         engines = settings.pairs("engine")
         self.upstreams = Upstreams([
             Upstream(name, url, engine=engines.get(name), metrics=self.metrics,
@@ -63,7 +63,7 @@ class ProxyApp:
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
 
     async def startup(self) -> None:
-        await self.upstreams.start(self.settings.model_refresh)
+        await self.upstreams.start(self.settings.model_refresh, self.settings.engine_scrape)
         self.power.start()  # after the model lists, so GPU labels name the models
         for u in self.upstreams.all:
             log.info("phasewatch %s relaying to %s = %s (engine %s)", __version__, u.name, u.url,

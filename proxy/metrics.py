@@ -216,6 +216,35 @@ class Metrics:
             "the power source failed or none is configured.", ("source",), registry=r,
             multiprocess_mode="max")
 
+        # The engines' own state (issue 3 point 8), scraped by proxy.engine_gauges off
+        # the request path: what phasewatch cannot see per request.
+        def engine_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + "engine_" + name, doc, BASE, registry=r,
+                         multiprocess_mode="max")
+
+        self.engine_requests_running = engine_gauge(
+            "requests_running", "Requests the engine says it is running (vLLM "
+            "num_requests_running, llama-server requests_processing or busy slots).")
+        self.engine_requests_waiting = engine_gauge(
+            "requests_waiting", "Requests waiting inside the engine (vLLM "
+            "num_requests_waiting, llama-server requests_deferred).")
+        self.engine_kv_cache_usage_ratio = engine_gauge(
+            "kv_cache_usage_ratio", "Share of the engine's KV cache in use, 0..1 (vLLM "
+            "kv_cache_usage_perc; llama-server kv_cache_usage_ratio or tokens held in busy "
+            "slots over the slots' context).")
+        self.engine_model_loaded = engine_gauge(
+            "model_loaded", "1 for each model the engine has loaded (Ollama /api/ps).")
+        self.engine_model_vram_bytes = engine_gauge(
+            "model_vram_bytes", "Bytes of a loaded model in GPU memory (Ollama size_vram).")
+        self.engine_model_size_bytes = engine_gauge(
+            "model_size_bytes", "Bytes of a loaded model in all (Ollama size).")
+        self.engine_model_expiry_seconds = engine_gauge(
+            "model_expiry_seconds", "Seconds until the engine unloads an idle model "
+            "(Ollama expires_at).")
+        self.engine_scrape_up = Gauge(
+            PREFIX + "engine_scrape_up", "1 when the last scrape of the engine's own state "
+            "worked, else 0.", ("upstream", "engine"), registry=r, multiprocess_mode="max")
+
 
 def bucket_index(bounds: tuple[float, ...], value: float) -> int:
     """Index of the histogram bucket (le bound) a value falls in; len(bounds) is +Inf."""

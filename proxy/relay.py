@@ -19,6 +19,7 @@ import httpx
 
 from .access import Access
 from .dialects import Prepared, Tap
+from . import catalog
 from .dialects.base import Outcome
 from .record import Recorder
 from .timeline import Marks
@@ -93,9 +94,13 @@ def json_error(status: int, message: str, kind: str) -> bytes:
 
 
 async def send_error(send, status: int, message: str, kind: str,
-                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json_error(status, message, kind)
-    headers = [(b"content-type", b"application/json"),
+                     extra_headers: list[tuple[bytes, bytes]] | None = None,
+                     shape=None) -> None:
+    """`shape(status, message, kind)` -> (content type, body): the engine's own error
+    shape for the path (Ollama's native API: ``{"error":"..."}``); OpenAI's by default."""
+    ctype, body = shape(status, message, kind) if shape else (b"application/json",
+                                                               json_error(status, message, kind))
+    headers = [(b"content-type", ctype),
                (b"content-length", str(len(body)).encode())] + (extra_headers or [])
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -165,16 +170,21 @@ class Relay:
 
         upstream = self.upstreams.all[0]
         model = None
-        if method == "POST" and len(self.upstreams.all) > 1:
-            model = _peek_model(body)
+        if len(self.upstreams.all) > 1:
+            if method == "GET" and path in catalog.UNION_PATHS:  # every upstream's models
+                await catalog.send_union(send, self.upstreams, path)
+                return
+            model = _peek_model(body) if method == "POST" else catalog.model_in_path(path)
             upstream = self.upstreams.route(model)
         dialect = upstream.dialect
         endpoint = dialect.endpoint(method, path)
         request_id, had_id = _request_id(headers)
-        if endpoint is None:
+        prepared = None
+        if endpoint is not None:  # a dialect may also decline (an Ollama model load)
+            prepared = dialect.prepare(endpoint, body, self.inject_usage)
+        if prepared is None:
             await self._passthrough(scope, receive, send, upstream, body, request_id, had_id)
             return
-        prepared = dialect.prepare(endpoint, body, self.inject_usage)
         label = upstream.model_label(prepared.model)
         ex = Exchange(request_id, upstream, prepared, Marks(t_recv=t_recv), label)
         await self._measured(scope, receive, send, ex, had_id)
@@ -197,7 +207,8 @@ class Relay:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except _UpstreamFailure as exc:
             state.finished = True
-            await send_error(send, exc.status, exc.message, exc.kind)
+            await send_error(send, exc.status, exc.message, exc.kind,
+                             shape=_shape(upstream, scope["path"]))
         except httpx.HTTPError as exc:  # mid-body: end the connection, the client sees it cut
             log.warning("upstream %s failed mid-response on %s: %s", upstream.name,
                         scope["path"], _describe(exc))
@@ -260,7 +271,8 @@ class Relay:
             state.finished = True
             ex.outcome, ex.status = "error", exc.status
             ex.error_kind, ex.error_message = exc.kind, exc.message
-            await send_error(send, exc.status, exc.message, exc.kind)
+            await send_error(send, exc.status, exc.message, exc.kind,
+                             shape=_shape(upstream, scope["path"]))
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -306,7 +318,7 @@ class Relay:
                     # the engine closed the stream cleanly but never finished it: say so in
                     # the stream's own framing so clients do not take a cut answer as whole
                     tail += dialect.stream_error(f"upstream {ex.upstream.name} ended the stream "
-                                                 "without its terminator")
+                                                 "without its terminator", ex.prepared.endpoint)
             else:
                 async for chunk in resp.aiter_raw():
                     if kept_size < _MAX_KEPT_BODY:
@@ -320,7 +332,7 @@ class Relay:
             ex.error_message = f"upstream {ex.upstream.name} failed mid-response: {_describe(exc)}"
             log.warning("%s (request %s)", ex.error_message, ex.request_id)
             if tap is not None:
-                tail = tap.flush() + dialect.stream_error(ex.error_message)
+                tail = tap.flush() + dialect.stream_error(ex.error_message, ex.prepared.endpoint)
                 state.finished = True
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             return  # a plain body is left cut short: the client sees the connection end
@@ -407,10 +419,15 @@ def _describe(exc: BaseException) -> str:
     return text[:200]
 
 
+def _shape(upstream: Upstream, path: str):
+    dialect = upstream.dialect
+    return lambda status, message, kind: dialect.error_body(status, message, kind, path)
+
+
 def _peek_model(body: bytes) -> str | None:
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    model = obj.get("model") if isinstance(obj, dict) else None
+    model = obj.get("model", obj.get("name")) if isinstance(obj, dict) else None  # name: Ollama's alias
     return model if isinstance(model, str) else None

@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         64, ge=1, description="Most distinct model label values per upstream.")
     model_refresh: float = Field(
         30.0, gt=0, description="Seconds between refreshes of each upstream's model list.")
+    model_dir: str | None = Field(
+        None, description="Folder where the upstreams' checkpoints are readable (vLLM): "
+        "each model's config.json there tells its precision (quantization_config, "
+        "torch_dtype).")
+    engine_scrape: float = Field(
+        5.0, ge=0, description="Seconds between scrapes of the engines' own state (running "
+        "and waiting requests, KV-cache use, Ollama's loaded models); 0: off.")
     inject_usage: bool = Field(
         True, description="Ask the engine for usage on streams whose client did not, and "
         "strip it again byte for byte.")

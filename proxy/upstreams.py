@@ -13,7 +13,9 @@ import logging
 
 import httpx
 
+from . import detect
 from .dialects import get_dialect
+from .engine_gauges import EngineGauges
 from .metrics import Metrics
 from .precision import Precision, PrecisionTable
 from .upstream_client import LeanTransport
@@ -99,8 +101,9 @@ class Upstream:
         self.name = name
         self.url = url
         self.engine_override = engine
-        self.engine = engine or "vllm"
+        self.engine = engine or "vllm"  # until detected (proxy.detect)
         self.dialect = get_dialect(self.engine)
+        self.precision_read: set[str] = set()  # models whose precision the engine was asked
         self.metrics = metrics
         self.precision = precision
         self.max_models = max_models
@@ -135,7 +138,10 @@ class Upstream:
             return next(iter(self.models)) if len(self.models) == 1 else OTHER
         label = self._label_cache.get(model)
         if label is None:
-            label = model if (model in self.models or model in self.configured_models) else OTHER
+            label = self.canonical(model)
+            if label is None and self.engine == "llamacpp" and len(self.models) == 1:
+                label = next(iter(self.models))  # llama-server answers any name with its model
+            label = label or OTHER
             if len(self._label_cache) < 4096:
                 self._label_cache[model] = label
         return label
@@ -145,34 +151,45 @@ class Upstream:
             return Precision.unknown()
         return self.precision.get(model_label)
 
+    def canonical(self, model: str) -> str | None:
+        """The listed name a request's model means (Ollama: ``llama3.2`` is
+        ``llama3.2:latest``), or None when the upstream does not list it."""
+        if model in self.models or model in self.configured_models:
+            return model
+        if self.engine == "ollama" and ":" not in model and model + ":latest" in self.models:
+            return model + ":latest"
+        return None
+
     def serves(self, model: str | None) -> bool:
-        return model is not None and (model in self.models or model in self.configured_models)
+        return model is not None and self.canonical(model) is not None
+
+    def set_engine(self, engine: str) -> None:
+        if engine != self.engine:
+            try:
+                self.metrics.upstream_up.remove(self.name, self.engine)
+            except KeyError:
+                pass
+            self.engine = engine
+            self.dialect = get_dialect(engine)
+            self._label_cache.clear()
 
     # --- model list -------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Read the engine's model list; keeps the old list when the engine is down."""
-        try:
-            resp = await self.client.get("/v1/models", timeout=5.0)
-            data = resp.json().get("data", []) if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            data = None
-        if data is None:
+        """Read the engine's model list; keeps the old list when the engine is down. The
+        engine is (re)detected when the upstream was down (or at start)."""
+        if self.engine_override is None and not self.up:
+            engine = await detect.detect_engine(self.client)
+            if engine is not None:
+                self.set_engine(engine)
+        names = await detect.list_models(self)  # reads each new model's precision too
+        if names is None:
             if self.up:
                 log.warning("upstream %s (%s) is not answering its model list", self.name, self.url)
             self.up = False
             self.metrics.upstream_up.labels(self.name, self.engine).set(0)
             return
-        names = []
-        for item in data:
-            if isinstance(item, dict) and isinstance(item.get("id"), str):
-                names.append(item["id"])
-                root = item.get("root")
-                if isinstance(root, str) and root != item["id"]:
-                    # vLLM's root is the served path, often naming the checkpoint's format
-                    self.precision.set_name_hint(item["id"], root)
-                if len(names) >= self.max_models:
-                    break
+        self.precision_read &= set(names)  # a model that comes back is read again
         if not self.up:
             log.info("upstream %s (%s) is up, engine=%s, models=%s", self.name, self.url,
                      self.engine, ",".join(names) or "-")
@@ -215,11 +232,14 @@ class Upstreams:
                     return u
         return self.all[0]
 
-    async def start(self, refresh_interval: float) -> None:
+    async def start(self, refresh_interval: float, scrape_interval: float = 0.0) -> None:
         await asyncio.gather(*(u.refresh() for u in self.all))
         for u in self.all:
             u.publish_models()
             self._tasks.append(asyncio.create_task(u.refresh_forever(refresh_interval)))
+            if scrape_interval > 0:  # the engines' own gauges, off the request path
+                gauges = EngineGauges(u, u.metrics)
+                self._tasks.append(asyncio.create_task(gauges.run_forever(scrape_interval)))
 
     async def stop(self) -> None:
         for t in self._tasks:

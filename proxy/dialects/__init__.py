@@ -7,11 +7,15 @@ and strip it again, how to tap its streams, and how to read counts, timings and 
 from __future__ import annotations
 
 from .base import Outcome, Prepared, Tap
+from .llamacpp import LlamaCppDialect
+from .ollama import OllamaDialect
 from .openai import OpenAIDialect, VLLMDialect
 
 DIALECTS = {
     "vllm": VLLMDialect,
     "openai": OpenAIDialect,
+    "ollama": OllamaDialect,
+    "llamacpp": LlamaCppDialect,
 }
 
 

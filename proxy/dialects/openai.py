@@ -166,14 +166,14 @@ class OpenAIDialect:
             prepared.strip_usage = True
         return prepared
 
-    @staticmethod
-    def stream_error(message: str) -> bytes:
+    def stream_error(self, message: str, endpoint: str = "") -> bytes:
         """A well-formed error event to end a stream the upstream broke off."""
         err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
         return b"data: " + json.dumps(err).encode() + b"\n\n"
 
-    def error_body(self, status: int, message: str, kind: str) -> tuple[bytes, bytes]:
-        """(content type, body) of an error the proxy itself answers with."""
+    def error_body(self, status: int, message: str, kind: str,
+                   path: str = "") -> tuple[bytes, bytes]:
+        """(content type, body) of an error the proxy itself answers on `path` with."""
         err = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         return b"application/json", json.dumps(err).encode()
 
