@@ -223,6 +223,13 @@ class Prompts:
             data = None
         if isinstance(data, dict) and isinstance(data.get("tokens"), list):
             self.kind = "llamacpp"
+            try:  # the context a slot has (prompts beyond it are refused)
+                props = (await http.get("/props")).json()
+                n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or props.get("n_ctx")
+                if isinstance(n_ctx, int) and n_ctx > 0:
+                    self.max_model_len = n_ctx
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
             return
         # no tokenizer: two requests' usage give tokens per word and the template's overhead
         a, b = 64, 1024
@@ -348,6 +355,15 @@ async def _model_list(client: Client) -> list[dict]:
     return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
+def _context_length(model: dict) -> int | None:
+    """vLLM's max_model_len, or llama-server's meta.n_ctx, from a /v1/models entry."""
+    for value in (model.get("max_model_len"), (model.get("meta") or {}).get("n_ctx")
+                  if isinstance(model.get("meta"), dict) else None):
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 async def _phasewatch_samples(client: Client) -> Samples | None:
     try:
         resp = await client.http.get("/metrics")
@@ -421,10 +437,23 @@ async def bench_model(client: Client, model: str, meta: dict, opts, progress: Pr
                 progress.step(f"{model}: prefill {size} skipped")
             continue
         shots = []
-        for i in range(opts.repeat):
-            text, _ = await prompts.make(size)
-            shots.append(await client.shot(model, text, 1))
-            progress.step(f"{model}: prefill ~{size} tokens run {i + 1}/{opts.repeat}")
+        try:
+            for i in range(opts.repeat):
+                text, _ = await prompts.make(size)
+                shots.append(await client.shot(model, text, 1))
+                progress.step(f"{model}: prefill ~{size} tokens run {i + 1}/{opts.repeat}")
+        except BenchError as exc:
+            if "HTTP 400" not in str(exc):
+                raise
+            # most likely longer than the context the engine gives a request
+            res.notes.append(f"prefill: {size}-token prompt refused by the engine ({str(exc)[:200]})")
+            for _ in range(opts.repeat - len(shots)):
+                progress.step(f"{model}: prefill {size} refused")
+            continue
+        counted = _median(s.prompt_tokens for s in shots)
+        if counted is not None and abs(counted - size) > 0.05 * size:
+            res.notes.append(f"prefill: asked for {size} prompt tokens, the engine counted {counted:.0f} "
+                             "(a truncated context, or the estimate is off)")
         res.prefill.append({
             "target_tokens": size,
             "prompt_tokens": _median(s.prompt_tokens for s in shots),
@@ -487,9 +516,15 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
         if not models:
             raise BenchError(f"no model given and {client.base}/v1/models lists none; pass --model")
         meta = {"roots": {m["id"]: m.get("root") for m in listed if isinstance(m.get("root"), str)},
-                "max_len": {m["id"]: m.get("max_model_len") for m in listed
-                            if isinstance(m.get("max_model_len"), int)},
+                "max_len": {m["id"]: _context_length(m) for m in listed if _context_length(m)},
                 "phasewatch": {}, "is_phasewatch": False}
+        if len(models) == 1 and models[0] not in meta["roots"]:
+            try:  # llama-server names its GGUF file here (the precision is in it)
+                props = (await client.http.get("/props")).json()
+                if isinstance(props.get("model_path"), str):
+                    meta["roots"][models[0]] = props["model_path"]
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
         pw = await _phasewatch_samples(client)
         if pw is not None:
             meta["is_phasewatch"] = True
@@ -523,6 +558,10 @@ def _f(v, fmt="{:.1f}", none="—"):
     return none if v is None else fmt.format(v)
 
 
+def _size(tokens: int) -> str:
+    return f"~{round(tokens / 1024)}K" if tokens >= 1024 else f"{tokens} tok"
+
+
 def table(result: dict) -> str:
     models = result["models"]
     sizes = sorted({p["target_tokens"] for m in models for p in m["prefill"]})
@@ -532,8 +571,8 @@ def table(result: dict) -> str:
     out = [f"phasewatch bench: {result['url']}, median of {result['repetitions']} runs "
            f"({result['seconds']:.0f} s)", ""]
     head = ["model", "precision", "decode tok/s"]
-    head += [f"prefill ms/tok ~{s // 1024}K" for s in sizes]
-    head += [f"TTFT ~{s // 1024}K" for s in sizes]
+    head += [f"prefill ms/tok {_size(s)}" for s in sizes]
+    head += [f"TTFT {_size(s)}" for s in sizes]
     head += ["decode W", "J/tok", "decode speed-up", "prefill speed-up", "power saving"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))

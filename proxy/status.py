@@ -71,10 +71,13 @@ class StatusPage:
         self.power_points: collections.deque = collections.deque(
             maxlen=int(WINDOW_SECONDS / POWER_STEP_SECONDS) + 1)
         self._power_t = 0.0
+        self._summary: tuple[float, int, dict] | None = None
+        self._finished = 0  # requests seen by on_request
 
     # --- the recorder's listener (once per finished request) -------------------------
 
     def on_request(self, ex: "Exchange", f: "Figures") -> None:
+        self._finished += 1
         if ex.outcome != "ok":
             return None
         precision = ex.upstream.precision_of(ex.model_label).precision
@@ -108,9 +111,19 @@ class StatusPage:
     # --- data ------------------------------------------------------------------------
 
     def summary(self) -> dict:
+        """The page's data; computed at most once a second however many pages poll,
+        unless a request finished since."""
         now = time.time()
+        cached = self._summary
+        if cached is not None and now - cached[0] < 1.0 and cached[1] == self._finished:
+            return cached[2]
+        data = self._compute(now)
+        self._summary = (now, self._finished, data)
+        return data
+
+    def _compute(self, now: float) -> dict:
         self._power_tick(now)
-        reg = Samples.from_registry(self.app.metrics.registry)
+        reg = Samples.from_registry(self.app.metrics.exposition)  # all workers' figures
         rep = build(reg, source="this proxy", include_idle_models=True)
         as_dict = rep.as_dict()
         keys = [None] * len(self._keys)
