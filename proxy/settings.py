@@ -130,6 +130,22 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level.")
 
+    # GPU power (proxy.power)
+    power_source: Literal["auto", "nvml", "dcgm", "none"] = Field(
+        "auto", description="Where GPU power is read: nvml (this host's GPUs), dcgm (a "
+        "DCGM-exporter /metrics URL, for GPUs on another host), none, or auto (dcgm when "
+        "--power-dcgm-url is given, else nvml, which says once when there is no GPU).")
+    power_dcgm_url: str | None = Field(
+        None, description="DCGM-exporter metrics URL, e.g. http://gpu-host:9400/metrics "
+        "(DCGM_FI_DEV_POWER_USAGE, DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION).")
+    power_interval: float = Field(
+        0.2, ge=0.02, le=10.0, description="Seconds between GPU power samples.")
+    power_gpu: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Which upstream or model a GPU serves: GPU=UPSTREAM or GPU=MODEL, GPU "
+        "numbered as the power source numbers it (repeatable; default: every GPU serves "
+        "every upstream; GPUs left out of a mapping are not sampled).")
+
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
     def _secret_lists(cls, value):
@@ -185,3 +201,35 @@ class Settings(BaseSettings):
 
     def pairs(self, field: str) -> dict[str, str]:
         return dict(item.split("=", 1) for item in getattr(self, field))
+
+    @field_validator("power_gpu", mode="before")
+    @classmethod
+    def _power_gpu_list(cls, value):
+        return _split_list(value)
+
+    @field_validator("power_gpu")
+    @classmethod
+    def _check_power_gpu(cls, value: list[str]) -> list[str]:
+        seen = set()
+        for item in value:
+            gpu, _, target = item.partition("=")
+            if not gpu.strip() or not target.strip():
+                raise ValueError(f"{item!r} is not a GPU=UPSTREAM or GPU=MODEL pair")
+            if gpu.strip() in seen:
+                raise ValueError(f"GPU {gpu.strip()!r} mapped twice")
+            seen.add(gpu.strip())
+        return value
+
+    @field_validator("power_dcgm_url")
+    @classmethod
+    def _check_dcgm_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    def power_gpu_map(self) -> dict[str, str]:
+        """GPU -> upstream name or model name, from --power-gpu."""
+        return {gpu.strip(): target.strip() for gpu, _, target in
+                (item.partition("=") for item in self.power_gpu)}
