@@ -350,6 +350,8 @@ async def _model_list(client: Client) -> list[dict]:
     try:
         resp = await client.http.get("/v1/models")
         data = resp.json().get("data", []) if resp.status_code == 200 else []
+    except httpx.TransportError as exc:
+        raise BenchError(f"cannot reach {client.base}: {exc}") from exc
     except (httpx.HTTPError, ValueError, AttributeError):
         data = []
     return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

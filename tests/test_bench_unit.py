@@ -115,3 +115,20 @@ def test_int_lists():
         _ints("4k")
     with pytest.raises(ValueError):
         _ints("0")
+
+
+def test_cli_errors_are_one_clear_line():
+    import subprocess
+    import sys
+
+    from .servers import ROOT, free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    for args, rc, text in ((["bench", "--url", dead, "--quiet"], 1, f"cannot reach {dead}"),
+                           (["bench", "--repeat", "0"], 2, "--repeat must be at least 1"),
+                           (["bench", "--prompt-tokens", "4k"], 2, "comma-separated integers"),
+                           (["report", "--from", dead], 1, f"cannot read {dead}")):
+        res = subprocess.run([sys.executable, "-m", "proxy", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == rc and text in res.stderr, (args, res.stderr)
+        assert "Traceback" not in res.stderr
