@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 import httpx
@@ -42,7 +43,8 @@ async def _get(u: "Upstream", path: str):
 
 def _ollama_entry(u: "Upstream", model: str) -> dict:
     p = u.precision.get(model)
-    return {"name": model, "model": model, "modified_at": "", "size": 0, "digest": "",
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return {"name": model, "model": model, "modified_at": now, "size": 0, "digest": "",
             "details": {"parent_model": "", "format": "", "family": "", "families": None,
                         "parameter_size": "", "quantization_level": p.quant or p.precision}}
 
