@@ -30,8 +30,12 @@ HEALTH_PATH = "/phasewatch/health"
 class ProxyApp:
     """The phasewatch proxy as one ASGI application."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None,
+                 primary: bool = True) -> None:
         self.settings = settings
+        #: The one process per host that runs host-wide side services (the GPU power
+        #: sampler): False in all but worker 0 under --workers N (proxy.workers).
+        self.primary = primary
         self.metrics = metrics or Metrics()
         self.precision = PrecisionTable(settings.pairs("precision"), model_dir=settings.model_dir)
         engines = settings.pairs("engine")
@@ -64,7 +68,8 @@ class ProxyApp:
 
     async def startup(self) -> None:
         await self.upstreams.start(self.settings.model_refresh, self.settings.engine_scrape)
-        self.power.start()  # after the model lists, so GPU labels name the models
+        if self.primary:  # once per host, not per worker: energy must not count N times
+            self.power.start()  # after the model lists, so GPU labels name the models
         for u in self.upstreams.all:
             log.info("phasewatch %s relaying to %s = %s (engine %s)", __version__, u.name, u.url,
                      u.engine)
@@ -107,7 +112,7 @@ class ProxyApp:
             await _plain(send, 404, b"only /metrics here\n")
 
     async def _metrics(self, send) -> None:
-        body = generate_latest(self.metrics.registry)
+        body = generate_latest(self.metrics.exposition)  # all workers' under --workers N
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
                                 (b"content-length", str(len(body)).encode())]})

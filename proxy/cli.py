@@ -63,9 +63,11 @@ def _validation_line(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, worker: int | None = None) -> None:
+    tag = "" if worker is None else f"[worker {worker} pid %(process)d] "
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+                        format=f"%(asctime)s %(levelname)s %(name)s {tag}%(message)s",
+                        stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
 
 
@@ -99,6 +101,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = ProxyApp(settings)
     except ValueError as exc:
         _fail(str(exc))
+    if settings.workers > 1:  # proxy.workers: N processes, metrics summed, one power sampler
+        from .workers import run as run_workers
+
+        del app  # built above only to check the configuration
+        given = {k: getattr(args, k) for k in Settings.model_fields
+                 if getattr(args, k, None) is not None}
+        return run_workers(given, settings, settings.log_level)
     from .server import serve
 
     config = uvicorn_config(app, settings.host, settings.port, settings.log_level)

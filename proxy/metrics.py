@@ -13,6 +13,7 @@ loop never touches a lock in here.
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -97,6 +98,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        #: What /metrics exposes: this registry, or every worker's under --workers N.
+        self.exposition = exposition_registry(self.registry)
 
         def hist(name: str, doc: str, extra: tuple[str, ...], buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, BASE + extra, buckets=buckets, registry=r)
@@ -244,6 +247,21 @@ class Metrics:
         self.engine_scrape_up = Gauge(
             PREFIX + "engine_scrape_up", "1 when the last scrape of the engine's own state "
             "worked, else 0.", ("upstream", "engine"), registry=r, multiprocess_mode="max")
+
+
+def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
+    """The registry to expose: `registry` itself, or, in prometheus-client multiprocess
+    mode (``PROMETHEUS_MULTIPROC_DIR`` set, as proxy.workers does for --workers N), one
+    that reads every worker's files: counters and histograms summed, gauges combined per
+    their ``multiprocess_mode``."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return registry
+    from prometheus_client import multiprocess
+
+    combined = CollectorRegistry()
+    multiprocess.MultiProcessCollector(combined, path=path)
+    return combined
 
 
 def bucket_index(bounds: tuple[float, ...], value: float) -> int:

@@ -52,15 +52,17 @@ class _NoSignals(uvicorn.Server):
         yield
 
 
-async def serve(app: ProxyApp, config: uvicorn.Config, metrics_config: uvicorn.Config | None) -> None:
+async def serve(app: ProxyApp, config: uvicorn.Config, metrics_config: uvicorn.Config | None,
+                sockets=None) -> None:
+    """`sockets`: listening sockets bound by a parent (--workers, proxy.workers)."""
     main = DrainingServer(config, app, app.settings.shutdown_grace)
     if metrics_config is None:
-        await main.serve()
+        await main.serve(sockets=sockets)
         return
     metrics = _NoSignals(metrics_config)
     metrics_task = asyncio.create_task(metrics.serve())
     try:
-        await main.serve()
+        await main.serve(sockets=sockets)
     finally:
         metrics.should_exit = True
         await metrics_task

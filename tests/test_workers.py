@@ -1,0 +1,100 @@
+"""`phasewatch serve --workers 2`: requests spread over both workers, /metrics sums them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .servers import metric_samples, sample, start_proxy, start_sim
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def stack():
+    sim = start_sim("vllm", speed=4.0, deterministic=False, max_num_seqs=64)
+    proxy = start_proxy(f"sim={sim.url}", args=["--workers", "2"])
+    yield sim, proxy
+    proxy.stop()
+    sim.stop()
+
+
+def _stream(url: str, model: str) -> int:
+    body = {"model": model, "stream": True, "max_tokens": 12,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    with httpx.Client(timeout=30) as client:  # a fresh connection per request
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            return sum(1 for line in resp.iter_lines() if line.startswith("data: "))
+
+
+def _models(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_requests_spread_and_metrics_sum(stack):
+    sim, proxy = stack
+    model = _models(sim.url)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        events = list(pool.map(lambda _: _stream(proxy.url, model), range(N)))
+    assert all(e >= 12 for e in events)
+    time.sleep(0.3)
+    lines = proxy.request_lines()
+    assert len(lines) == N
+    # every request line names the worker that served it (log prefix "[worker i pid P]")
+    pids = {line.split(" pid ", 1)[1].split("]", 1)[0]
+            for line in proxy.log().splitlines() if "msg=request " in line}
+    assert len(pids) == 2, f"all requests went to one worker: {pids}"
+
+    # whichever worker answers /metrics, the totals are both workers' together
+    for _ in range(4):
+        s = metric_samples(proxy.url)
+        assert sample(s, "phasewatch_requests_total", outcome="ok") == N
+        assert sample(s, "phasewatch_ttft_seconds_count") == N
+        assert sample(s, "phasewatch_tokens_total", phase="decode") == N * 12
+        assert sample(s, "phasewatch_inter_token_seconds_count") == N * 11
+        assert sample(s, "phasewatch_in_flight_requests") == 0
+        # gauges come out once per label set, not once per worker (no pid label)
+        assert not [k for k in s if dict(k[1]).get("pid")]
+
+
+def test_power_sampler_runs_in_one_worker_only(stack):
+    _, proxy = stack
+    # No GPU here: the sampler says so once, from the primary (worker 0) only.
+    said = [line for line in proxy.log().splitlines() if "GPU power is not" in line]
+    assert len(said) == 1 and "[worker 0 " in said[0], said
+
+
+def test_sigterm_stops_every_worker_and_cleans_up():
+    sim = start_sim("vllm", speed=10.0, deterministic=False)
+    proxy = start_proxy(f"sim={sim.url}", args=["--workers", "2"])
+    try:
+        pids = [int(p) for p in Path(f"/proc/{proxy.proc.pid}/task/{proxy.proc.pid}/children")
+                .read_text().split()]
+        assert len(pids) >= 2
+        folder = next(line.split("PROMETHEUS_MULTIPROC_DIR=", 1)[1].split()[0]
+                      for line in proxy.log().splitlines() if "PROMETHEUS_MULTIPROC_DIR=" in line)
+        assert os.path.isdir(folder)
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(timeout=20) == 0
+        deadline = time.monotonic() + 10  # workers (and multiprocessing's helper) exit
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)]
+        assert not os.path.exists(folder)
+    finally:
+        proxy.stop()
+        sim.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
