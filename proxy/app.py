@@ -25,6 +25,7 @@ log = logging.getLogger("phasewatch")
 
 METRICS_PATH = "/metrics"
 HEALTH_PATH = "/phasewatch/health"
+DEBUG_PATH = "/phasewatch/debug"
 
 
 class ProxyApp:
@@ -84,6 +85,8 @@ class ProxyApp:
             path = scope["path"]
             if path == METRICS_PATH and self.serve_metrics and scope["method"] in ("GET", "HEAD"):
                 await self._metrics(send)
+            elif path == DEBUG_PATH:
+                await self._debug(send)
             elif path == HEALTH_PATH:
                 if self.relay.draining:
                     await _plain(send, 503, b"draining\n")
@@ -110,6 +113,18 @@ class ProxyApp:
             await self.status(scope, receive, send)  # status page (proxy.status)
         else:
             await _plain(send, 404, b"only /metrics here\n")
+
+    async def _debug(self, send) -> None:
+        """Counts that show leaks: tasks alive and requests in flight (no request data)."""
+        import asyncio
+        import json
+
+        body = json.dumps({"tasks": len(asyncio.all_tasks()), "busy": self.relay.busy(),
+                           "draining": self.relay.draining}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _metrics(self, send) -> None:
         body = generate_latest(self.metrics.exposition)  # all workers' under --workers N

@@ -76,7 +76,7 @@ def uvicorn_config(app, host: str, port: int, log_level: str):
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           server_header=False, date_header=False, lifespan="on",
-                          timeout_graceful_shutdown=30, log_config=None)
+                          timeout_graceful_shutdown=30, log_config=None, interface="asgi3")
 
 
 # --- serve ----------------------------------------------------------------------------

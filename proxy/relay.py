@@ -277,8 +277,16 @@ class Relay:
             if not state.disconnected:
                 raise
             task.uncancel()
-            ex.outcome = "aborted"
-            ex.abort_phase = _abort_phase(ex)
+            if ex.tap is not None and ex.tap.done:
+                # the client had the whole answer (its terminator included) and left
+                # before the upstream closed: that is a complete request, not an abort
+                ex.result = result = ex.upstream.dialect.outcome(ex.tap, None, ex.status)
+                if result.error_kind is not None:
+                    ex.outcome = "error"
+                    ex.error_kind, ex.error_message = result.error_kind, result.error_message
+            else:
+                ex.outcome = "aborted"
+                ex.abort_phase = _abort_phase(ex)
         finally:
             watcher.cancel()
             if resp is not None:
