@@ -6,9 +6,11 @@ What each engine exposes about state the proxy cannot see per request:
 - vLLM ``/metrics``: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` (v0 engine: ``vllm:gpu_cache_usage_perc``), per
   ``model_name``;
-- llama-server ``/metrics`` (with ``--metrics``): ``llamacpp:requests_processing``,
-  ``llamacpp:requests_deferred`` and, on builds that have it, ``llamacpp:kv_cache_usage_ratio``;
-  else ``/slots``: slots processing, and tokens held over the slots' context;
+- llama-server ``/slots``: slots processing, and tokens held over the slots' context; only
+  where ``/slots`` is off (``--no-slots``), ``/metrics`` (``--metrics``):
+  ``llamacpp:requests_processing``, ``llamacpp:requests_deferred`` and, on builds that have
+  it, ``llamacpp:kv_cache_usage_ratio`` (each scrape of it resets the server's throughput
+  gauges for other scrapers, so it is the fallback);
 - Ollama ``/api/ps``: the loaded models, their size in VRAM and when they unload.
 
 A scrape that fails leaves the gauges as they were and sets
@@ -105,8 +107,10 @@ def _parse_time(text) -> datetime | None:
     t = text.replace("Z", "+00:00")
     main, _, rest = t.partition(".")
     if rest:
-        digits = "".join(c for c in rest if c.isdigit())
-        tz = rest[len(digits):]
+        n = 0
+        while n < len(rest) and rest[n].isdigit():
+            n += 1
+        digits, tz = rest[:n], rest[n:]
         t = f"{main}.{(digits + '000000')[:6]}{tz}"
     try:
         parsed = datetime.fromisoformat(t)
@@ -130,16 +134,16 @@ class EngineGauges:
             resp = await client.get("/api/ps", timeout=5.0)
             return ollama_ps(resp.json()) if resp.status_code == 200 else None
         if u.engine == "llamacpp":
+            # /slots first: every /metrics scrape resets llama-server's throughput gauges
+            # for whoever else scrapes it; /metrics only where /slots is off (--no-slots)
             only = next(iter(u.models)) if len(u.models) == 1 else ""
+            slots = await client.get("/slots", timeout=5.0)
+            if slots.status_code == 200:
+                state = slots_state(slots.json())
+                return {only: state} if state else None
             resp = await client.get("/metrics", timeout=5.0)
             state = parse_prometheus(resp.text, _LLAMA, only) if resp.status_code == 200 else {}
-            cur = state.setdefault(only, {})
-            if "kv" not in cur or "running" not in cur:
-                slots = await client.get("/slots", timeout=5.0)
-                if slots.status_code == 200:
-                    for k, v in slots_state(slots.json()).items():
-                        cur.setdefault(k, v)
-            return state if cur else None
+            return state or None
         resp = await client.get("/metrics", timeout=5.0)
         return parse_prometheus(resp.text, _VLLM) if resp.status_code == 200 else None
 

@@ -386,3 +386,37 @@ def test_engine_gauges_from_api_ps(stack):
     assert sample(s, "phasewatch_engine_model_vram_bytes", model=MODELS[1]) > 8e9
     assert 200 < sample(s, "phasewatch_engine_model_expiry_seconds", model=MODELS[1]) <= 300
     assert sample(s, "phasewatch_engine_scrape_up", engine="ollama") == 1
+
+
+def test_native_stream_cut_without_done_line_gets_an_error_line():
+    """The engine closed the stream cleanly but never sent its done line: the client gets
+    Ollama's own error line (the ollama SDK raises it), and the request is an error."""
+    cut = b"".join(lines(CHAT)[:5])
+
+    class Cut(WireReplay):
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope["path"] == "/api/chat":
+                while (await receive()).get("more_body"):
+                    pass
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/x-ndjson")]})
+                await send({"type": "http.response.body", "body": cut, "more_body": False})
+                return
+            await super().__call__(scope, receive, send)
+
+    server = ThreadServer(Cut("ollama"), free_port()).start()
+    proxy = start_proxy(f"cut={server.url}")
+    try:
+        r = httpx.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]})
+        assert r.content.startswith(cut)
+        tail = json.loads(r.content[len(cut):])
+        assert set(tail) == {"error"} and "without its terminator" in tail["error"]
+        with pytest.raises(ollama.ResponseError):
+            for _ in ollama.Client(host=proxy.url).chat(model="llama3.2", stream=True,
+                                                        messages=[{"role": "user", "content": "q"}]):
+                pass
+        time.sleep(0.2)
+        assert sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated") == 2
+    finally:
+        proxy.stop()
+        server.stop()

@@ -61,13 +61,15 @@ class LlamaTap(Tap):
             self._output(now)
             if b'"finish_reason":"' in payload:
                 self.finish_seen = True
-        if self.native and _STOP_RE.search(payload) is not None:
+        if self.native and b'"stop":' in payload and _STOP_RE.search(payload) is not None:
             if not self.finish_seen:
                 self._output(now)  # the stop event stands for the last token
             self.finish_seen = self.done = True
-        if _TIMINGS_RE.search(payload) is not None:
+        # only the last events carry these: a substring test first (a key inside a
+        # JSON string would have escaped quotes), the regex only when it hits
+        if b'"timings"' in payload and _TIMINGS_RE.search(payload) is not None:
             self.timings_payload = payload
-        if USAGE_RE.search(payload) is not None:
+        if b'"usage"' in payload and USAGE_RE.search(payload) is not None:
             self.usage_payload = payload
 
     def feed(self, chunk: bytes, now: float) -> bytes:

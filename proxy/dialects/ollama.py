@@ -45,6 +45,10 @@ class NDJSONTap(Tap):
     __slots__ = ()
 
     def _line(self, line: bytes, now: float) -> None:
+        if line[-14:] == b',"done":false}':  # the common mid-stream line: one scan
+            if _NATIVE_OUTPUT_RE.search(line) is not None:
+                self._output(now)
+            return
         if line[:9] == b'{"error":' or line[:10] == b'{"error" :':
             self.error_payload = line
             return
