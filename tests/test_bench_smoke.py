@@ -1,4 +1,7 @@
-"""The overhead benchmark runs (briefly) and prints its figures: a smoke run, not a timing test."""
+"""The relay benchmark runs (briefly) and prints its table: a smoke run, not a timing test.
+
+Speed targets are read off the full run's table (README, Benchmarks), never asserted here.
+"""
 
 import re
 import subprocess
@@ -7,11 +10,17 @@ import sys
 from .servers import ROOT
 
 
-def test_overhead_benchmark_smoke():
-    res = subprocess.run([sys.executable, "tests/bench/overhead.py", "--requests", "5",
-                          "--tokens", "16", "--concurrency", "2"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert re.search(r"added TTFT\s+p50\s+-?\d+\.\d+ ms", res.stdout), res.stdout
-    m = re.search(r"proxy CPU\s+(\d+\.\d+) µs per streamed event \((\d+) events", res.stdout)
-    assert m and int(m.group(2)) == 8 * 18 and float(m.group(1)) > 0  # 8 x (role + 16 + [DONE])
+def test_relay_benchmark_smoke():
+    res = subprocess.run([sys.executable, "tests/bench/relay_bench.py", "--smoke"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    head = next(line for line in out.splitlines() if line.strip().startswith("metric"))
+    for name in ("direct", "plain", "pw×1", "pw×2"):
+        assert name in head, head
+    for row in ("(a) added TTFT p50 ms", "(b) c8 events/s", "(b) c8 CPU µs/event",
+                "(c) paced CPU µs/event", "(c) decode tok/s mean", "(c) gap p99 ms",
+                "(d) peak RSS MiB/proc"):
+        assert re.search(re.escape(row) + r"\s+\S", out), (row, out)
+    assert "scaling c8:" in out, out
+    assert "INCOMPLETE" not in out, out

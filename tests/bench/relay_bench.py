@@ -1,0 +1,599 @@
+"""What phasewatch costs, beside nginx and a plain FastAPI+httpx passthrough (issue 7).
+
+One run, one machine, rounds interleaved so every contender sees the same noise:
+
+- upstream: tests/bench/sse_upstream.py, a raw asyncio SSE server (cheap in CPU);
+- direct:   the client talks to the upstream itself;
+- nginx:    nginx in front of it (proxy_buffering off, HTTP/1.1 keep-alive upstream);
+- plain:    tests/bench/plain_passthrough.py, FastAPI + httpx with no instrumentation;
+- pw×N:     ``phasewatch serve --workers N`` (N from --workers, default 1 and 2).
+
+Scenarios: (a) concurrency 1, 64-token streams: TTFT, added vs direct at p50/p99;
+(b) concurrency 64 and 256, 256-token streams with no inter-token delay: events/s and the
+proxy's CPU per 1,000 events (utime+stime from /proc, every process of the proxy);
+(c) 256 streams paced at 50 tok/s: client-seen decode rate, p99 inter-event gap, CPU per
+event; (d) peak RSS (VmHWM) of the proxy's largest process. Medians over --rounds.
+The client is a raw asyncio protocol (uvloop when installed) counting events on bytes.
+It asserts nothing: a benchmark, not a test.
+
+    python tests/bench/relay_bench.py            # full run (a few minutes)
+    python tests/bench/relay_bench.py --smoke    # seconds; CI runs this
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def tree(pid: int) -> list[int]:
+    kids = _children()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(f[11]) + int(f[12])
+    return total / TICK
+
+
+def peak_rss_mib(pids: list[int]) -> float:
+    best = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    best = max(best, int(line.split()[1]))
+        except OSError:
+            continue
+    return best / 1024
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen | None
+    log: Path | None = None
+    cleanup: list = field(default_factory=list)
+
+    def pids(self) -> list[int]:
+        return tree(self.popen.pid) if self.popen else []
+
+    def stop(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for fn in self.cleanup:
+            fn()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    path = "/" + url.removeprefix("http://").split("/", 1)[1] if url.count("/") > 2 else "/"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: exited early ({proc.returncode}):\n{log.read_text()}")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{url} did not start in {timeout}s:\n{log.read_text()}")
+
+
+def spawn(name: str, argv: list[str], port: int, ready: str, env: dict | None = None) -> Proc:
+    log = Path(tempfile.mkstemp(prefix=f"pw-bench-{name}-", suffix=".log")[1])
+    popen = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})},
+                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + ready, popen, log)
+    return Proc(name, url, popen, log, [lambda: log.unlink(missing_ok=True)])
+
+
+def start_upstream() -> Proc:
+    port = free_port()
+    return spawn("upstream", [PY, str(HERE / "sse_upstream.py"), str(port)], port, "/health")
+
+
+def start_plain(upstream: str) -> Proc:
+    port = free_port()
+    return spawn("plain", [PY, str(HERE / "plain_passthrough.py"), str(port), upstream], port,
+                 "/health")
+
+
+def start_phasewatch(upstream: str, workers: int) -> Proc:
+    port = free_port()
+    argv = [PY, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port),
+            "--log-format", "none", "--log-level", "warning", "--power-source", "none"]
+    if workers != 1:
+        argv += ["--workers", str(workers)]
+    return spawn(f"pw×{workers}", argv, port, "/phasewatch/health")
+
+
+NGINX_CONF = """
+daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    upstream engine {{ server {upstream}; keepalive 512; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
+
+
+def start_nginx(upstream: str) -> Proc:
+    binary = nginx_binary()
+    d = tempfile.mkdtemp(prefix="pw-bench-nginx-")
+    port = free_port()
+    conf = Path(d) / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(d=d, port=port, upstream=upstream.removeprefix("http://")))
+    log = Path(d) / "stdout.log"
+    popen = subprocess.Popen([binary, "-c", str(conf), "-p", d, "-e", f"{d}/error.log"],
+                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/health", popen, log)
+    return Proc("nginx", url, popen, log, [lambda: shutil.rmtree(d, ignore_errors=True)])
+
+
+# --- the client -------------------------------------------------------------------------
+
+
+class Stream:
+    """What the client saw of one streamed response."""
+
+    __slots__ = ("t0", "t_first", "t_last", "t_last_seen", "events", "gaps", "tokens", "ok")
+
+    def __init__(self, tokens: int, t0: float) -> None:
+        self.t0 = t0
+        self.t_first = 0.0
+        self.t_last = 0.0
+        self.t_last_seen = 0.0
+        self.events = 0
+        self.gaps: list[float] | None = None
+        self.tokens = tokens
+        self.ok = False
+
+    def rate(self) -> float | None:
+        span = self.t_last - self.t_first
+        return (self.tokens - 1) / span if self.tokens > 1 and span > 0 else None
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection running streams one after another. Events are
+    counted on bytes (every SSE event here carries exactly two newlines), chunked framing
+    is undone on the fly; no JSON is parsed."""
+
+    def __init__(self) -> None:
+        self.transport = None
+        self.fut: asyncio.Future | None = None
+        self.s: Stream | None = None
+        self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        if self.fut is not None and not self.fut.done():
+            self.fut.set_exception(ConnectionError(f"connection lost: {exc}"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def request(self, path: str, body: bytes, tokens: int, gaps: bool) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        self.fut = loop.create_future()
+        self.s = Stream(tokens, time.perf_counter())
+        if gaps:
+            self.s.gaps = []
+        self.buf = b""
+        self.head = True
+        self.remaining = -1  # -1: expecting a chunk-size line; -2: expecting CRLF after data
+        self.newlines = 0
+        self.transport.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json"
+                             b"\r\ncontent-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        return self.fut
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        s = self.s
+        buf = self.buf + data if self.buf else data
+        pos = 0
+        n = len(buf)
+        if self.head:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self.buf = buf
+                return
+            head = buf[:end].lower()
+            if not head.startswith(b"http/1.1 200") or b"transfer-encoding: chunked" not in head:
+                self.fut.set_exception(RuntimeError(f"unexpected response: {buf[:300]!r}"))
+                self.transport.close()
+                return
+            self.head = False
+            pos = end + 4
+        newlines = 0
+        finished = False
+        while pos < n:
+            rem = self.remaining
+            if rem > 0:
+                take = min(rem, n - pos)
+                newlines += buf.count(b"\n", pos, pos + take)
+                pos += take
+                self.remaining = rem - take or -2
+            elif rem == -2:
+                if n - pos < 2:
+                    break
+                pos += 2
+                self.remaining = -1
+            else:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                size = int(buf[pos:eol].split(b";")[0], 16)
+                if size == 0:
+                    if buf.find(b"\r\n", eol + 2) < 0:
+                        break
+                    finished = True
+                    pos = n
+                    break
+                pos = eol + 2
+                self.remaining = size
+        self.buf = buf[pos:] if pos < n else b""
+        if newlines:
+            before = s.events
+            self.newlines += newlines
+            after = s.events = self.newlines >> 1
+            last_token = s.tokens + 1  # event 1 is role-only, 2..N+1 carry tokens
+            if before < 2 <= after:
+                s.t_first = now
+            if before < last_token <= after:
+                s.t_last = now
+            if s.gaps is not None and after > before and before >= 2:
+                hi = min(after, last_token)
+                if hi > before:
+                    s.gaps.append(now - s.t_last_seen)
+                    s.gaps.extend([0.0] * (hi - before - 1))
+            if after > before:
+                s.t_last_seen = now
+        if finished:
+            s.ok = True
+            self.fut.set_result(s)
+
+
+async def open_conn(url: str) -> Conn:
+    host, port = url.removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_connection(Conn, host, int(port))
+    return proto
+
+
+def chat_body(tokens: int, interval: float) -> bytes:
+    return json.dumps({"model": "bench-model", "stream": True, "max_tokens": tokens,
+                       "messages": [{"role": "user", "content": "hello"}],
+                       "x_interval": interval}).encode()
+
+
+async def run_streams(url: str, concurrency: int, per_conn: int, tokens: int,
+                      interval: float = 0.0, gaps: bool = False,
+                      spread: float = 0.0) -> tuple[list[Stream], float]:
+    """`concurrency` connections, `per_conn` streams each, back to back; connection k
+    starts after spread * k / concurrency seconds (a steady state rather than a burst)."""
+    body = chat_body(tokens, interval)
+    conns = await asyncio.gather(*(open_conn(url) for _ in range(concurrency)))
+    out: list[Stream] = []
+
+    async def worker(c: Conn, k: int) -> None:
+        if spread > 0:
+            await asyncio.sleep(spread * k / concurrency)
+        for _ in range(per_conn):
+            out.append(await c.request("/v1/chat/completions", body, tokens, gaps))
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(c, k) for k, c in enumerate(conns)))
+        wall = time.perf_counter() - t0
+    finally:
+        for c in conns:
+            c.transport.close()
+    return out, wall
+
+
+# --- scenarios ---------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def med(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return statistics.median(values) if values else float("nan")
+
+
+async def scenario_ttft(targets: list[Proc], n: int, tokens: int) -> dict[str, list[float]]:
+    """(a) concurrency 1, requests interleaved target by target."""
+    conns = {t.name: await open_conn(t.url) for t in targets}
+    body = chat_body(tokens, 0.0)
+    ttft: dict[str, list[float]] = {t.name: [] for t in targets}
+    try:
+        for c in conns.values():  # warm
+            await c.request("/v1/chat/completions", body, tokens, False)
+        for i in range(n):
+            order = targets[i % len(targets):] + targets[:i % len(targets)]
+            for t in order:
+                s = await conns[t.name].request("/v1/chat/completions", body, tokens, False)
+                ttft[t.name].append(s.t_first - s.t0)
+    finally:
+        for c in conns.values():
+            c.transport.close()
+    return ttft
+
+
+async def scenario_load(t: Proc, concurrency: int, per_conn: int, tokens: int,
+                        interval: float = 0.0, spread: float = 0.0) -> dict:
+    """(b)/(c): one contender under load; CPU from /proc of all its processes."""
+    pids = t.pids()
+    cpu0 = cpu_seconds(pids)
+    streams, wall = await run_streams(t.url, concurrency, per_conn, tokens, interval,
+                                      gaps=interval > 0, spread=spread)
+    cpu = cpu_seconds(pids) - cpu0
+    events = sum(s.events for s in streams)
+    res = {"events": events, "wall": wall, "eps": events / wall,
+           "us_per_event": cpu * 1e6 / events if pids else float("nan"),
+           "bad": sum(not s.ok for s in streams)}
+    if interval > 0:
+        rates = [r for s in streams if (r := s.rate()) is not None]
+        gaps = [g for s in streams for g in (s.gaps or ())]
+        res.update(rate_mean=statistics.fmean(rates), rate_p1=pct(rates, 0.01),
+                   gap_p99=pct(gaps, 0.99), gap_p50=pct(gaps, 0.5))
+    return res
+
+
+# --- the table -----------------------------------------------------------------------------
+
+
+def fmt(v: float, unit: str = "") -> str:
+    if v != v:
+        return "—"
+    if abs(v) >= 10000:
+        return f"{v:,.0f}{unit}"
+    if abs(v) >= 100:
+        return f"{v:.0f}{unit}"
+    if abs(v) >= 10:
+        return f"{v:.1f}{unit}"
+    return f"{v:.2f}{unit}"
+
+
+def ratio(a: float, b: float) -> str:
+    if a != a or b != b or b == 0:
+        return "—"
+    return f"{a / b:.2f}×"
+
+
+def print_table(names: list[str], rows: list[tuple[str, dict[str, float], str]], pw: str,
+                targets: list[tuple[str, str]]) -> None:
+    head = ["metric"] + names + [f"{pw}/direct", f"{pw}/plain", "target"]
+    table = [head]
+    for label, vals, unit in rows:
+        line = [label] + [fmt(vals.get(n, float("nan")), unit) for n in names]
+        line += [ratio(vals.get(pw, float("nan")), vals.get("direct", float("nan"))),
+                 ratio(vals.get(pw, float("nan")), vals.get("plain", float("nan")))]
+        line.append(dict(targets).get(label, ""))
+        table.append(line)
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for k, r in enumerate(table):
+        print("  " + "  ".join(c.ljust(widths[i]) if i in (0, len(head) - 1) else c.rjust(widths[i])
+                               for i, c in enumerate(r)))
+        if k == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+async def bench(args) -> int:
+    up = start_upstream()
+    procs: list[Proc] = []
+    try:
+        direct = Proc("direct", up.url, None)
+        if args.nginx and nginx_binary():
+            procs.append(start_nginx(up.url))
+        elif args.nginx:
+            print("(nginx not found: its column is left out)")
+        procs.append(start_plain(up.url))
+        for w in args.workers:
+            procs.append(start_phasewatch(up.url, w))
+        targets = [direct] + procs
+        names = [t.name for t in targets]
+        pw = next(t.name for t in procs if t.name.startswith("pw"))
+
+        ttft = {n: [] for n in names}
+        loads: dict[tuple[str, str], list[dict]] = {}
+        for rnd in range(args.rounds):
+            t_round = time.perf_counter()
+            for n, values in (await scenario_ttft(targets, args.ttft_requests, 64)).items():
+                ttft[n].append(values)
+            order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+            for c in args.concurrency:
+                for t in order:
+                    r = await scenario_load(t, c, max(1, args.streams // c), args.tokens)
+                    loads.setdefault((f"c{c}", t.name), []).append(r)
+            for t in order:
+                # Steady state: stream starts spread over one stream's duration, then
+                # each connection streams again at once, so ~N streams are always open.
+                r = await scenario_load(t, args.paced_streams, args.paced_repeat,
+                                        args.paced_tokens, 1.0 / args.paced_rate,
+                                        spread=args.paced_tokens / args.paced_rate)
+                loads.setdefault(("paced", t.name), []).append(r)
+            print(f"(round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.1f} s)",
+                  flush=True)
+
+        rows: list[tuple[str, dict[str, float], str]] = []
+        d = "direct"
+        rows.append(("(a) TTFT p50 ms", {n: med([pct(v, .5) * 1e3 for v in ttft[n]]) for n in names}, ""))
+        rows.append(("(a) added TTFT p50 ms", {n: med([(pct(v, .5) - pct(dv, .5)) * 1e3
+                     for v, dv in zip(ttft[n], ttft[d])]) for n in names if n != d}, ""))
+        rows.append(("(a) added TTFT p99 ms", {n: med([(pct(v, .99) - pct(dv, .99)) * 1e3
+                     for v, dv in zip(ttft[n], ttft[d])]) for n in names if n != d}, ""))
+        for c in args.concurrency:
+            rows.append((f"(b) c{c} events/s", {n: med([r["eps"] for r in loads[(f"c{c}", n)]])
+                                                 for n in names}, ""))
+            rows.append((f"(b) c{c} CPU µs/event", {n: med([r["us_per_event"] for r in
+                         loads[(f"c{c}", n)]]) for n in names if n != d}, ""))
+        p = "paced"
+        rows.append((f"(c) paced CPU µs/event", {n: med([r["us_per_event"] for r in loads[(p, n)]])
+                                                 for n in names if n != d}, ""))
+        rows.append((f"(c) decode tok/s mean", {n: med([r["rate_mean"] for r in loads[(p, n)]])
+                                                for n in names}, ""))
+        rows.append((f"(c) decode tok/s p1", {n: med([r["rate_p1"] for r in loads[(p, n)]])
+                                              for n in names}, ""))
+        rows.append((f"(c) gap p99 ms", {n: med([r["gap_p99"] * 1e3 for r in loads[(p, n)]])
+                                         for n in names}, ""))
+        rows.append(("(d) peak RSS MiB/proc", {t.name: peak_rss_mib(t.pids()) for t in procs}, ""))
+        goals = [("(a) added TTFT p50 ms", "≤ 1"), ("(a) added TTFT p99 ms", "≤ 3"),
+                 ("(c) paced CPU µs/event", "≤ 78 and ≤ plain"),
+                 ("(c) decode tok/s mean", f"{args.paced_rate:g} ± 1 %"),
+                 ("(c) gap p99 ms", "< 40"), ("(d) peak RSS MiB/proc", "≤ 100")]
+        goals += [(f"(b) c{c} CPU µs/event", "≤ plain") for c in args.concurrency]
+
+        bad = sum(r["bad"] for rs in loads.values() for r in rs)
+        print()
+        print(f"relay benchmark: {args.rounds} round(s), medians; (a) {args.ttft_requests} "
+              f"sequential 64-token streams per contender and round; (b) {args.tokens}-token "
+              f"streams, {args.streams} per concurrency level, no delay; (c) {args.paced_streams} "
+              f"connections × {args.paced_repeat} streams × {args.paced_tokens} tokens at "
+              f"{args.paced_rate:g} tok/s, starts spread (steady state); "
+              f"{os.cpu_count()} CPUs{'; INCOMPLETE STREAMS: %d' % bad if bad else ''}")
+        print("CPU columns: utime+stime of the contender's processes only (not the client, "
+              "not the upstream); the direct column's events/s is the client+upstream ceiling")
+        print_table(names, rows, pw, goals)
+        ws = [t.name for t in procs if t.name.startswith("pw")]
+        if len(ws) > 1:
+            for c in args.concurrency:
+                base = med([r["eps"] for r in loads[(f"c{c}", ws[0])]])
+                print(f"  scaling c{c}: " + ", ".join(
+                    f"{w} {med([r['eps'] for r in loads[(f'c{c}', w)]]):,.0f} events/s "
+                    f"({med([r['eps'] for r in loads[(f'c{c}', w)]]) / base:.2f}×)" for w in ws))
+        return 1 if bad else 0
+    finally:
+        for p in procs:
+            p.stop()
+        up.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="a few seconds, tiny loads (CI)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                   help="phasewatch worker counts to run, comma separated [1,2]")
+    p.add_argument("--no-nginx", dest="nginx", action="store_false")
+    p.add_argument("--ttft-requests", type=int, default=100)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[64, 256])
+    p.add_argument("--streams", type=int, default=256,
+                   help="streams per contender in (b), spread over the connections")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--paced-streams", type=int, default=256)
+    p.add_argument("--paced-tokens", type=int, default=100)
+    p.add_argument("--paced-repeat", type=int, default=3,
+                   help="streams per connection in (c), back to back")
+    p.add_argument("--paced-rate", type=float, default=50.0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.ttft_requests, args.concurrency, args.streams = 1, 5, [8], 8
+        args.tokens, args.paced_streams, args.paced_tokens, args.paced_repeat = 32, 8, 10, 1
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
