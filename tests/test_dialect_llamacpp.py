@@ -307,3 +307,25 @@ def test_sim_bytes_through_proxy_equal_direct():
     finally:
         proxy.stop()
         sim.stop()
+
+
+def test_client_hangup_frees_the_slot():
+    sim = start_sim("llamacpp", speed=1.0, deterministic=True)
+    proxy = start_proxy(sim.url)
+    try:
+        body = {"prompt": "go on", "n_predict": 3000, "stream": True}
+        with httpx.stream("POST", proxy.url + "/completion", json=body, timeout=30) as r:
+            for _ in r.iter_lines():
+                break
+        deadline = time.monotonic() + 10
+        while not sim.truth() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t = sim.truth()[0]
+        assert t["aborted"] and t["completion_tokens"] < 3000
+        slots = httpx.get(sim.url + "/slots").json()
+        assert not any(s["is_processing"] for s in slots)
+        time.sleep(0.2)
+        assert sample(metric_samples(proxy.url), "phasewatch_aborts_total") == 1
+    finally:
+        proxy.stop()
+        sim.stop()

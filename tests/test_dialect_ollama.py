@@ -420,3 +420,35 @@ def test_native_stream_cut_without_done_line_gets_an_error_line():
     finally:
         proxy.stop()
         server.stop()
+
+
+def test_client_hangup_stops_the_engine(stack):
+    sim, proxy = stack
+    n = len(sim.truth())
+    body = {"model": MODELS[2], "options": {"num_predict": 3000},
+            "messages": [{"role": "user", "content": "a long answer please"}]}
+    with httpx.stream("POST", proxy.url + "/api/chat", json=body, timeout=30) as r:
+        for _ in r.iter_lines():
+            break  # hang up after the first line
+    deadline = time.monotonic() + 10
+    while len(sim.truth()) == n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t = sim.truth()[n]
+    assert t["aborted"] and t["completion_tokens"] < 3000
+    time.sleep(0.2)
+    assert sample(metric_samples(proxy.url), "phasewatch_aborts_total", model=MODELS[2]) >= 1
+
+
+def test_v1_stream_that_loses_its_error(stack):
+    """Ollama's /v1 layer turns a runner failure into an empty chunk and ends without
+    [DONE]: phasewatch counts it and ends the stream with an error event the SDK raises."""
+    sim, proxy = stack
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    before = sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated")
+    with pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(
+                model=MODELS[2], messages=[{"role": "user", "content": "x"}], stream=True,
+                max_tokens=40, extra_body={"options": {"sim_error_after": 3}}):
+            pass
+    time.sleep(0.2)
+    assert sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated") == before + 1

@@ -26,6 +26,7 @@ import string
 import time
 
 from .engine import SimEngine, plan_output, sleep_until, tokenize
+from .power import dcgm_metrics
 from .gguf import (FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text, lifespan,
                    loads, read_body, watch)
 
@@ -139,7 +140,8 @@ class LlamaServerSim:
         for name, kind, value in rows:
             out += [f"# HELP llamacpp:{name} {name}", f"# TYPE llamacpp:{name} {kind}",
                     f"llamacpp:{name} {value:g}"]
-        return "\n".join(out) + "\n"
+        # the simulated GPUs' power, as a dcgm-exporter beside the engine would serve it
+        return "\n".join(out) + "\n" + dcgm_metrics(self.engine)
 
     # --- generation -----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 from .engine import SimEngine, count_tokens, plan_output, sleep_until, tokenize
+from .power import dcgm_metrics
 from .gguf import (FILE_TYPES, EngineTruth, PrefixCache, chat_text, lifespan, loads, read_body,
                    watch)
 
@@ -88,6 +89,10 @@ class OllamaSim:
             await _send(send, 200, go_json({"models": self._ps()}))
         elif path == "/api/show" and method == "POST":
             await self.show(receive, send)
+        elif path == "/metrics" and method == "GET":
+            # Ollama has no /metrics: this is the dcgm-exporter beside it (simulated power)
+            await _send(send, 200, dcgm_metrics(self.engine).encode(),
+                        b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models" and method == "GET":
             data = [{"id": m, "object": "model", "created": int(self.modified), "owned_by": "library"}
                     for m in self.engine.models]
