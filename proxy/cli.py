@@ -212,8 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     sim = sub.add_parser("simulate", help="run the built-in engine simulator",
-                         description="A simulated engine with faithful wire format and "
-                         "physics-based timing: one 8B model at bf16, fp8 and int4.")
+                         description="A simulated engine (vLLM, Ollama or llama-server, "
+                         "--engine) with faithful wire format and physics-based timing: one 8B "
+                         "model at bf16, fp8 and int4 (Ollama: F16, Q8_0, Q4_K_M; llama-server: "
+                         "one Q4_K_M model), the engines' own timing fields filled from it.")
     sim.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     sim.add_argument("--port", type=int, default=8000, help="Port to listen on [default 8000].")
     add_sim_flags(sim)
