@@ -331,7 +331,7 @@ def test_engine_and_proxy_figures(stack):
 
     def chat(i):
         r = httpx.post(proxy.url + "/api/chat", timeout=60, json={
-            "model": MODELS[2], "options": {"num_predict": 100},
+            "model": MODELS[2], "options": {"num_predict": 300},
             "messages": [{"role": "user", "content": " ".join(f"t{i}w{j}" for j in range(300))}]})
         done_lines.append(json.loads(r.content.splitlines()[-1]))
 
@@ -358,9 +358,9 @@ def test_engine_and_proxy_figures(stack):
         t = truth[line["request_id"]]
         engine_tps = t["reported"]["eval_count"] / (t["reported"]["eval_duration"] / 1e9)
         assert float(line["engine_decode_tps"]) == pytest.approx(engine_tps, rel=1e-4)  # logged rounded
-        # proxy: (n-1)/(t_last-t_first); engine: n/eval_duration -> 99/100 apart, plus noise
-        assert float(line["decode_tps"]) == pytest.approx(engine_tps * 99 / 100, rel=0.04)
-        assert float(line["upstream_queue_s"]) == pytest.approx(t["engine_wait_seconds"], abs=0.01)
+        # proxy: (n-1)/(t_last-t_first); engine: n/eval_duration -> 299/300 apart, plus noise
+        assert float(line["decode_tps"]) == pytest.approx(engine_tps * 299 / 300, rel=0.05)
+        assert float(line["upstream_queue_s"]) == pytest.approx(t["engine_wait_seconds"], abs=0.02)
     # the queued one waited about as long as the other took to generate
     assert waits[1] > 0.2 and waits[0] < 0.01
 
