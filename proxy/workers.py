@@ -65,10 +65,10 @@ def run(given: dict, settings, log_level: str) -> int:
     from .cli import uvicorn_config
 
     n = settings.workers
+    config = uvicorn_config(None, settings.host, settings.port, log_level)
+    sock = config.bind_socket()  # exits with uvicorn's message when the port is taken
     folder = tempfile.mkdtemp(prefix="phasewatch-metrics-")
     os.environ[MULTIPROC_ENV] = folder  # inherited by the spawned workers
-    config = uvicorn_config(None, settings.host, settings.port, log_level)
-    sock = config.bind_socket()
     ctx = multiprocessing.get_context("spawn")
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     stopping = threading.Event()
