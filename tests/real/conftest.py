@@ -1,0 +1,95 @@
+"""Fixtures of the `real_engine` tier: real llama-server and vLLM processes, each with a
+phasewatch proxy in front, on loopback.
+
+Selection: these tests run when asked for — ``pytest -m real_engine`` (what CI runs after
+``.ci/install-engines.sh``), a path inside tests/real, or PHASEWATCH_REAL_ENGINES=1 — and
+are deselected from a plain ``pytest`` run so the fast tier stays fast. Once selected they
+never skip: a missing engine is a test error with the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ..servers import start_proxy
+from . import engines as E
+
+HERE = Path(__file__).resolve().parent
+
+
+def _real_selected(config) -> bool:
+    if os.environ.get("PHASEWATCH_REAL_ENGINES", "") not in ("", "0"):
+        return True
+    if "real_engine" in (config.option.markexpr or ""):
+        return True
+    for arg in config.args:
+        path = Path(arg.split("::")[0]).resolve()
+        if path == HERE or HERE in path.parents:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _real_selected(config):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if HERE in Path(str(item.fspath)).resolve().parents else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def engines_manifest():
+    try:
+        return E.load_manifest()
+    except E.EnginesMissing as exc:
+        pytest.fail(f"real engines not installed: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def llama(engines_manifest):
+    try:
+        server = E.start_llama_server(engines_manifest)
+    except E.EnginesMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    print(f"\nllama-server healthy {server.started_s:.1f}s after launch ({server.url})")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_proxy(llama):
+    proxy = start_proxy(f"llama={llama.url}")
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm(engines_manifest):
+    try:
+        server = E.start_vllm(engines_manifest)
+    except E.EnginesMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    print(f"\nvLLM healthy {server.started_s:.1f}s after launch ({server.url})")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_proxy(vllm):
+    proxy = start_proxy(f"vllm={vllm.url}")
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_proxy_no_inject(llama):
+    """A proxy that does not ask the engine for usage (PHASEWATCH_INJECT_USAGE=false)."""
+    proxy = start_proxy(f"llama={llama.url}", env={"PHASEWATCH_INJECT_USAGE": "false"})
+    yield proxy
+    proxy.stop()
