@@ -15,11 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.dialects.llamacpp import LlamaCppDialect, LlamaTap
-from proxy.dialects.base import Prepared
 from proxy.timeline import Marks
 
 from .replay import ThreadServer
-from .replay_wire import LLAMA, WIRE, CaptureReplay, llama_captures
+from .replay_wire import WIRE, CaptureReplay, llama_captures
 from .servers import free_port, metric_samples, sample, start_proxy, start_sim
 
 CAPTURES = llama_captures()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..timeline import EngineTimings, Marks, Usage
+from ..timeline import EngineTimings, Marks
 from .base import OUTPUT_RE, USAGE_RE, Outcome, Prepared, Tap, as_int, error_message, loads
 from .openai import OpenAIDialect
 

@@ -21,9 +21,9 @@ import asyncio
 import hashlib
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
-from .engine import SimEngine, count_tokens, plan_output, sleep_until, tokenize
+from .engine import SimEngine, plan_output, sleep_until, tokenize
 from .power import dcgm_metrics
 from .gguf import (FILE_TYPES, EngineTruth, PrefixCache, chat_text, lifespan, loads, read_body,
                    watch)
@@ -464,5 +464,3 @@ async def _send(send, status: int, body: bytes, ctype: bytes = b"application/jso
                 "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
-
-__all__ = ["OllamaSim", "count_tokens"]
