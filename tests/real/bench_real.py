@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     for eng, what, pw, own in rows:
         cell = (lambda x: f"{x:11.3f}" if x is not None else f"{'n/a':>11}")
         print(f"{eng:13} {what:{w}} {cell(pw)} {cell(own)}")
-    print("(n/a: no run gave the figure; phasewatch has no decode window when the engine's "
-          "answer reached it in one read, as vLLM's API server does when starved of CPU)")
+    if any(pw is None or own is None for _, _, pw, own in rows):
+        print("(n/a: no run gave the figure; phasewatch has no decode window when the "
+              "engine's answer reached it in one read, as vLLM's API server does when starved "
+              "of CPU)")
     print(f"\n(medians of {args.reps}; llama-server: Gemma 3 270M Q4_K_M, -t 1; vLLM: tiny "
           f"random Llama fp32; {time.monotonic() - t0:.0f} s)")
     return 0
