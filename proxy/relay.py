@@ -65,12 +65,12 @@ def _connection_tokens(headers) -> set[bytes]:
     return tokens
 
 
-def request_headers(scope_headers, request_id: str, had_id: bool) -> list[tuple[bytes, bytes]]:
+def request_headers(scope_headers) -> list[tuple[bytes, bytes]]:
+    """The client's end-to-end headers. A client's x-request-id passes through; the proxy
+    adds none of its own, because engines adopt it (vLLM builds its response ids from it)
+    and the client must see what a direct request would have given."""
     drop = _REQUEST_DROP | _connection_tokens(scope_headers)
-    out = [(k, v) for k, v in scope_headers if k not in drop]
-    if not had_id:
-        out.append((b"x-request-id", request_id.encode()))
-    return out
+    return [(k, v) for k, v in scope_headers if k not in drop]
 
 
 def response_headers(raw) -> list[tuple[bytes, bytes]]:
@@ -78,13 +78,14 @@ def response_headers(raw) -> list[tuple[bytes, bytes]]:
     return [(k.lower(), v) for k, v in raw if k.lower() not in drop]
 
 
-def _request_id(scope_headers) -> tuple[str, bool]:
+def _request_id(scope_headers) -> str:
+    """The client's x-request-id (logged), or a fresh one for the log line alone."""
     for k, v in scope_headers:
         if k == b"x-request-id":
             text = v.decode("latin-1")
             if 0 < len(text) <= 128 and text.isprintable():
-                return text, True
-    return uuid.uuid4().hex, False
+                return text
+    return uuid.uuid4().hex
 
 
 def json_error(status: int, message: str, kind: str) -> bytes:
@@ -178,27 +179,26 @@ class Relay:
             upstream = self.upstreams.route(model)
         dialect = upstream.dialect
         endpoint = dialect.endpoint(method, path)
-        request_id, had_id = _request_id(headers)
+        request_id = _request_id(headers)
         prepared = None
         if endpoint is not None:  # a dialect may also decline (an Ollama model load)
             prepared = dialect.prepare(endpoint, body, self.inject_usage)
         if prepared is None:
-            await self._passthrough(scope, receive, send, upstream, body, request_id, had_id)
+            await self._passthrough(scope, receive, send, upstream, body)
             return
         label = upstream.model_label(prepared.model)
         ex = Exchange(request_id, upstream, prepared, Marks(t_recv=t_recv), label)
-        await self._measured(scope, receive, send, ex, had_id)
+        await self._measured(scope, receive, send, ex)
 
     # --- unmeasured paths -----------------------------------------------------------
 
-    async def _passthrough(self, scope, receive, send, upstream: Upstream, body: bytes,
-                           request_id: str, had_id: bool) -> None:
+    async def _passthrough(self, scope, receive, send, upstream: Upstream, body: bytes) -> None:
         task = asyncio.current_task()
         state = _Watch()
         watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
         resp = None
         try:
-            resp = await self._open(upstream, scope, body, request_id, had_id)
+            resp = await self._open(upstream, scope, body)
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": response_headers(resp.headers.raw)})
             async for chunk in resp.aiter_raw():
@@ -223,7 +223,7 @@ class Relay:
 
     # --- measured generation ----------------------------------------------------------
 
-    async def _measured(self, scope, receive, send, ex: Exchange, had_id: bool) -> None:
+    async def _measured(self, scope, receive, send, ex: Exchange) -> None:
         upstream = ex.upstream
         m = self.recorder.metrics
         precision = upstream.precision_of(ex.model_label).precision
@@ -264,7 +264,7 @@ class Relay:
             upstream.active.add(ex)
             in_flight.inc()
             ex.marks.t_admit = time.monotonic()
-            resp = await self._open(upstream, scope, ex.prepared.body, ex.request_id, had_id,
+            resp = await self._open(upstream, scope, ex.prepared.body,
                                     ex.marks)
             await self._stream_back(send, resp, ex, state)
         except _UpstreamFailure as exc:
@@ -352,14 +352,14 @@ class Relay:
             ex.outcome = "error"
             ex.error_kind, ex.error_message = result.error_kind, result.error_message
 
-    async def _open(self, upstream: Upstream, scope, body: bytes, request_id: str,
-                    had_id: bool, marks: Marks | None = None) -> httpx.Response:
+    async def _open(self, upstream: Upstream, scope, body: bytes,
+                    marks: Marks | None = None) -> httpx.Response:
         """Send the request upstream and return the response with its body unread."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
         url = upstream.url + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
         headers = self.access.upstream_headers(
-            request_headers(scope["headers"], request_id, had_id), upstream.name)
+            request_headers(scope["headers"]), upstream.name)
         req = upstream.client.build_request(scope["method"], url, headers=headers, content=body)
         if marks is not None:
             marks.t_sent = time.monotonic()

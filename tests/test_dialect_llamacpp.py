@@ -249,7 +249,8 @@ def test_proxy_figures_within_a_few_percent_of_the_engines():
             prompt = " ".join(f"w{i}x{j}" for j in range(400 + 600 * i))
             stream = client.chat.completions.create(
                 model="qwen2.5-7b-instruct", messages=[{"role": "user", "content": prompt}],
-                max_tokens=160, stream=True, extra_body={"ignore_eos": True})
+                max_tokens=160, stream=True, extra_body={"ignore_eos": True},
+                extra_headers={"x-request-id": f"llama-{i}"})
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         time.sleep(0.3)
         truth = {t["request_id"]: t for t in sim.truth()}

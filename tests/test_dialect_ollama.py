@@ -330,7 +330,7 @@ def test_engine_and_proxy_figures(stack):
     done_lines = []
 
     def chat(i):
-        r = httpx.post(proxy.url + "/api/chat", timeout=60, json={
+        r = httpx.post(proxy.url + "/api/chat", timeout=60, headers={"x-request-id": f"ollama-{i}"}, json={
             "model": MODELS[2], "options": {"num_predict": 300},
             "messages": [{"role": "user", "content": " ".join(f"t{i}w{j}" for j in range(300))}]})
         done_lines.append(json.loads(r.content.splitlines()[-1]))

@@ -97,7 +97,7 @@ class LlamaCppDialect(OpenAIDialect):
     def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared:
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             obj = None
         if not isinstance(obj, dict):
             return Prepared(endpoint, None, False, raw)

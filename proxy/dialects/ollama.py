@@ -121,7 +121,7 @@ class OllamaDialect(OpenAIDialect):
             return super().prepare(endpoint, raw, inject_usage)
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             obj = None
         if not isinstance(obj, dict):  # Ollama answers malformed input itself (400)
             return Prepared(endpoint, None, False, raw)

@@ -150,6 +150,11 @@ class OpenAIDialect:
         prepared = Prepared(endpoint, model, stream, raw)
         if not (stream and inject_usage):
             return prepared
+        # only a well-formed request gets usage added: an invalid one must reach the engine
+        # (and its error message) exactly as the client wrote it
+        required = "messages" if endpoint == "chat" else "prompt"
+        if not isinstance(obj.get(required), (list, str)):
+            return prepared
         options = obj.get("stream_options")
         if self.client_wants_usage(options):
             return prepared
