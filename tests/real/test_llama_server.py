@@ -1,9 +1,7 @@
 """phasewatch in front of a real llama-server (llama.cpp b11434, Gemma 3 270M Q4_K_M).
 
-Today the proxy has no llama-server dialect yet (issue 3), so it relays llama-server with
-the default (vLLM/OpenAI) dialect. These checks hold with that; the engine-`timings`
-figures (source="engine"), the Q4_K_M precision detection and the plain-stream byte
-equality with usage injection on come with the dialect (see docs/real-engines.md).
+Passthrough, SDK, hang-up and concurrency checks; the llama-server dialect's own figures
+(source="engine", prefix-cache hits, Q4_K_M detection) are in test_llama_dialect.py.
 
 Greedy requests (temperature 0, fixed seed, `cache_prompt: false` so the prefix cache
 cannot change `cached_tokens` or the numerics between the direct and the proxied run).
