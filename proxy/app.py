@@ -48,7 +48,8 @@ class ProxyApp:
                      read_timeout=settings.read_timeout,
                      max_concurrency=settings.max_concurrency,
                      max_queue=settings.max_queue, queue_timeout=settings.queue_timeout,
-                     client=settings.upstream_client)
+                     client=settings.upstream_client,
+                     api_key=settings.upstream_keys().get(name))
             for name, url in settings.upstream_specs()
         ])
         self.recorder = Recorder(self.metrics, settings.log_format)

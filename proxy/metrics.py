@@ -189,7 +189,7 @@ class Metrics:
         self.upstream_up = Gauge(
             PREFIX + "upstream_up", "1 when the upstream answered its last model-list "
             "probe, else 0.", ("upstream", "engine"), registry=r,
-            multiprocess_mode="max")
+            multiprocess_mode="livemostrecent")
         self.model_info = Gauge(
             PREFIX + "model_info", "1 for each model an upstream serves, with its "
             "normalised precision and raw quantisation scheme (quant).",
@@ -213,17 +213,17 @@ class Metrics:
         self.gpu_power_current_watts = Gauge(
             PREFIX + "gpu_power_current_watts", "Latest power sample per GPU (absent while "
             "power is not being sampled).", BASE + ("gpu",), registry=r,
-            multiprocess_mode="max")
+            multiprocess_mode="livemostrecent")
         self.power_sampling_up = Gauge(
             PREFIX + "power_sampling_up", "1 while GPU power is being sampled, 0 when "
             "the power source failed or none is configured.", ("source",), registry=r,
-            multiprocess_mode="max")
+            multiprocess_mode="livemostrecent")
 
         # The engines' own state (issue 3 point 8), scraped by proxy.engine_gauges off
         # the request path: what phasewatch cannot see per request.
         def engine_gauge(name: str, doc: str) -> Gauge:
             return Gauge(PREFIX + "engine_" + name, doc, BASE, registry=r,
-                         multiprocess_mode="max")
+                         multiprocess_mode="livemostrecent")
 
         self.engine_requests_running = engine_gauge(
             "requests_running", "Requests the engine says it is running (vLLM "
@@ -246,7 +246,7 @@ class Metrics:
             "(Ollama expires_at).")
         self.engine_scrape_up = Gauge(
             PREFIX + "engine_scrape_up", "1 when the last scrape of the engine's own state "
-            "worked, else 0.", ("upstream", "engine"), registry=r, multiprocess_mode="max")
+            "worked, else 0.", ("upstream", "engine"), registry=r, multiprocess_mode="livemostrecent")
 
 
 def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:

@@ -97,7 +97,8 @@ class Upstream:
     def __init__(self, name: str, url: str, *, engine: str | None, metrics: Metrics,
                  precision: PrecisionTable, extra_models: list[str], max_models: int,
                  connect_timeout: float, read_timeout: float, max_concurrency: int,
-                 max_queue: int, queue_timeout: float, client: str = "lean") -> None:
+                 max_queue: int, queue_timeout: float, client: str = "lean",
+                 api_key: str | None = None) -> None:
         self.name = name
         self.url = url
         self.engine_override = engine
@@ -119,6 +120,9 @@ class Upstream:
                                 keepalive_expiry=60.0),
             follow_redirects=False,
             trust_env=False,
+            # the engine key also goes with the proxy's own calls (model lists, detection,
+            # gauge scrapes), so an engine that requires one is not taken for down
+            headers={"authorization": f"Bearer {api_key}"} if api_key else None,
             # The lean transport (proxy.upstream_client) keeps httpx's API but costs a
             # fraction per streamed chunk; limits above apply to httpx's own transport.
             transport=LeanTransport(max_keepalive=256, keepalive_expiry=60.0)

@@ -97,7 +97,8 @@ def test_engine_dying_midstream_ends_with_an_error_event():
 def test_admission_gate_queues_then_rejects():
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--max-concurrency", "1", "--max-queue", "1"])
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+    # ~1.3 s streams: the first is surely still running when the third arrives
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
             "stream": True, "ignore_eos": True}
     try:
         def go(delay):

@@ -46,6 +46,7 @@ class ScriptedEngine:
         self.seen: list[dict] = []
         self.closed = threading.Event()
         self.sent = 0
+        self.probes: list[dict] = []  # headers of the proxy's own model-list calls
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -61,6 +62,7 @@ class ScriptedEngine:
             if not msg.get("more_body"):
                 break
         if scope["path"] == "/v1/models":
+            self.probes.append({k.decode(): v.decode() for k, v in scope["headers"]})
             await self._send(send, 200, b'{"object":"list","data":[{"id":"m","object":"model"}]}')
             return
         if scope["method"] != "POST":  # probes (engine detection, /metrics scrapes)
@@ -387,6 +389,8 @@ def test_proxy_keys_and_engine_keys(scripted):
         # the openai SDK sends its api_key as a Bearer token: a phasewatch key works as is
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="pw-key-1", max_retries=0)
         client.models.list()
+        # the proxy's own calls to the engine (model lists) carry the engine key too
+        assert any(p.get("authorization") == "Bearer sk-engine-secret" for p in engine.probes)
         # with no keys configured, the client's own Authorization reaches the engine
         r = httpx.post(open_proxy.url + "/v1/chat/completions", json=body,
                        headers={"authorization": "Bearer client-own"})

@@ -107,7 +107,8 @@ def test_report_from_prometheus_equals_report_from_metrics(proxy, prometheus):
         for field in ("requests", "decode_tok_s", "ttft_all_s", "share_prefill", "decode_speedup", "quant"):
             assert v[field] == (pytest.approx(d[field]) if isinstance(d[field], float) else d[field]), (key, field)
         assert v["prefill_ms_per_token"] == pytest.approx(d["prefill_ms_per_token"])
-        assert "2k-6k" in v["prefill_ms_per_token"]
+        if key[1] != "other":  # the shared proxy may also carry other tests' unknown-model row
+            assert "2k-6k" in v["prefill_ms_per_token"]
 
     recent = _rows(_report(prometheus, "--window", "5m"))
     assert recent.keys() == _rows(direct).keys()
