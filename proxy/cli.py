@@ -95,8 +95,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     from .app import ProxyApp
 
-    import uvicorn
-
     try:
         app = ProxyApp(settings)
     except ValueError as exc:

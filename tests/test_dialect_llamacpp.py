@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from proxy.dialects.llamacpp import LlamaCppDialect, LlamaTap
 from proxy.timeline import Marks
 
+from .streams import run, splits
 from .replay import ThreadServer
 from .replay_wire import WIRE, CaptureReplay, llama_captures
 from .servers import free_port, metric_samples, sample, start_proxy, start_sim
@@ -133,12 +134,6 @@ def test_openai_sdk_parses_the_relayed_stream(replay):
 # --- the tap on real bytes -----------------------------------------------------------------
 
 
-def run(tap, chunks, start=100.0, step=0.01):
-    out = [tap.feed(c, start + i * step) for i, c in enumerate(chunks)]
-    out.append(tap.flush())
-    return b"".join(out)
-
-
 def _tap(name: str, endpoint: str = "chat"):
     marks = Marks(t_recv=0.0)
     return LlamaTap(marks, native=endpoint == "llamacpp_completion"), marks
@@ -202,15 +197,6 @@ def test_usage_is_never_injected():
     assert p.body == raw and not p.strip_usage and p.stream
 
 
-def _splits(data: bytes, cuts: list[int]) -> list[bytes]:
-    cuts = sorted({c % (len(data) + 1) for c in cuts})
-    out, prev = [], 0
-    for c in cuts + [len(data)]:
-        out.append(data[prev:c])
-        prev = c
-    return out
-
-
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=10**6), max_size=30),
        st.sampled_from(["chat_stream", "chat_stream_include_usage", "completions_stream",
@@ -219,7 +205,7 @@ def test_any_split_forwards_every_byte_and_reads_the_same(cuts, name):
     cap = CAPTURES[name]
     native = cap.path == "/completion"
     tap = LlamaTap(Marks(t_recv=0.0), native=native)
-    assert run(tap, _splits(cap.body, cuts)) == cap.body
+    assert run(tap, splits(cap.body, cuts)) == cap.body
     whole = LlamaTap(Marks(t_recv=0.0), native=native)
     run(whole, [cap.body])
     a, b = LlamaCppDialect().outcome(tap, None, 200), LlamaCppDialect().outcome(whole, None, 200)

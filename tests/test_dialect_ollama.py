@@ -19,6 +19,7 @@ from proxy.dialects.base import Prepared
 from proxy.dialects.ollama import NDJSONTap, OllamaDialect, OllamaSSETap
 from proxy.timeline import Marks, figures
 
+from .streams import run, splits
 from .replay import ThreadServer
 from .replay_wire import WIRE, WireReplay, fixture_body, manifest
 from .servers import free_port, metric_samples, sample, start_proxy, start_sim
@@ -27,23 +28,8 @@ CHAT = (WIRE / "ollama-api-chat-stream.ndjson").read_bytes()
 DONE = json.loads(CHAT.splitlines()[-1])
 
 
-def run(tap, chunks, start=100.0, step=0.01):
-    out = [tap.feed(c, start + i * step) for i, c in enumerate(chunks)]
-    out.append(tap.flush())
-    return b"".join(out)
-
-
 def lines(data: bytes) -> list[bytes]:
     return [ln + b"\n" for ln in data.split(b"\n") if ln]
-
-
-def _splits(data: bytes, cuts: list[int]) -> list[bytes]:
-    cuts = sorted({c % (len(data) + 1) for c in cuts})
-    out, prev = [], 0
-    for c in cuts + [len(data)]:
-        out.append(data[prev:c])
-        prev = c
-    return out
 
 
 # --- the native tap -----------------------------------------------------------------------------
@@ -124,7 +110,7 @@ def test_load_requests_are_not_generations():
 def test_native_any_split(cuts, name):
     data = (WIRE / name).read_bytes()
     tap, whole = NDJSONTap(Marks(t_recv=0.0)), NDJSONTap(Marks(t_recv=0.0))
-    assert run(tap, _splits(data, cuts)) == data
+    assert run(tap, splits(data, cuts)) == data
     run(whole, [data])
     a, b = OllamaDialect().outcome(tap, None, 200), OllamaDialect().outcome(whole, None, 200)
     assert (a.usage, a.engine, a.error_kind) == (b.usage, b.engine, b.error_kind)
@@ -145,7 +131,7 @@ def test_v1_strip_is_exact_for_any_split(cuts, case):
     prepared = Prepared(endpoint, "llama3.2", True, b"", strip_usage=True)
     tap = OllamaDialect().tap("text/event-stream", Marks(t_recv=0.0), prepared)
     assert isinstance(tap, OllamaSSETap)
-    assert run(tap, _splits(with_usage, cuts)) == plain
+    assert run(tap, splits(with_usage, cuts)) == plain
     out = OllamaDialect().outcome(tap, None, 200)
     assert out.usage.completion_tokens == 16 and out.finished
     assert tap.marks.output_events == 16  # 15 text events + the finish event

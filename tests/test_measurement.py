@@ -61,7 +61,7 @@ def test_figures_match_simulator_truth(stack):
     truth = {t["request_id"]: t for t in sim.truth()}
     lines = [line for line in proxy.request_lines() if line["outcome"] == "ok"]
     assert len(lines) == 6
-    decode_err, prefill_gap, ttft_gap = [], [], []
+    decode_err, ttft_gap = [], []
     for line, c_ttft in zip(lines, client_ttft):
         t = truth[line["request_id"]]
         assert int(line["completion_tokens"]) == t["completion_tokens"] == 60

@@ -9,6 +9,7 @@ from proxy.dialects.openai import SSETap, VLLMDialect
 from proxy.timeline import Marks
 
 from .replay import VLLM_REAL, pin_ids
+from .streams import run, splits
 
 WORDS = VLLM_REAL / "raw-words"
 BYTES = VLLM_REAL / "raw"
@@ -16,14 +17,6 @@ BYTES = VLLM_REAL / "raw"
 
 def body(folder, name: str) -> bytes:
     return pin_ids((folder / f"{name}.body").read_bytes())
-
-
-def run(tap: SSETap, chunks, start: float = 100.0, step: float = 0.01) -> bytes:
-    out = []
-    for i, chunk in enumerate(chunks):
-        out.append(tap.feed(chunk, start + i * step))
-    out.append(tap.flush())
-    return b"".join(out)
 
 
 def events(data: bytes) -> list[bytes]:
@@ -103,15 +96,6 @@ def test_crlf_framing():
     assert marks.output_events == 8 and tap.done
 
 
-def _splits(data: bytes, cuts: list[int]) -> list[bytes]:
-    cuts = sorted({c % (len(data) + 1) for c in cuts})
-    out, prev = [], 0
-    for c in cuts + [len(data)]:
-        out.append(data[prev:c])
-        prev = c
-    return out
-
-
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=10**6), max_size=40),
        st.sampled_from([("raw-words", "chat_stream"), ("raw", "chat_stream"),
@@ -124,7 +108,7 @@ def test_strip_is_exact_for_any_split(cuts, case):
     usage_name = case[1] + "_usage" if case[1] != "chat_stream_long_ignore_eos" else case[1]
     with_usage = body(folder, usage_name)
     tap = SSETap(Marks(t_recv=0.0), strip=True)
-    out = run(tap, _splits(with_usage, cuts))
+    out = run(tap, splits(with_usage, cuts))
     if usage_name == case[1]:  # this capture already had usage: compare by dropping it
         plain = b"".join(e for e in events(with_usage) if b'"choices":[]' not in e)
         plain = plain.replace(b'"finish_reason":"length","stop_reason":null,"token_ids":null}]}',
@@ -140,7 +124,7 @@ def test_inspect_mode_forwards_every_byte(cuts):
     data = body(BYTES, "chat_stream_usage")
     marks = Marks(t_recv=0.0)
     tap = SSETap(marks)
-    assert run(tap, _splits(data, cuts)) == data
+    assert run(tap, splits(data, cuts)) == data
     assert marks.output_events == _expected_outputs(data)
 
 
@@ -165,7 +149,7 @@ def _expected_outputs(data: bytes) -> int:
 @settings(max_examples=300, deadline=None)
 def test_garbage_never_crashes_and_inspect_is_lossless(data, cuts, strip):
     tap = SSETap(Marks(t_recv=0.0), strip=strip)
-    out = run(tap, _splits(data, cuts))
+    out = run(tap, splits(data, cuts))
     if not strip:
         assert out == data
     VLLMDialect().outcome(tap, None, 200)  # never raises

@@ -195,13 +195,28 @@ class ModelEngine:
         return self._jittered(decode_step_seconds(self.spec, self.gpu, len(self.running),
                                                   sum(self.running.values())))
 
-    def begin_prefill(self) -> None:
+    async def prefill(self, start: float, new_tokens: int, cached: int) -> None:
+        """Run a prompt's prefill from `start` (power state prefill meanwhile)."""
+        seconds = self.prefill_time(new_tokens, cached)
         self._integrate()
         self.prefilling += 1
+        try:
+            await sleep_until(start + seconds)
+        finally:
+            self._integrate()
+            self.prefilling -= 1
 
-    def end_prefill(self) -> None:
-        self._integrate()
-        self.prefilling -= 1
+    async def steps(self, key: int, context: int, n: int):
+        """Yield 0 .. n-1, one per decode step, each when the physics says it is done;
+        the request's context grows by one token a step."""
+        deadline = time.monotonic()
+        for i in range(n):
+            if i:
+                deadline += self.step_time()
+                await sleep_until(deadline)
+            self.running[key] = context + i + 1
+            self.generation_tokens_total += 1
+            yield i
 
 
 class SimEngine:

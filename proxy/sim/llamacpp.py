@@ -25,7 +25,7 @@ import json
 import string
 import time
 
-from .engine import SimEngine, plan_output, sleep_until, tokenize
+from .engine import SimEngine, plan_output, tokenize
 from .power import dcgm_metrics
 from .gguf import (FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text, lifespan,
                    loads, read_body, watch)
@@ -216,25 +216,15 @@ class LlamaServerSim:
             cached = self.cache.hit(self.alias, tokens)
             truth.cached_tokens = cached
             prompt_n = prompt_total - cached
-            prefill = me.prefill_time(prompt_n, cached)
-            me.begin_prefill()
-            try:
-                await sleep_until(truth.t_admit + prefill)
-            finally:
-                me.end_prefill()
+            await me.prefill(truth.t_admit, prompt_n, cached)
             prefill_end = time.monotonic_ns()
             prompt_ms = (prefill_end - admit_ns) / 1e6
             truth.prefill_seconds = prompt_ms / 1e3
             me.prompt_tokens_total += prompt_n
             n = len(plan.pieces)
-            deadline = time.monotonic()
             first_ns = None
-            for i, piece in enumerate(plan.pieces):
-                if i:
-                    deadline += me.step_time()
-                    await sleep_until(deadline)
-                me.running[key] = prompt_total + i + 1
-                me.generation_tokens_total += 1
+            async for i in me.steps(key, prompt_total, n):
+                piece = plan.pieces[i]
                 slot["next_token"][0]["n_decoded"] = i + 1
                 now_ns = time.monotonic_ns()
                 first_ns = first_ns or now_ns

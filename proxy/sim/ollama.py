@@ -23,7 +23,7 @@ import json
 import time
 from datetime import datetime, timezone
 
-from .engine import SimEngine, plan_output, sleep_until, tokenize
+from .engine import SimEngine, plan_output, tokenize
 from .power import dcgm_metrics
 from .gguf import (FILE_TYPES, EngineTruth, PrefixCache, chat_text, lifespan, loads, read_body,
                    watch)
@@ -226,23 +226,13 @@ class OllamaSim:
             cached = self.cache.hit(model, tokens)
             truth.cached_tokens = cached
             me.prompt_tokens_total += prompt_tokens - cached
-            prefill = me.prefill_time(prompt_tokens - cached, cached)
-            me.begin_prefill()
-            try:
-                await sleep_until(truth.t_admit + prefill)
-            finally:
-                me.end_prefill()
+            await me.prefill(truth.t_admit, prompt_tokens - cached, cached)
             prefill_end = time.monotonic_ns()
             truth.prefill_seconds = (prefill_end - admit_ns) / 1e9
             n = len(plan.pieces)
-            deadline = time.monotonic()
             first_ns = None
-            for i, piece in enumerate(plan.pieces):
-                if i:
-                    deadline += me.step_time()
-                    await sleep_until(deadline)
-                me.running[key] = prompt_tokens + i + 1
-                me.generation_tokens_total += 1
+            async for i in me.steps(key, prompt_tokens, n):
+                piece = plan.pieces[i]
                 now_ns = time.monotonic_ns()
                 first_ns = first_ns or now_ns
                 truth.completion_tokens = i + 1

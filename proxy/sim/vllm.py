@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 
-from .engine import ModelEngine, SimEngine, Truth, count_tokens, plan_output, sleep_until, tokenize
+from .engine import SimEngine, Truth, count_tokens, plan_output, tokenize
 from .power import dcgm_metrics
 
 VERSION = "0.32.0"
@@ -228,23 +228,12 @@ class VLLMSim:
             admitted = True
             truth.t_admit = time.monotonic()
             me.prompt_tokens_total += prompt_tokens
-            prefill = me.prefill_time(prompt_tokens, 0)
-            truth.prefill_seconds = prefill
-            me.begin_prefill()
-            try:
-                await sleep_until(truth.t_admit + prefill)
-            finally:
-                me.end_prefill()
+            await me.prefill(truth.t_admit, prompt_tokens, 0)
+            truth.prefill_seconds = time.monotonic() - truth.t_admit
             n = len(plan.pieces)
-            deadline = time.monotonic()
             pieces = []
-            for i, piece in enumerate(plan.pieces):
-                last = i == n - 1
-                if i:
-                    deadline += me.step_time()
-                    await sleep_until(deadline)
-                me.running[key] = prompt_tokens + i + 1
-                me.generation_tokens_total += 1
+            async for i in me.steps(key, prompt_tokens, n):
+                piece, last = plan.pieces[i], i == n - 1
                 truth.completion_tokens = i + 1
                 if stream:
                     await writer.token(piece, i + 1, plan.finish_reason if last else None, i == 0)
