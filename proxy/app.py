@@ -38,11 +38,14 @@ class ProxyApp:
         #: sampler): False in all but worker 0 under --workers N (proxy.workers).
         self.primary = primary
         self.metrics = metrics or Metrics()
-        self.precision = PrecisionTable(settings.pairs("precision"), model_dir=settings.model_dir)
         engines = settings.pairs("engine")
+        overrides = settings.pairs("precision")
         self.upstreams = Upstreams([
+            # a precision table per upstream: one model name can be served at different
+            # precisions by different engines (the side-by-side comparison the tool is for)
             Upstream(name, url, engine=engines.get(name), metrics=self.metrics,
-                     precision=self.precision, extra_models=settings.models,
+                     precision=PrecisionTable(overrides, model_dir=settings.model_dir),
+                     extra_models=settings.models,
                      max_models=settings.max_models,
                      connect_timeout=settings.connect_timeout,
                      read_timeout=settings.read_timeout,

@@ -138,3 +138,19 @@ def test_engine_redetected_when_the_upstream_comes_back():
         if sim is not None:
             sim.stop()
         proxy.stop()
+
+
+def test_one_model_name_at_two_precisions_on_two_upstreams():
+    """The same model name served by two engines keeps each engine's precision."""
+    from proxy.app import ProxyApp
+    from proxy.precision import Precision
+    from proxy.settings import Settings
+
+    app = ProxyApp(Settings(upstream=["gguf=http://127.0.0.1:9", "hf=http://127.0.0.1:10"],
+                            precision=["pinned=fp8"]))
+    gguf, hf = app.upstreams.all
+    gguf.precision.set_engine("qwen2.5-7b", Precision("int4", "Q4_K_M", "engine"))
+    hf.precision.set_engine("qwen2.5-7b", Precision("bf16", "BF16", "engine"))
+    assert gguf.precision.get("qwen2.5-7b").precision == "int4"
+    assert hf.precision.get("qwen2.5-7b").precision == "bf16"
+    assert gguf.precision.get("pinned").precision == hf.precision.get("pinned").precision == "fp8"
