@@ -390,6 +390,27 @@ def overview() -> dict:
                 f"(rate(phasewatch_completion_tokens_bucket{{{SEL}}}[$__rate_interval])))", "completion")],
         "short", steps(GREEN, (8192, YELLOW), (32768, RED)), fill=0, log=True, min_=None))
 
+    d.row("Engine state")
+    d.add(timeseries(
+        "Engine KV-cache usage",
+        "Share of each engine's KV cache in use, scraped from the engine itself (vLLM "
+        "kv_cache_usage_perc; llama-server: tokens in busy slots / slot context). Long chats "
+        "fill it: near 100 % the engine preempts or queues requests (max over replicas, "
+        "which all scrape the same engine).",
+        [target(f"max by (upstream, model) (phasewatch_engine_kv_cache_usage_ratio{{{SEL}}})",
+                "{{upstream}} {{model}}")],
+        "percentunit", steps(GREEN, (0.8, YELLOW), (0.95, RED)), max_=1, fill=10))
+    d.add(timeseries(
+        "Engine requests running and waiting",
+        "The engine's own count of requests being generated and waiting in its scheduler "
+        "(vLLM num_requests_running / waiting; llama-server busy slots; max over replicas). "
+        "Waiting here and not in phasewatch's queue means the engine is the bottleneck.",
+        [target(f"max by (upstream, model) (phasewatch_engine_requests_running{{{SEL}}})",
+                "running {{upstream}} {{model}}"),
+         target(f"max by (upstream, model) (phasewatch_engine_requests_waiting{{{SEL}}})",
+                "waiting {{upstream}} {{model}}", ref="B")],
+        "short", steps(GREEN, (16, YELLOW), (64, RED)), decimals=0, fill=10))
+
     d.row("Upstreams and models")
     d.add(stat(
         "Upstreams",
