@@ -32,15 +32,38 @@ if TYPE_CHECKING:
 log = logging.getLogger("phasewatch")
 
 _PROBE_TIMEOUT = 5.0
+#: Most bytes read from one answer to the proxy's own probes and scrapes: a broken or
+#: hostile engine must not make the proxy hold an unbounded body in memory.
+MAX_PROBE_BYTES = 8 * 1024 * 1024
+
+
+class TooLarge(ValueError):
+    """An engine's answer to a probe was longer than MAX_PROBE_BYTES."""
+
+
+async def read_bounded(client: httpx.AsyncClient, method: str, path: str, body=None,
+                       limit: int = MAX_PROBE_BYTES) -> tuple[int, bytes]:
+    """(status, body) of a probe, reading at most `limit` bytes (TooLarge beyond)."""
+    async with client.stream(method, path, json=body, timeout=_PROBE_TIMEOUT) as resp:
+        chunks, size = [], 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"{path} answered more than {limit} bytes")
+            chunks.append(chunk)
+        return resp.status_code, b"".join(chunks)
 
 
 async def _json(client: httpx.AsyncClient, method: str, path: str, body=None):
     """(status, parsed JSON or None); raises httpx.HTTPError when nothing answers."""
-    resp = await client.request(method, path, json=body, timeout=_PROBE_TIMEOUT)
     try:
-        return resp.status_code, resp.json()
-    except ValueError:
-        return resp.status_code, None
+        status, raw = await read_bounded(client, method, path, body)
+    except TooLarge:
+        return 200, None
+    try:
+        return status, json.loads(raw)
+    except (ValueError, RecursionError):
+        return status, None
 
 
 async def detect_engine(client: httpx.AsyncClient) -> str | None:

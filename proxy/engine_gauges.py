@@ -20,12 +20,15 @@ A scrape that fails leaves the gauges as they were and sets
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from .detect import read_bounded
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -131,26 +134,26 @@ class EngineGauges:
         u = self.u
         client = u.client
         if u.engine == "ollama":
-            resp = await client.get("/api/ps", timeout=5.0)
-            return ollama_ps(resp.json()) if resp.status_code == 200 else None
+            status, body = await read_bounded(client, "GET", "/api/ps")
+            return ollama_ps(json.loads(body)) if status == 200 else None
         if u.engine == "llamacpp":
             # /slots first: every /metrics scrape resets llama-server's throughput gauges
             # for whoever else scrapes it; /metrics only where /slots is off (--no-slots)
             only = next(iter(u.models)) if len(u.models) == 1 else ""
-            slots = await client.get("/slots", timeout=5.0)
-            if slots.status_code == 200:
-                state = slots_state(slots.json())
+            status, body = await read_bounded(client, "GET", "/slots")
+            if status == 200:
+                state = slots_state(json.loads(body))
                 return {only: state} if state else None
-            resp = await client.get("/metrics", timeout=5.0)
-            state = parse_prometheus(resp.text, _LLAMA, only) if resp.status_code == 200 else {}
+            status, body = await read_bounded(client, "GET", "/metrics")
+            state = parse_prometheus(body.decode("utf-8", "replace"), _LLAMA, only) if status == 200 else {}
             return state or None
-        resp = await client.get("/metrics", timeout=5.0)
-        return parse_prometheus(resp.text, _VLLM) if resp.status_code == 200 else None
+        status, body = await read_bounded(client, "GET", "/metrics")
+        return parse_prometheus(body.decode("utf-8", "replace"), _VLLM) if status == 200 else None
 
     async def scrape(self) -> bool:
         try:
             state = await self.read()
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, RecursionError):  # TooLarge is a ValueError
             state = None
         self.m.engine_scrape_up.labels(self.u.name, self.u.engine).set(1 if state is not None else 0)
         if state is None:

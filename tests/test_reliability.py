@@ -521,3 +521,40 @@ def test_stalled_readers_push_back_to_the_engine(scripted):
             s.close()
         proxy.stop()
         engine.mode = "echo"
+
+
+class HugeMetricsEngine:
+    """An engine whose /metrics never ends: the proxy's scrape must stop reading it."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                await send({"type": msg["type"] + ".complete"})
+                if msg["type"] == "lifespan.shutdown":
+                    return
+        if scope["path"] == "/v1/models":
+            await ScriptedEngine._send(send, 200, b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}')
+            return
+        if scope["path"] != "/metrics":
+            await ScriptedEngine._send(send, 404, b'{"detail":"Not Found"}')
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain")]})
+        line = b'vllm:num_requests_running{model_name="m"} 1.0\n' * 20000
+        for _ in range(512):  # ~450 MiB
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def test_a_huge_engine_metrics_page_is_not_read_whole():
+    server = ThreadServer(HugeMetricsEngine(), free_port()).start()
+    proxy = start_proxy(f"huge={server.url}", args=["--engine", "huge=vllm", "--engine-scrape", "0.5"])
+    try:
+        time.sleep(3)
+        s = metric_samples(proxy.url)
+        assert sample(s, "phasewatch_engine_scrape_up", upstream="huge") == 0
+        assert _rss_mib(proxy.proc.pid) < 200
+    finally:
+        proxy.stop()
+        server.stop()
