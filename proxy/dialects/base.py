@@ -106,6 +106,20 @@ def error_message(obj) -> str:
     return "upstream error"
 
 
+def settle(tap: Tap, out: Outcome, terminator: str) -> Outcome:
+    """How a stream ended, from what its tap saw: an error event, no terminator (the
+    engine cut it short: named in the message), or a normal end."""
+    if tap.error_payload is not None:
+        out.error_kind = "midstream"
+        out.error_message = error_message(loads(tap.error_payload))
+    elif not tap.done:
+        out.error_kind = "truncated"
+        out.error_message = f"stream ended without {terminator}"
+    else:
+        out.finished = True
+    return out
+
+
 def as_int(value) -> int | None:
     if isinstance(value, bool):
         return None

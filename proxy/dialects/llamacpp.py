@@ -21,7 +21,7 @@ import json
 import re
 
 from ..timeline import EngineTimings, Marks
-from .base import OUTPUT_RE, USAGE_RE, Outcome, Prepared, Tap, as_int, error_message, loads
+from .base import OUTPUT_RE, USAGE_RE, Outcome, Prepared, Tap, as_int, loads, settle
 from .openai import OpenAIDialect
 
 _TIMINGS_RE = re.compile(rb'"timings":\s*\{')
@@ -128,15 +128,7 @@ class LlamaCppDialect(OpenAIDialect):
         timings_obj = loads(tap.timings_payload)
         if isinstance(timings_obj, dict):
             read_timings(timings_obj, out)
-        if tap.error_payload is not None:
-            out.error_kind = "midstream"
-            out.error_message = error_message(loads(tap.error_payload))
-        elif not tap.done:
-            out.error_kind = "truncated"
-            out.error_message = "stream ended without its last event"
-        else:
-            out.finished = True
-        return out
+        return settle(tap, out, "its last event")
 
 
 def read_timings(obj: dict, out: Outcome) -> None:

@@ -23,7 +23,7 @@ import json
 import re
 
 from ..timeline import EngineTimings, Marks, Usage
-from .base import Outcome, Prepared, Tap, as_int, error_message, loads
+from .base import Outcome, Prepared, Tap, as_int, error_message, loads, settle
 from .openai import OpenAIDialect, SSETap
 
 #: A native line carrying generated output: non-empty text, thinking or tool calls.
@@ -162,15 +162,7 @@ class OllamaDialect(OpenAIDialect):
             obj = loads(tap.timings_payload)
             if isinstance(obj, dict):
                 read_done_line(obj, out)
-            if tap.error_payload is not None:
-                out.error_kind = "midstream"
-                out.error_message = error_message(loads(tap.error_payload))
-            elif not tap.done:
-                out.error_kind = "truncated"
-                out.error_message = "stream ended without its done line"
-            else:
-                out.finished = True
-            return out
+            return settle(tap, out, "its done line")
         if tap is None and status < 400:
             obj = loads(body)
             if isinstance(obj, dict) and "choices" not in obj and "done" in obj:

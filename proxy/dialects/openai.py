@@ -16,7 +16,8 @@ import json
 import re
 
 from ..timeline import Marks, Usage
-from .base import EMPTY_CHOICES_RE, Outcome, Prepared, Tap, as_int, error_message, has_usage, is_finish, is_output, loads
+from .base import (EMPTY_CHOICES_RE, Outcome, Prepared, Tap, as_int, error_message, has_usage,
+                   is_finish, is_output, loads, settle)
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -204,15 +205,7 @@ class OpenAIDialect:
         obj = loads(tap.usage_payload)
         if isinstance(obj, dict):
             self._read_usage(obj, out.usage)
-        if tap.error_payload is not None:
-            out.error_kind = "midstream"
-            out.error_message = error_message(loads(tap.error_payload))
-        elif not tap.done:
-            out.error_kind = "truncated"
-            out.error_message = "stream ended without [DONE]"
-        else:
-            out.finished = True
-        return out
+        return settle(tap, out, "[DONE]")
 
     @staticmethod
     def _read_usage(obj: dict, usage: Usage) -> None:
