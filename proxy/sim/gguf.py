@@ -1,5 +1,5 @@
 """What the simulated GGUF engines (Ollama, llama-server) share: their model catalogue at
-GGUF precisions, a one-slot prefix cache, and small ASGI helpers.
+GGUF precisions and a one-slot prefix cache.
 
 GGUF formats on the physics of :mod:`proxy.sim.physics`: F16 reads 2 bytes per weight,
 Q8_0 ~1.06, Q4_K_M ~0.60 (4.85 bits with its scales and the higher-precision layers it
@@ -8,8 +8,6 @@ keeps), so decode speeds up ~3x from F16 to Q4_K_M while prefill gains far less.
 
 from __future__ import annotations
 
-import asyncio
-import json
 from dataclasses import dataclass
 
 from .engine import Truth
@@ -71,47 +69,6 @@ class PrefixCache:
             n += 1
         self._last[model] = tokens
         return min(n, max(0, len(tokens) - 1))
-
-
-async def read_body(receive) -> bytes:
-    chunks = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b""
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-def loads(raw: bytes):
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-
-
-async def watch(receive, task: asyncio.Task, gone: asyncio.Event, state: dict) -> None:
-    """Cancel the generating task when the client hangs up before the end."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            if state.get("finished"):
-                return
-            gone.set()
-            task.cancel()
-            return
-
-
-async def lifespan(receive, send, engine) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            engine.close()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 def chat_text(messages) -> str:

@@ -27,8 +27,8 @@ import time
 
 from .engine import SimEngine, plan_output, tokenize
 from .power import dcgm_metrics
-from .gguf import (FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text, lifespan,
-                   loads, read_body, watch)
+from .asgi import lifespan, loads, read_body, watch
+from .gguf import FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text
 
 BUILD = "b6250-e92734d5"
 N_CTX = 4096

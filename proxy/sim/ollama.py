@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 
 from .engine import SimEngine, plan_output, tokenize
 from .power import dcgm_metrics
-from .gguf import (FILE_TYPES, EngineTruth, PrefixCache, chat_text, lifespan, loads, read_body,
-                   watch)
+from .asgi import lifespan, loads, read_body, watch
+from .gguf import FILE_TYPES, EngineTruth, PrefixCache, chat_text
 
 VERSION = "0.12.3"
 KEEP_ALIVE = 300.0

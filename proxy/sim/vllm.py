@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 
+from .asgi import lifespan, loads, read_body, watch
 from .engine import SimEngine, Truth, count_tokens, plan_output, tokenize
 from .power import dcgm_metrics
 
@@ -63,14 +64,8 @@ class VLLMSim:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    self.engine.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send, self.engine)
+            return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
@@ -134,7 +129,7 @@ class VLLMSim:
         return "\n".join(lines) + "\n" + dcgm_metrics(self.engine)
 
     async def tokenize(self, receive, send) -> None:
-        obj = _loads(await _body(receive))
+        obj = loads(await read_body(receive))
         if not isinstance(obj, dict):
             await _json(send, 400, error_body(400, "invalid JSON", "Bad Request", "body"))
             return
@@ -194,8 +189,7 @@ class VLLMSim:
 
     async def generate(self, scope, receive, send, chat: bool) -> None:
         t_recv = time.monotonic()
-        raw = await _body(receive)
-        obj = _loads(raw)
+        obj = loads(await read_body(receive))
         try:
             me, model_id, stream, text, prompt_tokens, max_tokens = self._validate(obj, chat)
         except BadRequest as exc:
@@ -218,7 +212,7 @@ class VLLMSim:
                          include_usage, continuous)
         task = asyncio.current_task()
         gone = asyncio.Event()
-        watcher = asyncio.create_task(_watch(receive, task, gone, writer))
+        watcher = asyncio.create_task(watch(receive, task, gone, writer.state))
         key = self.engine.next_key()
         admitted = False
         try:
@@ -275,7 +269,7 @@ class _Writer:
         self.prompt_tokens = prompt_tokens
         self.include_usage = include_usage
         self.continuous = continuous
-        self.finished = False
+        self.state = {"finished": False}  # read by the hang-up watch
 
     async def start_stream(self) -> None:
         await self.send({"type": "http.response.start", "status": 200, "headers": [
@@ -316,7 +310,7 @@ class _Writer:
             await self._event(self.head + '"choices":[],' + self._usage(completion, False)
                               + f',"system_fingerprint":"{self.fingerprint}"}}')
         await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
-        self.finished = True
+        self.state["finished"] = True
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def whole(self, text: str, finish: str, completion: int) -> None:
@@ -339,7 +333,7 @@ class _Writer:
                     '"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}],'
                     f'"service_tier":null,"system_fingerprint":"{self.fingerprint}",{usage},'
                     '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}')
-        self.finished = True
+        self.state["finished"] = True
         await _json(self.send, 200, body.encode())
 
 
@@ -348,32 +342,3 @@ async def _json(send, status: int, body: bytes, extra=None) -> None:
         (b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
         (b"vary", b"Origin")] + (extra or [])})
     await send({"type": "http.response.body", "body": body})
-
-
-async def _body(receive) -> bytes:
-    chunks = []
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b""
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-def _loads(raw: bytes):
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-async def _watch(receive, task: asyncio.Task, gone: asyncio.Event, writer: "_Writer") -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            if writer.finished:
-                return
-            gone.set()
-            task.cancel()
-            return
