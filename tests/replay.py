@@ -1,6 +1,6 @@
 """A replay upstream: serves recorded engine responses for the requests that produced them.
 
-Captures live in ``../shared/fixtures/vllm-real/{raw,raw-words}``: ``NAME.request.http``
+Captures live in ``tests/fixtures/vllm-real/{raw,raw-words}``: ``NAME.request.http``
 (the bytes the recorder sent), ``NAME.headers.txt`` and ``NAME.body`` (what vLLM answered).
 A request is matched to a capture by its JSON body (key order ignored), so when the proxy
 injects ``stream_options.include_usage`` the replay serves the include_usage capture, just
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import uvicorn
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-VLLM_REAL = SHARED / "fixtures" / "vllm-real"
+#: The real-engine captures and wire fixtures this suite reads: all inside the repository.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+VLLM_REAL = FIXTURES / "vllm-real"
 
 _ID = re.compile(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"')
 _CREATED = re.compile(rb'"created":\d+')

@@ -1,5 +1,5 @@
 """Replay upstreams for the Ollama / llama-server wire fixtures and the real llama-server
-captures (``../shared/fixtures/wire`` and ``../shared/fixtures/llama-server/captures``).
+captures (``tests/fixtures/wire`` and ``tests/fixtures/llama-server/captures``).
 
 - :class:`WireReplay` serves the constructed fixtures of fixtures/wire, chosen by an
   ``x-fixture`` request header (the proxy forwards it). When the request asks for usage
@@ -15,10 +15,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from .replay import SHARED
+from .replay import FIXTURES
 
-WIRE = SHARED / "fixtures" / "wire"
-LLAMA = SHARED / "fixtures" / "llama-server" / "captures"
+WIRE = FIXTURES / "wire"
+LLAMA = FIXTURES / "llama-server" / "captures"
 
 #: Fixtures that only exist with usage: the plain variant, derived independently by
 #: parsing each event (dropping the usage event and every "usage" key) and re-encoding it
