@@ -1,6 +1,6 @@
 """``python -m proxy`` is the same as ``phasewatch``."""
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,31 +1,33 @@
-"""ASGI wiring: the proxy's own routes, the relay for everything else, and lifespan.
+"""The proxy as one ASGI application: a raw dispatcher in front of the relay.
 
-A plain ASGI callable rather than a framework router: every request that is not one
-of the proxy's own few paths goes straight to the relay without a routing table.
+Every request that is not one of phasewatch's own few paths goes straight to the relay
+without a routing table (the per-request and per-event costs stay the relay's own).
+``/phasewatch/…`` (and ``/`` for browsers) goes to the own API (:mod:`proxy.api`, a
+FastAPI app); ``/metrics`` to prometheus-client's exposition, unless the metrics have an
+address of their own (then the proxy port relays ``/metrics`` to the engine).
 """
 
 from __future__ import annotations
 
 import logging
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import make_asgi_app
 
 from . import __version__
-from .access import Access
-from .metrics import Metrics
-from .power import PowerService
-from .precision import PrecisionTable
-from .record import Recorder
-from .relay import Relay
+from .api import PREFIX, build_api, wants_page
+from .core import Access, Relay, Upstream, Upstreams
+from .core.asgi import Receive, Scope, Send
+from .core.errors import send_error
+from .measure.metrics import Metrics
+from .measure.recorder import Recorder
+from .services import engine_state
+from .services.power import PowerService
+from .services.status import StatusPage
 from .settings import Settings
-from .status import StatusPage, wants_page
-from .upstreams import Upstream, Upstreams
 
-log = logging.getLogger("phasewatch")
+log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
-HEALTH_PATH = "/phasewatch/health"
-DEBUG_PATH = "/phasewatch/debug"
 
 
 class ProxyApp:
@@ -35,109 +37,92 @@ class ProxyApp:
                  primary: bool = True) -> None:
         self.settings = settings
         #: The one process per host that runs host-wide side services (the GPU power
-        #: sampler): False in all but worker 0 under --workers N (proxy.workers).
+        #: sampler): False in all but worker 0 under --workers N (proxy.runtime.workers).
         self.primary = primary
         self.metrics = metrics or Metrics()
-        engines = settings.pairs("engine")
-        overrides = settings.pairs("precision")
-        self.upstreams = Upstreams([
-            # a precision table per upstream: one model name can be served at different
-            # precisions by different engines (the side-by-side comparison the tool is for)
-            Upstream(name, url, engine=engines.get(name), metrics=self.metrics,
-                     precision=PrecisionTable(overrides, model_dir=settings.model_dir),
-                     extra_models=settings.models,
-                     max_models=settings.max_models,
-                     connect_timeout=settings.connect_timeout,
-                     read_timeout=settings.read_timeout,
-                     max_concurrency=settings.max_concurrency,
-                     max_queue=settings.max_queue, queue_timeout=settings.queue_timeout,
-                     client=settings.upstream_client,
-                     api_key=settings.upstream_keys().get(name))
-            for name, url in settings.upstream_specs()
-        ])
-        self.recorder = Recorder(self.metrics, settings.log_format)
+        options = settings.upstream_options()
+        self.upstreams = Upstreams([Upstream(spec, options, self.metrics)
+                                    for spec in settings.upstreams])
+        self.recorder = Recorder(self.metrics, access_lines=settings.log_format != "none")
         # GPU power: a side service sampling on its own thread, hooked into the recorder.
-        self.power = PowerService(settings, self.metrics, self.upstreams)
+        self.power = PowerService(settings.power_options(), self.metrics, self.upstreams)
         self.recorder.listeners.append(self.power.on_request)
-        # The live status page (/phasewatch/, and / for browsers): proxy.status, fed by the
-        # recorder with one point per finished request.
-        self.status = StatusPage(self)
+        # The live status page, fed by the recorder with one point per finished request.
+        self.status = StatusPage(self.metrics, self.upstreams)
         self.recorder.listeners.append(self.status.on_request)
+        self.access = Access(settings.api_keys, settings.upstream_keys)
         self.relay = Relay(self.upstreams, self.recorder, inject_usage=settings.inject_usage,
-                           max_body_bytes=settings.max_body_bytes,
-                           access=Access([k.get_secret_value() for k in settings.api_key],
-                                         settings.upstream_keys()))
-        #: /metrics on the proxy port, unless it has its own address (then the proxy port
-        #: relays /metrics to the engine like any other path).
+                           max_body_bytes=settings.max_body_bytes, access=self.access)
+        self.api = build_api(relay=self.relay, upstreams=self.upstreams, status=self.status,
+                             access=self.access)
+        self.exposition = make_asgi_app(self.metrics.exposition)
+        #: /metrics on the proxy port, unless it has its own address.
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
 
     async def startup(self) -> None:
-        await self.upstreams.start(self.settings.model_refresh, self.settings.engine_scrape)
+        """Start the background work; the proxy serves from the first moment, each engine
+        is detected and its models read in the background."""
+        s = self.settings
+        self.upstreams.start(s.model_refresh)
+        engine_state.start(self.upstreams, self.metrics, s.engine_scrape)
         if self.primary:  # once per host, not per worker: energy must not count N times
-            self.power.start()  # after the model lists, so GPU labels name the models
+            self.power.start()
         for u in self.upstreams.all:
             log.info("phasewatch %s relaying to %s = %s (engine %s)", __version__, u.name, u.url,
-                     u.engine)
+                     u.engine if u.spec.engine else "detected in the background")
 
     async def shutdown(self) -> None:
         self.power.stop()
         await self.upstreams.stop()
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path == METRICS_PATH and self.serve_metrics and scope["method"] in ("GET", "HEAD"):
-                await self._metrics(send)
-            elif path == DEBUG_PATH:
-                await self._debug(send)
-            elif path == HEALTH_PATH:
-                if self.relay.draining:
-                    await _plain(send, 503, b"draining\n")
-                else:
-                    await _plain(send, 200, b"ok\n")
-            elif self.serve_metrics and wants_page(scope):
-                await self.status(scope, receive, send)  # status page (proxy.status)
+            if path.startswith(PREFIX) and (len(path) == len(PREFIX) or path[len(PREFIX)] == "/"):
+                await self.api(scope, receive, send)
+            elif path == METRICS_PATH and self.serve_metrics and scope["method"] in ("GET", "HEAD"):
+                await self.metrics_endpoint(scope, receive, send)
+            elif path == "/" and wants_page(scope):
+                await self.api(scope, receive, send)
             else:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
-    async def metrics_app(self, scope, receive, send) -> None:
-        """The ASGI app of the separate metrics address (--metrics-host/--metrics-port)."""
+    async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/metrics on the proxy port: with proxy keys set it needs one, unless
+        --metrics-public (a separate --metrics-port is for Prometheus alone)."""
+        if not self.settings.metrics_public and not self.access.allowed(scope["headers"], basic=True):
+            await send_error(send, 401, "missing or invalid phasewatch API key (or run with "
+                             "--metrics-public, or --metrics-port for a port of its own)",
+                             "authentication_error",
+                             [(b"www-authenticate", b'Bearer realm="phasewatch"')])
+            return
+        await self.exposition(scope, receive, send)
+
+    async def metrics_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app of the separate metrics address (--metrics-host/--metrics-port):
+        /metrics, and the own API."""
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 while (await receive())["type"] != "lifespan.shutdown":
                     await send({"type": "lifespan.startup.complete"})
                 await send({"type": "lifespan.shutdown.complete"})
             return
-        if scope["path"] == METRICS_PATH:
-            await self._metrics(send)
-        elif wants_page(scope):
-            await self.status(scope, receive, send)  # status page (proxy.status)
+        path = scope["path"]
+        if path == METRICS_PATH:
+            await self.exposition(scope, receive, send)
+        elif path.startswith(PREFIX) or (path == "/" and wants_page(scope)):
+            await self.api(scope, receive, send)
         else:
-            await _plain(send, 404, b"only /metrics here\n")
+            body = b"only /metrics and /phasewatch/ here\n"
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
-    async def _debug(self, send) -> None:
-        """Counts that show leaks: tasks alive and requests in flight (no request data)."""
-        import asyncio
-        import json
-
-        body = json.dumps({"tasks": len(asyncio.all_tasks()), "busy": self.relay.busy(),
-                           "draining": self.relay.draining}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _metrics(self, send) -> None:
-        body = generate_latest(self.metrics.exposition)  # all workers' under --workers N
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _lifespan(self, receive, send) -> None:
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
@@ -151,10 +136,3 @@ class ProxyApp:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-
-async def _plain(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

@@ -1,20 +1,30 @@
-"""Proxy settings: one typed model, filled from flags and ``PHASEWATCH_*`` variables.
+"""Proxy settings: one model, filled from flags and ``PHASEWATCH_*`` variables, parsed once
+into the typed objects the rest of the proxy takes.
 
-The command line (proxy.cli) builds its flags from these fields, so a setting exists
-once, with one description, used for both ``--help`` and the README's table.
+The command line (proxy.tools.cli) builds its flags from these fields, so a setting exists
+once, with one description, used for both ``--help`` and the README's table. Lists arrive
+as strings (``name=value`` pairs, URLs); they are checked and split here, once, into
+:class:`~proxy.core.upstreams.UpstreamSpec`, :class:`~proxy.core.upstreams.UpstreamOptions`
+and :class:`~proxy.services.power.PowerOptions`; nothing downstream splits a string again.
+An empty variable (``PHASEWATCH_POWER_DCGM_URL=``) counts as unset.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .core.upstreams import UpstreamOptions, UpstreamSpec
+from .engines import ENGINES
+from .services.power import PowerOptions
+from .transport import ClientOptions
 
-def _split_list(value):
+
+def _split_list(value: Any) -> Any:
     """Accept a JSON list, or a comma/space separated string (friendlier in env files)."""
     if isinstance(value, str):
         text = value.strip()
@@ -48,7 +58,12 @@ def parse_upstream(spec: str) -> tuple[str | None, str]:
 class Settings(BaseSettings):
     """Every setting of ``phasewatch serve``."""
 
-    model_config = SettingsConfigDict(env_prefix="PHASEWATCH_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="PHASEWATCH_", extra="ignore",
+                                      env_ignore_empty=True)
+
+    _upstreams: tuple[UpstreamSpec, ...] = PrivateAttr(default=())
+    _precision: dict[str, str] = PrivateAttr(default_factory=dict)
+    _power_gpu: dict[str, str] = PrivateAttr(default_factory=dict)
 
     upstream: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -119,6 +134,10 @@ class Settings(BaseSettings):
     metrics_host: str | None = Field(
         None, description="Serve /metrics on its own address instead of the proxy port "
         "(the proxy port then relays /metrics to the engine).")
+    metrics_public: bool = Field(
+        False, description="Serve /metrics on the proxy port without a key even when "
+        "--api-key is set (by default it then needs one, like every own route but the "
+        "health and readiness probes).")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Port for --metrics-host (default: the proxy's "
         "host when only the port is given).")
@@ -130,7 +149,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level.")
 
-    # GPU power (proxy.power)
+    # GPU power (proxy.services.power)
     power_source: Literal["auto", "nvml", "dcgm", "none"] = Field(
         "auto", description="Where GPU power is read: nvml (this host's GPUs), dcgm (a "
         "DCGM-exporter /metrics URL, for GPUs on another host), none, or auto (dcgm when "
@@ -148,7 +167,7 @@ class Settings(BaseSettings):
 
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
-    def _secret_lists(cls, value):
+    def _secret_lists(cls, value: Any) -> Any:
         return _split_list(value)
 
     @field_validator("upstream_key")
@@ -160,12 +179,9 @@ class Settings(BaseSettings):
                 raise ValueError("each upstream key must be name=KEY (value not shown)")
         return value
 
-    def upstream_keys(self) -> dict[str, str]:
-        return dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
-
     @field_validator("upstream", "engine", "precision", "models", mode="before")
     @classmethod
-    def _lists(cls, value):
+    def _lists(cls, value: Any) -> Any:
         return _split_list(value)
 
     @field_validator("upstream")
@@ -188,23 +204,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"{item!r} is not a name=value pair")
         return value
 
-    def upstream_specs(self) -> list[tuple[str, str]]:
-        """(name, base URL) per upstream; unnamed ones are named by host:port."""
-        out = []
-        for spec in self.upstream:
-            name, url = parse_upstream(spec)
-            if name is None:
-                parts = urlsplit(url)
-                name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
-            out.append((name, url))
-        return out
-
-    def pairs(self, field: str) -> dict[str, str]:
-        return dict(item.split("=", 1) for item in getattr(self, field))
-
     @field_validator("power_gpu", mode="before")
     @classmethod
-    def _power_gpu_list(cls, value):
+    def _power_gpu_list(cls, value: Any) -> Any:
         return _split_list(value)
 
     @field_validator("power_gpu")
@@ -229,7 +231,59 @@ class Settings(BaseSettings):
                 raise ValueError(f"{value!r} is not an http(s) URL")
         return value
 
-    def power_gpu_map(self) -> dict[str, str]:
-        """GPU -> upstream name or model name, from --power-gpu."""
-        return {gpu.strip(): target.strip() for gpu, _, target in
-                (item.partition("=") for item in self.power_gpu)}
+    # --- the typed views, parsed once -----------------------------------------------------
+
+    @model_validator(mode="after")
+    def _parse(self) -> "Settings":
+        keys = dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
+        engines = dict(item.split("=", 1) for item in self.engine)
+        specs = []
+        for spec in self.upstream:
+            name, url = parse_upstream(spec)
+            if name is None:
+                parts = urlsplit(url)
+                name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+            specs.append(UpstreamSpec(name, url, engine=engines.get(name), api_key=keys.get(name)))
+        names = {s.name for s in specs}
+        for name, engine in engines.items():
+            if engine not in ENGINES:
+                raise ValueError(f"--engine: {engine!r} is not an engine phasewatch knows "
+                                 f"({', '.join(sorted(ENGINES))})")
+            if specs and name not in names:
+                raise ValueError(f"--engine: no upstream is named {name!r} (upstreams: "
+                                 f"{', '.join(sorted(names))})")
+        for name in keys:
+            if specs and name not in names:
+                raise ValueError(f"--upstream-key: no upstream is named {name!r} (upstreams: "
+                                 f"{', '.join(sorted(names))})")
+        self._upstreams = tuple(specs)
+        self._precision = dict(item.split("=", 1) for item in self.precision)
+        self._power_gpu = {gpu.strip(): target.strip() for gpu, _, target in
+                           (item.partition("=") for item in self.power_gpu)}
+        return self
+
+    @property
+    def upstreams(self) -> tuple[UpstreamSpec, ...]:
+        """Every upstream, named (unnamed ones by host:port), with its engine and key."""
+        return self._upstreams
+
+    def upstream_options(self) -> UpstreamOptions:
+        """What every upstream shares."""
+        return UpstreamOptions(
+            client=ClientOptions(self.upstream_client, self.connect_timeout, self.read_timeout),
+            max_concurrency=self.max_concurrency, max_queue=self.max_queue,
+            queue_timeout=self.queue_timeout, max_models=self.max_models,
+            extra_models=frozenset(self.models),
+            precision_overrides=tuple(self._precision.items()), model_dir=self.model_dir)
+
+    def power_options(self) -> PowerOptions:
+        return PowerOptions(self.power_source, self.power_dcgm_url, self.power_interval,
+                            dict(self._power_gpu))
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [k.get_secret_value() for k in self.api_key]
+
+    @property
+    def upstream_keys(self) -> dict[str, str]:
+        return {s.name: s.api_key for s in self._upstreams if s.api_key}

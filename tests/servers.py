@@ -88,8 +88,16 @@ def parse_logfmt(text: str) -> dict:
     return out
 
 
+def _probed(resp: httpx.Response) -> bool:
+    """The proxy's readiness answer says every upstream was probed (up or not)."""
+    try:
+        return all(u["up"] is not None for u in resp.json()["upstreams"])
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 def _spawn(args: list[str], port: int, ready_path: str, env: dict | None = None,
-           timeout: float = 30.0) -> tuple[subprocess.Popen, Path]:
+           timeout: float = 30.0, ready=lambda resp: resp.status_code < 500) -> tuple[subprocess.Popen, Path]:
     log = Path(tempfile.mkstemp(prefix="pw-", suffix=".log")[1])
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT, env=full_env,
@@ -100,7 +108,7 @@ def _spawn(args: list[str], port: int, ready_path: str, env: dict | None = None,
         if proc.poll() is not None:
             raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()}")
         try:
-            if httpx.get(url + ready_path, timeout=1.0).status_code < 500:
+            if ready(httpx.get(url + ready_path, timeout=1.0)):
                 return proc, log
         except httpx.HTTPError:
             pass
@@ -126,7 +134,8 @@ def start_proxy(*upstreams: str, env: dict | None = None, args: list[str] | None
     cli = ["serve", "--port", str(port)]
     for u in upstreams:
         cli += ["--upstream", u]
-    proc, log = _spawn(cli + (args or []), port, "/phasewatch/health", env=env)
+    # ready once every upstream's engine was probed (detection runs in the background)
+    proc, log = _spawn(cli + (args or []), port, "/phasewatch/ready", env=env, ready=_probed)
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
 

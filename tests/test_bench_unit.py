@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from proxy.bench import Client, Prompts, _ints
+from proxy.tools.bench import Client, Prompts, _ints
 
 
 def _client(handler) -> Client:

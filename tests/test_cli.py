@@ -55,7 +55,7 @@ def test_env_vars_and_flags():
         os.environ["PHASEWATCH_UPSTREAM"] = "a=http://127.0.0.1:1, b=http://127.0.0.1:2"
         os.environ["PHASEWATCH_MAX_CONCURRENCY"] = "4"
         s = Settings()
-        assert s.upstream_specs() == [("a", "http://127.0.0.1:1"), ("b", "http://127.0.0.1:2")]
+        assert [(u.name, u.url) for u in s.upstreams] == [("a", "http://127.0.0.1:1"), ("b", "http://127.0.0.1:2")]
         assert s.max_concurrency == 4
         s = Settings(max_concurrency=8)  # a flag wins over the environment
         assert s.max_concurrency == 8

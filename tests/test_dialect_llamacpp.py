@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects.llamacpp import LlamaCppDialect, LlamaTap
-from proxy.timeline import Marks
+from proxy.engines.llamacpp import LlamaCppDialect, LlamaTap
+from proxy.measure.timeline import Marks
 
 from .streams import run, splits
 from .replay import ThreadServer

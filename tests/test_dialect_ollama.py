@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects.base import Prepared
-from proxy.dialects.ollama import NDJSONTap, OllamaDialect, OllamaSSETap
-from proxy.timeline import Marks, figures
+from proxy.engines.base import Prepared
+from proxy.engines.ollama import NDJSONTap, OllamaDialect, OllamaSSETap
+from proxy.measure.timeline import Marks, figures
 
 from .streams import run, splits
 from .replay import ThreadServer
@@ -156,7 +156,8 @@ def test_v1_inject_only_when_the_client_did_not_ask():
 def wire():
     app = WireReplay("ollama")
     server = ThreadServer(app, free_port()).start()
-    proxy = start_proxy(f"wire={server.url}")  # detected as Ollama from /api/version
+    # detected as Ollama from /api/version; no state scrapes in between the replays
+    proxy = start_proxy(f"wire={server.url}", args=["--engine-scrape", "0"])
     yield app, server, proxy
     proxy.stop()
     server.stop()

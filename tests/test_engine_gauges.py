@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from proxy.engine_gauges import _LLAMA, _VLLM, ollama_ps, parse_prometheus, slots_state
+from proxy.engines.llamacpp import GAUGES as _LLAMA
+from proxy.engines.llamacpp import slots_state
+from proxy.engines.ollama import ollama_ps
+from proxy.engines.prometheus import parse_prometheus
+from proxy.engines.vllm import GAUGES as _VLLM
 
 from .replay_wire import LLAMA, WIRE
 

@@ -143,7 +143,7 @@ def test_engine_redetected_when_the_upstream_comes_back():
 def test_one_model_name_at_two_precisions_on_two_upstreams():
     """The same model name served by two engines keeps each engine's precision."""
     from proxy.app import ProxyApp
-    from proxy.precision import Precision
+    from proxy.measure.precision import Precision
     from proxy.settings import Settings
 
     app = ProxyApp(Settings(upstream=["gguf=http://127.0.0.1:9", "hf=http://127.0.0.1:10"],

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.cli import build_parser
+from proxy.tools.cli import build_parser
 from proxy.settings import Settings
 
 from .servers import ROOT
@@ -115,13 +115,13 @@ def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
                            if k not in ("PHASEWATCH_UPSTREAM", "PHASEWATCH_POWER_GPU")},
                         upstream=_default(env["PHASEWATCH_UPSTREAM"]),
                         power_gpu=_default(env["PHASEWATCH_POWER_GPU"]))
-    (name, url), = settings.upstream_specs()
+    (name, url), = [(u.name, u.url) for u in settings.upstreams]
     host, port = urlsplit(url).hostname, urlsplit(url).port
     assert host == "simulator" and str(port) in services["simulator"]["command"]
     assert urlsplit(settings.power_dcgm_url).hostname == "simulator"
     from proxy.sim.physics import DEFAULT_MODELS
 
-    assert settings.power_gpu_map() == {str(i): m.id for i, m in enumerate(DEFAULT_MODELS)}
+    assert settings.power_options().gpu_map == {str(i): m.id for i, m in enumerate(DEFAULT_MODELS)}
     assert f"{settings.port}:{settings.port}" in services["phasewatch"]["ports"]
 
 
@@ -191,7 +191,7 @@ def test_dockerfile_small_nonroot_with_healthcheck():
             assert (ROOT / path).exists(), f"COPY {path}: not in the repository"
     assert 'ENTRYPOINT ["phasewatch"]' in text
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'phasewatch = "proxy.cli:main"' in pyproject
+    assert 'phasewatch = "proxy.tools.cli:main"' in pyproject
     ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text()
     assert "!proxy/" in ignore
 

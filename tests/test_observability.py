@@ -411,7 +411,7 @@ def engines_simulated() -> list[str]:
 
 
 def proxy_flags() -> set[str]:
-    from proxy.cli import build_parser
+    from proxy.tools.cli import build_parser
 
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001

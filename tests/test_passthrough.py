@@ -22,7 +22,7 @@ FOLDERS = ("raw-words", "raw")
 def replay(request):
     app = ReplayApp(VLLM_REAL / request.param)
     server = ThreadServer(app, free_port()).start()
-    proxy = start_proxy(f"vllm={server.url}")
+    proxy = start_proxy(f"vllm={server.url}", args=["--engine-scrape", "0"])
     yield app, server, proxy
     proxy.stop()
     server.stop()

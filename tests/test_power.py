@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from proxy.metrics import Metrics
-from proxy.power import (EnergyMeter, GpuMap, NvmlSource, PowerSampler, PowerService, Reading,
+from proxy.measure.metrics import Metrics
+from proxy.services.power import (EnergyMeter, GpuMap, NvmlSource, PowerSampler, PowerService, Reading,
                          integrate, parse_dcgm)
-from proxy.precision import Precision
+from proxy.measure.precision import Precision
 from proxy.settings import Settings
-from proxy.timeline import Marks
+from proxy.measure.timeline import Marks
 
 
 # --- a scripted NVML -----------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_energy_from_counter_survives_wrap_reset_and_errors(monkeypatch, caplog)
     tr.fail_between = (200.0, 202.0)
     tr.energy_fail_between = (250.0, 250.6)
     sampler, metrics, _ = make_sampler(monkeypatch, [tr])
-    caplog.set_level(logging.INFO, logger="phasewatch")
+    caplog.set_level(logging.INFO, logger="proxy")
     tr.now = 0.0
     sampler.tick()  # the baseline
     last = run_ticks(sampler, [tr], 600.0)
@@ -222,6 +222,14 @@ def test_integrate_is_exact_for_lines():
 class FakeExchange(SimpleNamespace):
     __hash__ = object.__hash__  # in a set, like the relay's Exchange
     __eq__ = object.__eq__
+
+    @property
+    def upstream_name(self):
+        return self.upstream.name
+
+    @property
+    def precision(self):
+        return self.upstream.precision_of(self.model_label).precision
 
 
 class Scenario:
@@ -349,7 +357,7 @@ def test_unmapped_gpus_are_not_sampled(monkeypatch):
 def test_a_hung_nvml_call_costs_a_timeout_then_sampling_resumes(monkeypatch, caplog):
     tr = Trace(lambda t: 123.0)
     sampler, metrics, _ = make_sampler(monkeypatch, [tr], timeout=0.3, clock=time.monotonic)
-    caplog.set_level(logging.INFO, logger="phasewatch")
+    caplog.set_level(logging.INFO, logger="proxy")
     sampler.tick()
     labels = dict(upstream="gpu0", model="m-bf16", precision="bf16", gpu="0")
     assert value(metrics, "phasewatch_gpu_power_current_watts", **labels) == 123.0
@@ -401,7 +409,7 @@ def test_no_nvml_says_so_once_and_exports_no_power(monkeypatch, caplog):
 
     mod.NVMLError, mod.nvmlInit = NVMLError, init
     monkeypatch.setitem(sys.modules, "pynvml", mod)
-    caplog.set_level(logging.INFO, logger="phasewatch")
+    caplog.set_level(logging.INFO, logger="proxy")
     up = fake_upstream()
     metrics = Metrics()
     sampler = PowerSampler(NvmlSource(), metrics, GpuMap({}, [up], lambda m: up),
@@ -415,7 +423,7 @@ def test_no_nvml_says_so_once_and_exports_no_power(monkeypatch, caplog):
 
 def test_settings_for_power():
     s = Settings(upstream=["a=http://h:1"], power_gpu="0=a 1=org/model-AWQ")
-    assert s.power_gpu_map() == {"0": "a", "1": "org/model-AWQ"}
+    assert s.power_options().gpu_map == {"0": "a", "1": "org/model-AWQ"}
     assert s.power_interval == 0.2 and s.power_source == "auto"
     with pytest.raises(ValueError):
         Settings(power_gpu=["0"])
@@ -424,7 +432,7 @@ def test_settings_for_power():
     with pytest.raises(ValueError):
         Settings(power_dcgm_url="gpu-host:9400")
     with pytest.raises(ValueError, match="power-dcgm-url"):
-        PowerService(Settings(upstream=["a=http://h:1"], power_source="dcgm"), Metrics(),
+        PowerService(Settings(upstream=["a=http://h:1"], power_source="dcgm").power_options(), Metrics(),
                      SimpleNamespace(all=[], route=None))
 
 

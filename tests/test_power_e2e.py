@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from proxy.power import parse_dcgm
+from proxy.services.power import parse_dcgm
 from proxy.sim.physics import DEFAULT_MODELS, RTX_4090, power_watts
 
 from .servers import metric_samples, sample, start_proxy, start_sim

@@ -11,8 +11,10 @@ import json
 
 import pytest
 
-from proxy.detect import llamacpp_precision, ollama_precision, openai_precision, read_model_config
-from proxy.precision import (PrecisionTable, from_bits_per_weight, from_hf_config, from_llama_ftype,
+from proxy.engines.llamacpp import llamacpp_precision
+from proxy.engines.ollama import ollama_precision
+from proxy.engines.openai import openai_precision, read_model_config
+from proxy.measure.precision import (PrecisionTable, from_bits_per_weight, from_hf_config, from_llama_ftype,
                              from_name)
 
 from .replay_wire import LLAMA, WIRE

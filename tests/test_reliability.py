@@ -462,7 +462,11 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones():
         time.sleep(0.3)
         r = httpx.post(proxy.url + "/v1/chat/completions", json=body)
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
-        assert httpx.get(proxy.url + "/phasewatch/health").status_code == 503
+        # readiness says "send no more" (load balancers move on); liveness stays 200, so an
+        # orchestrator does not kill the process while it drains
+        assert httpx.get(proxy.url + "/phasewatch/ready").status_code == 503
+        health = httpx.get(proxy.url + "/phasewatch/health")
+        assert health.status_code == 200 and health.json()["draining"] is True
         t.join(timeout=20)
         assert result["body"].endswith(b"data: [DONE]\n\n")  # the in-flight stream completed
         assert result["body"].count(b'"content":"') >= 200

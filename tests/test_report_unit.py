@@ -7,8 +7,9 @@ import math
 
 from prometheus_client import generate_latest
 
-from proxy.metrics import Metrics
-from proxy.report import Samples, build, markdown, model_family, quantile
+from proxy.measure.metrics import Metrics
+from proxy.measure.summary import Samples, build, model_family, quantile
+from proxy.tools.report import markdown
 
 BF16 = ("sim", "meta-llama/Llama-3.1-8B-Instruct", "bf16")
 FP8 = ("sim", "RedHatAI/Llama-3.1-8B-Instruct-FP8", "fp8")

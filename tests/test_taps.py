@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dialects.openai import SSETap, VLLMDialect
-from proxy.timeline import Marks
+from proxy.engines.sse import SSETap
+from proxy.engines.vllm import VLLMDialect
+from proxy.measure.timeline import Marks
 
 from .replay import VLLM_REAL, pin_ids
 from .streams import run, splits

@@ -2,8 +2,8 @@
 
 import pytest
 
-from proxy.metrics import prompt_band
-from proxy.timeline import EngineTimings, Marks, Usage, figures
+from proxy.measure.metrics import prompt_band
+from proxy.measure.timeline import EngineTimings, Marks, Usage, figures
 
 
 def marks(**kw):

@@ -47,8 +47,8 @@ def test_requests_spread_and_metrics_sum(stack):
     time.sleep(0.3)
     lines = proxy.request_lines()
     assert len(lines) == N
-    # every request line names the worker that served it (log prefix "[worker i pid P]")
-    pids = {line.split(" pid ", 1)[1].split("]", 1)[0]
+    # every request line names the worker that served it (worker=i pid=P)
+    pids = {line.split(" pid=", 1)[1].split(" ", 1)[0]
             for line in proxy.log().splitlines() if "msg=request " in line}
     assert len(pids) == 2, f"all requests went to one worker: {pids}"
 
@@ -68,7 +68,7 @@ def test_power_sampler_runs_in_one_worker_only(stack):
     _, proxy = stack
     # No GPU here: the sampler says so once, from the primary (worker 0) only.
     said = [line for line in proxy.log().splitlines() if "GPU power is not" in line]
-    assert len(said) == 1 and "[worker 0 " in said[0], said
+    assert len(said) == 1 and " worker=0 " in said[0], said
 
 
 def test_sigterm_stops_every_worker_and_cleans_up():
@@ -78,8 +78,8 @@ def test_sigterm_stops_every_worker_and_cleans_up():
         pids = [int(p) for p in Path(f"/proc/{proxy.proc.pid}/task/{proxy.proc.pid}/children")
                 .read_text().split()]
         assert len(pids) >= 2
-        folder = next(line.split("PROMETHEUS_MULTIPROC_DIR=", 1)[1].split()[0]
-                      for line in proxy.log().splitlines() if "PROMETHEUS_MULTIPROC_DIR=" in line)
+        folder = next(line.split("metrics_dir=", 1)[1].split()[0]
+                      for line in proxy.log().splitlines() if "metrics_dir=" in line)
         assert os.path.isdir(folder)
         proxy.proc.send_signal(signal.SIGTERM)
         assert proxy.proc.wait(timeout=20) == 0

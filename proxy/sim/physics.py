@@ -5,7 +5,7 @@ of the batch's context) / effective memory bandwidth, plus a small per-sequence 
 cost. Prefill is compute-bound: 2 * params FLOPs per prompt token plus the attention
 term, over the GPU's effective throughput. Lower precision shrinks the weight bytes a lot
 (decode ~3x faster bf16 -> int4) but the matmuls only a little (prefill ~1.3x), and draws
-less power: the seeds' physics, with the RTX 4090 figures they quote.
+less power: the physics the product makes visible, with an RTX 4090's figures.
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""One measured request as it travels the relay: its marks, its answer, its outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..engines import Outcome, Prepared, Tap
+from ..measure.timeline import EngineTimings, Marks, Usage
+
+if TYPE_CHECKING:
+    from .upstreams import Upstream
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """Everything known about one measured request; handed to the recorder at the end
+    (it reads it through :class:`proxy.measure.recorder.Finished`)."""
+
+    request_id: str
+    upstream: Upstream
+    prepared: Prepared
+    marks: Marks
+    model_label: str
+    precision: str
+    status: int = 0
+    outcome: str = "ok"  # ok | error | aborted | rejected
+    error_kind: str | None = None
+    error_message: str | None = None
+    abort_phase: str | None = None
+    tap: Tap | None = None
+    result: Outcome = field(default_factory=Outcome)
+
+    @property
+    def upstream_name(self) -> str:
+        return self.upstream.name
+
+    @property
+    def endpoint(self) -> str:
+        return self.prepared.endpoint
+
+    @property
+    def stream(self) -> bool:
+        return self.prepared.stream
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the answer was tapped as a stream (first-token marks exist)."""
+        return self.tap is not None
+
+    @property
+    def usage(self) -> Usage:
+        return self.result.usage
+
+    @property
+    def engine_timings(self) -> EngineTimings:
+        return self.result.engine
+
+    @property
+    def gaps(self) -> tuple[list[int], float] | None:
+        tap = self.tap
+        return None if tap is None else (tap.gap_counts, tap.gap_sum)
+
+    def fail(self, kind: str, message: str, status: int | None = None) -> None:
+        self.outcome, self.error_kind, self.error_message = "error", kind, message
+        if status is not None:
+            self.status = status
+
+    def abort_phase_now(self) -> str:
+        """The phase a request is in when its client hangs up."""
+        m = self.marks
+        if m.t_admit is None:
+            return "queue"
+        if m.t_first is None:
+            return "prefill"
+        if self.tap is not None and self.tap.finish_seen:
+            return "usage"
+        return "decode"

@@ -1,0 +1,58 @@
+"""Which headers cross the proxy, and the request id."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+Headers = list[tuple[bytes, bytes]]
+
+#: RFC 9110 §7.6.1 connection-specific fields: they describe one hop, never forwarded.
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade", b"proxy-authorization", b"proxy-authenticate",
+})
+#: The proxy sets the framing and the host itself on the upstream side.
+_REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}
+
+
+def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    tokens: set[bytes] = set()
+    for k, v in headers:
+        if k.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in v.split(b","))
+    return tokens
+
+
+def request_headers(scope_headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The client's end-to-end headers. A client's x-request-id passes through; the proxy
+    adds none of its own, because engines adopt it (vLLM builds its response ids from it)
+    and the client must see what a direct request would have given."""
+    scope_headers = list(scope_headers)
+    drop = _REQUEST_DROP | _connection_tokens(scope_headers)
+    return [(k, v) for k, v in scope_headers if k not in drop]
+
+
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The engine's end-to-end response headers (names lower-cased for ASGI)."""
+    raw = list(raw)
+    drop = HOP_BY_HOP | _connection_tokens(raw)
+    return [(k.lower(), v) for k, v in raw if k.lower() not in drop]
+
+
+def request_id(scope_headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The client's x-request-id (logged), or a fresh one for the log line alone."""
+    for k, v in scope_headers:
+        if k == b"x-request-id":
+            text = v.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isprintable():
+                return text
+    return uuid.uuid4().hex
+
+
+def encoded(raw_headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a body has a content coding (it cannot be tapped on bytes then)."""
+    for k, v in raw_headers:
+        if k.lower() == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
+            return True
+    return False

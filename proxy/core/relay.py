@@ -1,0 +1,350 @@
+"""The relay: moves a request to its upstream and the response back, byte for byte.
+
+Every method and path is forwarded. Generation endpoints (as the upstream's engine
+names them) are also measured: the engine's tap watches the response on its way
+through. A client that hangs up cancels the exchange at once, which closes the upstream
+connection so the engine stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+
+from ..engines import Tap
+from ..measure.recorder import Recorder
+from ..measure.timeline import Marks
+from . import catalog
+from .access import Access
+from .asgi import Receive, Scope, Send
+from .errors import ErrorShape, UpstreamFailure, describe, send_error
+from .exchange import Exchange
+from .gate import QueueFull, QueueTimeout
+from .headers import encoded, request_headers, request_id, response_headers
+from .upstreams import Upstream, Upstreams
+
+log = logging.getLogger(__name__)
+
+#: Largest non-streamed measured response kept for reading its usage.
+_MAX_KEPT_BODY = 16 * 1024 * 1024
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it exceeds `limit`."""
+    chunks = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+class Relay:
+    """ASGI app forwarding everything to the upstreams (measuring generation)."""
+
+    def __init__(self, upstreams: Upstreams, recorder: Recorder, *, inject_usage: bool,
+                 max_body_bytes: int, access: Access | None = None) -> None:
+        self.upstreams = upstreams
+        self.recorder = recorder
+        self.inject_usage = inject_usage
+        self.max_body_bytes = max_body_bytes
+        self.access = access or Access([], {})
+        #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
+        self.draining = False
+
+    def busy(self) -> int:
+        """Generation requests in flight or queued, over all upstreams."""
+        return sum(len(u.active) + u.gate.queued for u in self.upstreams.all)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        if not self.access.allowed(headers):
+            await send_error(send, 401, "missing or invalid phasewatch API key (send "
+                             "Authorization: Bearer KEY or x-api-key: KEY)", "authentication_error",
+                             [(b"www-authenticate", b'Bearer realm="phasewatch"')])
+            return
+        for k, v in headers:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
+                await send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
+                                 "request_too_large")
+                return
+        try:
+            body = await read_body(receive, self.max_body_bytes)
+        except ClientGone:
+            return
+        if body is None:
+            await send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
+                             "request_too_large")
+            return
+        t_recv = time.monotonic()
+        method = scope["method"]
+        path = scope["path"]
+        if not self.upstreams.probed:  # only the first requests after start
+            await self.upstreams.wait_probed()
+
+        upstream = self.upstreams.all[0]
+        if len(self.upstreams.all) > 1:
+            if method == "GET" and path in catalog.UNION_PATHS:  # every upstream's models
+                await catalog.send_union(send, self.upstreams, path)
+                return
+            model = _peek_model(body) if method == "POST" else catalog.model_in_path(path)
+            upstream = self.upstreams.route(model)
+        dialect = upstream.dialect
+        endpoint = dialect.endpoint(method, path)
+        # a dialect may also decline (an Ollama model load is not a generation)
+        prepared = dialect.prepare(endpoint, body, self.inject_usage) if endpoint else None
+        if prepared is None:
+            await self._passthrough(scope, receive, send, upstream, body)
+            return
+        label = upstream.model_label(prepared.model)
+        ex = Exchange(request_id(headers), upstream, prepared, Marks(t_recv=t_recv), label,
+                      upstream.precision_of(label).precision)
+        await self._measured(scope, receive, send, ex)
+
+    # --- unmeasured paths -----------------------------------------------------------
+
+    async def _passthrough(self, scope: Scope, receive: Receive, send: Send,
+                           upstream: Upstream, body: bytes) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = _Watch()
+        watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
+        resp = None
+        try:
+            resp = await self._open(upstream, scope, body)
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": response_headers(resp.headers.raw)})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state.finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except UpstreamFailure as exc:
+            state.finished = True
+            await send_error(send, exc.status, exc.message, exc.kind,
+                             shape=_shape(upstream, scope["path"]))
+        except httpx.HTTPError as exc:  # mid-body: end the connection, the client sees it cut
+            log.warning("upstream %s failed mid-response on %s: %s", upstream.name,
+                        scope["path"][:200], describe(exc))
+        except asyncio.CancelledError:
+            if not state.disconnected:
+                raise
+            task.uncancel()
+        finally:
+            watcher.cancel()
+            if resp is not None:
+                await resp.aclose()
+
+    # --- measured generation ----------------------------------------------------------
+
+    async def _measured(self, scope: Scope, receive: Receive, send: Send, ex: Exchange) -> None:
+        upstream = ex.upstream
+        m = self.recorder.metrics
+        base = (upstream.name, ex.model_label, ex.precision)
+        task = asyncio.current_task()
+        assert task is not None
+        state = _Watch()
+        watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
+        resp = None
+        admitted = False
+        queued = m.queued_requests.labels(*base)
+        in_flight = m.in_flight_requests.labels(*base)
+        try:
+            if self.draining:
+                state.finished = True
+                ex.outcome, ex.status = "rejected", 503
+                await send_error(send, 503, "phasewatch is shutting down", "unavailable")
+                return
+            queued.inc()
+            try:
+                await upstream.gate.acquire()
+            except QueueFull:
+                state.finished = True
+                ex.outcome, ex.status = "rejected", 429
+                await send_error(send, 429, f"upstream {upstream.name} queue is full "
+                                 f"({upstream.gate.max_queue} waiting); retry later",
+                                 "rate_limit_exceeded", [(b"retry-after", b"1")])
+                return
+            except QueueTimeout:
+                state.finished = True
+                ex.outcome, ex.status = "rejected", 503
+                await send_error(send, 503, f"waited {upstream.gate.timeout:g}s in the queue "
+                                 f"for upstream {upstream.name}", "queue_timeout",
+                                 [(b"retry-after", b"1")])
+                return
+            finally:
+                queued.dec()
+            admitted = True
+            upstream.active.add(ex)
+            in_flight.inc()
+            ex.marks.t_admit = time.monotonic()
+            resp = await self._open(upstream, scope, ex.prepared.body, ex.marks)
+            await self._respond(send, resp, ex, state)
+        except UpstreamFailure as exc:
+            state.finished = True
+            ex.fail(exc.kind, exc.message, exc.status)
+            await send_error(send, exc.status, exc.message, exc.kind,
+                             shape=_shape(upstream, scope["path"]))
+        except asyncio.CancelledError:
+            if not state.disconnected:
+                raise
+            task.uncancel()
+            if ex.tap is not None and ex.tap.done:
+                # the client had the whole answer (its terminator included) and left
+                # before the upstream closed: that is a complete request, not an abort
+                self._settle(ex, None)
+            else:
+                ex.outcome = "aborted"
+                ex.abort_phase = ex.abort_phase_now()
+        finally:
+            watcher.cancel()
+            if resp is not None:
+                await resp.aclose()
+            if admitted:
+                upstream.active.discard(ex)
+                upstream.gate.release()
+                in_flight.dec()
+            ex.marks.t_end = time.monotonic()
+            self.recorder.record(ex)
+
+    async def _respond(self, send: Send, resp: httpx.Response, ex: Exchange,
+                       state: "_Watch") -> None:
+        """Forward the response head, then its body (tapped when it is a stream)."""
+        ex.status = resp.status_code
+        ex.marks.t_headers = time.monotonic()
+        raw = resp.headers.raw
+        tap = None
+        if ex.status < 400 and not encoded(raw):
+            tap = ex.upstream.dialect.tap(resp.headers.get("content-type", ""), ex.marks,
+                                          ex.prepared)
+        ex.tap = tap
+        await send({"type": "http.response.start", "status": ex.status,
+                    "headers": response_headers(raw)})
+        try:
+            if tap is not None:
+                tail = await self._stream(send, resp, tap, ex)
+                kept = None
+            else:
+                kept = await self._forward_kept(send, resp)
+                tail = b""
+        except httpx.HTTPError as exc:
+            ex.fail("timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
+                    f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}", 502)
+            log.warning("%s (request %s)", ex.error_message, ex.request_id)
+            if tap is not None:
+                assert ex.error_message is not None
+                tail = tap.flush() + ex.upstream.dialect.stream_error(ex.error_message,
+                                                                      ex.prepared.endpoint)
+                state.finished = True
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return  # a plain body is left cut short: the client sees the connection end
+        state.finished = True
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        self._settle(ex, kept)
+
+    async def _stream(self, send: Send, resp: httpx.Response, tap: Tap, ex: Exchange) -> bytes:
+        """The per-event loop, the hottest code in the product: feed each chunk to the tap
+        and forward what it lets through. Returns what is left to send at the end."""
+        feed, monotonic = tap.feed, time.monotonic
+        async for chunk in resp.aiter_raw():
+            out = feed(chunk, monotonic())
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        tail = tap.flush()
+        if not tap.done and tap.error_payload is None:
+            # the engine closed the stream cleanly but never finished it: say so in the
+            # stream's own framing so clients do not take a cut answer as whole
+            tail += ex.upstream.dialect.stream_error(
+                f"upstream {ex.upstream.name} ended the stream without its terminator",
+                ex.prepared.endpoint)
+        return tail
+
+    async def _forward_kept(self, send: Send, resp: httpx.Response) -> bytes:
+        """Forward a whole (unstreamed) body, keeping up to _MAX_KEPT_BODY of it to read
+        its usage at the end."""
+        kept: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_raw():
+            if size < _MAX_KEPT_BODY:
+                kept.append(chunk)
+                size += len(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        return b"".join(kept)
+
+    def _settle(self, ex: Exchange, body: bytes | None) -> None:
+        """Read what the finished answer said (usage, engine timings, errors)."""
+        ex.result = result = ex.upstream.dialect.outcome(ex.tap, body, ex.status)
+        if result.error_kind is not None:
+            ex.fail(result.error_kind, result.error_message or result.error_kind)
+
+    async def _open(self, upstream: Upstream, scope: Scope, body: bytes,
+                    marks: Marks | None = None) -> httpx.Response:
+        """Send the request upstream and return the response with its body unread."""
+        qs = scope.get("query_string", b"")
+        target = scope.get("raw_path") or scope["path"].encode()
+        url = upstream.url + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
+        headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
+        req = upstream.client.build_request(scope["method"], url, headers=headers, content=body)
+        if marks is not None:
+            marks.t_sent = time.monotonic()
+        where = f"upstream {upstream.name} ({upstream.url})"
+        try:
+            return await upstream.client.send(req, stream=True)
+        except httpx.ConnectTimeout as exc:
+            raise UpstreamFailure(504, "timeout", f"{where} did not accept a connection in "
+                                  f"time: {describe(exc)}") from None
+        except httpx.ConnectError as exc:
+            raise UpstreamFailure(502, "connect", f"{where} is unreachable: {describe(exc)}") from None
+        except httpx.TimeoutException as exc:
+            raise UpstreamFailure(504, "timeout", f"{where} did not answer in time: "
+                                  f"{describe(exc)}") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
+
+
+class _Watch:
+    __slots__ = ("disconnected", "finished")
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        self.finished = False
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[None], state: _Watch) -> None:
+    """Cancel the exchange the moment the client goes away (not after it is done)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            if not state.finished:
+                state.disconnected = True
+                task.cancel()
+            return
+
+
+def _shape(upstream: Upstream, path: str) -> ErrorShape:
+    dialect = upstream.dialect
+    return lambda status, message, kind: dialect.error_body(status, message, kind, path)
+
+
+def _peek_model(body: bytes) -> str | None:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    # "name": Ollama's older alias of "model"
+    model = obj.get("model", obj.get("name")) if isinstance(obj, dict) else None
+    return model if isinstance(model, str) else None

@@ -1,0 +1,235 @@
+"""Upstream engines: where a request goes, its engine, its admission gate, its models.
+
+One pooled keep-alive client per upstream. The engine is detected in the background
+(at start and whenever the upstream comes back, since it may have been replaced) unless
+the operator named it. The model list is refreshed in the background and bounds the
+`model` label: names the upstream does not list (or the operator did not configure) are
+labelled ``other``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
+from ..measure.metrics import Metrics
+from ..measure.precision import Precision, PrecisionTable
+from ..transport import ClientOptions, make_client
+from .gate import AdmissionGate
+from .supervisor import every
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
+log = logging.getLogger(__name__)
+
+OTHER = "other"
+#: The engine label until detection has answered.
+UNKNOWN = "unknown"
+#: Longest a request waits at start for the upstreams' first probes.
+FIRST_PROBE_WAIT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSpec:
+    """One upstream as the operator configured it."""
+
+    name: str
+    url: str  # base URL, a base path included (http://host:8000/tenant-a)
+    engine: str | None = None  # the operator's override; None: detected
+    api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamOptions:
+    """What every upstream shares: its client, its gate, how its models are listed."""
+
+    client: ClientOptions = ClientOptions()
+    max_concurrency: int = 0
+    max_queue: int = 256
+    queue_timeout: float = 0.0
+    max_models: int = 64
+    extra_models: frozenset[str] = frozenset()
+    precision_overrides: tuple[tuple[str, str], ...] = ()
+    model_dir: str | None = None
+
+
+class Upstream:
+    """One engine behind the proxy."""
+
+    def __init__(self, spec: UpstreamSpec, options: UpstreamOptions, metrics: Metrics) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.url = spec.url
+        self.metrics = metrics
+        self.options = options
+        #: The engine's name: the override, else what detection found, else "unknown".
+        self.engine = spec.engine or UNKNOWN
+        #: Until detected, requests are read as a generic OpenAI-compatible server's.
+        self.dialect: Dialect = get_dialect(spec.engine or "openai")
+        # a precision table per upstream: one model name can be served at different
+        # precisions by different engines (the side-by-side comparison the tool is for)
+        self.precision = PrecisionTable(dict(options.precision_overrides),
+                                        model_dir=options.model_dir)
+        self.precision_read: set[str] = set()  # models whose precision the engine was asked
+        self.configured_models = set(options.extra_models)
+        self.models: set[str] = set()
+        #: None until the first probe answered or failed.
+        self.up: bool | None = None
+        #: Set once the first probe answered or failed (requests that come before it wait
+        #: for it, briefly: they are then read in the right engine's dialect).
+        self.probed = asyncio.Event()
+        self.gate = AdmissionGate(options.max_concurrency, options.max_queue,
+                                  options.queue_timeout)
+        self.client = make_client(spec.url, options.client, spec.api_key)
+        self._label_cache: dict[str, str] = {}
+        #: Exchanges admitted and not finished. Side services (the power sampler) read it
+        #: from their own thread to classify the GPU's state: a request with no first
+        #: token yet is in prefill, one with a first token is decoding.
+        self.active: set[Exchange] = set()
+
+    # --- labels ---------------------------------------------------------------------
+
+    def model_label(self, model: str | None) -> str:
+        """The bounded `model` label for a client-supplied model name."""
+        if model is None:
+            return next(iter(self.models)) if len(self.models) == 1 else OTHER
+        label = self._label_cache.get(model)
+        if label is None:
+            label = self.canonical(model)
+            if label is None and self.dialect.answers_any_model and len(self.models) == 1:
+                label = next(iter(self.models))  # the engine answers any name with its model
+            label = label or OTHER
+            if len(self._label_cache) < 4096:
+                self._label_cache[model] = label
+        return label
+
+    def precision_of(self, model_label: str) -> Precision:
+        if model_label == OTHER:
+            return Precision.unknown()
+        return self.precision.get(model_label)
+
+    def canonical(self, model: str) -> str | None:
+        """The listed name a request's model means (Ollama: ``llama3.2`` is
+        ``llama3.2:latest``), or None when the upstream does not list it."""
+        if model in self.configured_models:
+            return model
+        return self.dialect.canonical(model, self.models)
+
+    def serves(self, model: str | None) -> bool:
+        return model is not None and self.canonical(model) is not None
+
+    def set_engine(self, engine: str) -> None:
+        if engine != self.engine:
+            try:
+                self.metrics.upstream_up.remove(self.name, self.engine)
+            except KeyError:
+                pass
+            self.engine = engine
+            self.dialect = get_dialect(engine)
+            self._label_cache.clear()
+
+    # --- engine and model list (off the request path) -----------------------------------
+
+    async def refresh(self) -> None:
+        """Read the engine's model list; keeps the old list when the engine is down. The
+        engine is (re)detected when the upstream was down (or at start)."""
+        if self.spec.engine is None and not self.up:
+            try:
+                engine = await detect_engine(self.client)
+            except BaseException:
+                self.probed.set()
+                raise
+            if engine is not None:
+                self.set_engine(engine)
+        query = ModelQuery(self.client, self.options.max_models, self.precision_read,
+                           self.options.model_dir)
+        try:
+            listed = await self.dialect.list_models(query)
+        finally:
+            self.probed.set()
+        if listed is None:
+            self._set_up(False)
+            return
+        for model, p in listed.precision.items():
+            self.precision_read.add(model)
+            self.precision.set_engine(model, p)  # its source says whether the engine or a name told
+        self.precision_read &= set(listed.names)  # a model that comes back is read again
+        new = set(listed.names)
+        came_up = not self.up
+        if new != self.models:
+            self.models = new
+            self._label_cache.clear()
+            self.publish_models()
+        self._set_up(True)
+        if came_up:
+            log.info("upstream %s (%s) is up: engine %s, models %s", self.name, self.url,
+                     self.engine, ",".join(sorted(new)) or "-")
+
+    def _set_up(self, up: bool) -> None:
+        if not up and self.up is not False:
+            log.warning("upstream %s (%s) is not answering its model list; requests to it "
+                        "get 502 until it does (engine %s)", self.name, self.url, self.engine)
+        self.up = up
+        self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
+
+    def publish_models(self) -> None:
+        for model in sorted(self.models | self.configured_models):
+            p = self.precision.get(model)
+            self.metrics.model_info.labels(self.name, model, p.precision, p.quant, p.source).set(1)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class Upstreams:
+    """All upstreams, routing by model, and their background refresh."""
+
+    def __init__(self, upstreams: list[Upstream]) -> None:
+        if not upstreams:
+            raise ValueError("at least one upstream is needed")
+        self.all = upstreams
+        self._tasks: list[asyncio.Task[None]] = []
+        #: True once every upstream's first probe is done (or was waited for long enough).
+        self.probed = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether any upstream answered its last probe."""
+        return any(u.up for u in self.all)
+
+    async def wait_probed(self, timeout: float = FIRST_PROBE_WAIT) -> None:
+        """Wait (at most `timeout`, once) for every upstream's first probe, so the first
+        requests after start are routed by model and read in the right dialect."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(u.probed.wait() for u in self.all)), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self.probed = True
+
+    def route(self, model: str | None) -> Upstream:
+        """The upstream serving `model`; the first one when none lists it."""
+        if len(self.all) > 1 and model is not None:
+            for u in self.all:
+                if u.serves(model):
+                    return u
+        return self.all[0]
+
+    def start(self, refresh_interval: float) -> None:
+        """Detect each engine and read its models now, then every `refresh_interval`,
+        in the background: the proxy serves from the first moment."""
+        for u in self.all:
+            u.publish_models()
+            self.spawn(every(refresh_interval, u.refresh, f"model-list refresh of upstream {u.name}"))
+
+    def spawn(self, coro) -> None:  # noqa: ANN001 - any background loop of the upstreams
+        self._tasks.append(asyncio.create_task(coro))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(u.aclose() for u in self.all), return_exceptions=True)

@@ -1,0 +1,54 @@
+"""Engines: one module per engine, each holding everything about it.
+
+``openai`` (any OpenAI-compatible server), ``vllm``, ``ollama`` and ``llamacpp``
+(llama-server). Adding an engine means adding one module with a dialect class (see
+:class:`~proxy.engines.base.Dialect`) and naming it in :data:`ENGINES` and, if it can be
+recognised, in :data:`DETECTION_ORDER`.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from .base import Dialect, EngineState, ModelList, ModelQuery, Outcome, Prepared, Tap
+from .llamacpp import LlamaCppDialect
+from .ollama import OllamaDialect
+from .openai import OpenAIDialect
+from .probe import Prober
+from .vllm import VLLMDialect
+
+ENGINES: dict[str, type[OpenAIDialect]] = {
+    "vllm": VLLMDialect,
+    "openai": OpenAIDialect,
+    "ollama": OllamaDialect,
+    "llamacpp": LlamaCppDialect,
+}
+
+#: The order engines are tried in: the most specific signs first, the generic OpenAI
+#: server (anything listing /v1/models) last.
+DETECTION_ORDER: tuple[type[OpenAIDialect], ...] = (
+    OllamaDialect, LlamaCppDialect, VLLMDialect, OpenAIDialect)
+
+
+def get_dialect(name: str) -> Dialect:
+    """A dialect instance by engine name (``vllm``, ``openai`` ...)."""
+    try:
+        return ENGINES[name]()
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}") from None
+
+
+async def detect_engine(client: httpx.AsyncClient) -> str | None:
+    """The engine behind `client`, or None when the upstream does not answer."""
+    probe = Prober(client)
+    try:
+        for engine in DETECTION_ORDER:
+            if await engine.detect(probe):
+                return engine.name
+    except httpx.HTTPError:
+        return None
+    return None
+
+
+__all__ = ["DETECTION_ORDER", "ENGINES", "Dialect", "EngineState", "ModelList", "ModelQuery",
+           "Outcome", "Prepared", "Tap", "detect_engine", "get_dialect"]

@@ -1,0 +1,250 @@
+"""What every engine provides (the :class:`Dialect` protocol), and the pieces they share.
+
+An engine module knows everything about one engine: its wire format (which endpoints
+generate, how to ask for usage and strip it again, how to tap its streams and read
+counts, timings and errors), how to recognise it, how to list its models and read their
+precision, and how to read its own state (running requests, KV cache). The core calls
+it through :class:`Dialect` and never asks which engine it is.
+
+A *tap* watches one response body as it passes through the relay. It finds event
+boundaries on bytes, marks the events that carry generated output (first/last/gaps),
+keeps the few events that carry usage, timings or errors for parsing at the end, and,
+when the proxy injected a usage request, removes what that added before the client
+sees it. It never parses an event as JSON on the way through.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from ..measure.metrics import GAP_BUCKETS
+from ..measure.precision import Precision
+from ..measure.timeline import EngineTimings, Marks, Usage
+
+if TYPE_CHECKING:
+    import httpx
+
+    from .probe import Prober
+
+
+@dataclass(slots=True)
+class Prepared:
+    """What a dialect decided about a request before it goes upstream."""
+
+    endpoint: str  # bounded label: chat, completions, ollama_chat, ...
+    model: str | None
+    stream: bool
+    body: bytes  # the bytes to send upstream (the client's unless usage was injected)
+    strip_usage: bool = False  # the proxy asked for usage: remove it on the way back
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the dialect read from a finished response."""
+
+    usage: Usage = field(default_factory=Usage)
+    engine: EngineTimings = field(default_factory=EngineTimings)
+    error_kind: str | None = None  # midstream, truncated, protocol, upstream_status
+    error_message: str | None = None
+    finished: bool = False  # the response reached its normal end
+
+
+class Tap:
+    """Base tap: per-event bookkeeping shared by SSE and NDJSON framing.
+
+    Subclasses implement :meth:`feed`. Marks are written straight into `marks`; gap
+    counts into a bucket array handed to the metrics once per request.
+    """
+
+    __slots__ = ("marks", "gap_counts", "gap_sum", "_last_out", "done", "error_payload",
+                 "usage_payload", "timings_payload", "finish_seen", "_buf")
+
+    def __init__(self, marks: Marks) -> None:
+        self.marks = marks
+        self.gap_counts = [0] * (len(GAP_BUCKETS) + 1)
+        self.gap_sum = 0.0
+        self._last_out = 0.0
+        self.done = False  # saw the stream's terminator; without it the relay appends
+        # the dialect's stream_error() and the request counts as an error (truncated)
+        self.error_payload: bytes | None = None
+        self.usage_payload: bytes | None = None
+        self.timings_payload: bytes | None = None
+        self.finish_seen = False
+        self._buf = b""
+
+    def _output(self, now: float) -> None:
+        """An event carrying generated output passed at `now`."""
+        m = self.marks
+        if m.t_first is None:
+            m.t_first = now
+        else:
+            gap = now - self._last_out
+            self.gap_counts[bisect_left(GAP_BUCKETS, gap)] += 1
+            self.gap_sum += gap
+        self._last_out = now
+        m.t_last = now
+        m.output_events += 1
+
+    def feed(self, chunk: bytes, now: float) -> bytes:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def flush(self) -> bytes:
+        """Bytes still held back when the upstream ends, to forward as they are. A tap
+        that only inspects has forwarded everything already and returns nothing."""
+        self._buf = b""
+        return b""
+
+
+def loads(payload: bytes | None):
+    """Parse a kept event payload; None when absent or not JSON (never raises)."""
+    if not payload:
+        return None
+    try:
+        return json.loads(payload)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def error_message(obj) -> str:
+    """A short message from an engine's error object, whatever its shape."""
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("type") or err)[:300]
+        return str(err)[:300]
+    return "upstream error"
+
+
+def settle(tap: Tap, out: Outcome, terminator: str) -> Outcome:
+    """How a stream ended, from what its tap saw: an error event, no terminator (the
+    engine cut it short: named in the message), or a normal end."""
+    if tap.error_payload is not None:
+        out.error_kind = "midstream"
+        out.error_message = error_message(loads(tap.error_payload))
+    elif not tap.done:
+        out.error_kind = "truncated"
+        out.error_message = f"stream ended without {terminator}"
+    else:
+        out.finished = True
+    return out
+
+
+def as_int(value) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+#: An event carrying generated output: non-empty text, reasoning or a tool-call delta, or
+#: a finish reason (the finish event carries the last token). Tolerates spaced JSON.
+OUTPUT_RE = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning)":\s*"(?!")|"tool_calls":\s*\[\s*\{'
+    rb'|"finish_reason":\s*"')
+FINISH_RE = re.compile(rb'"finish_reason":\s*"')
+USAGE_RE = re.compile(rb'"usage":\s*\{')
+EMPTY_CHOICES_RE = re.compile(rb'"choices":\s*\[\s*\]')
+
+
+# Per-event checks with the same answers as the patterns above, cheaper on the events
+# that dominate a stream (a token delta, "finish_reason":null, no usage): a substring
+# find decides those, the pattern runs only on the few events it cannot decide.
+
+_CONTENT, _TEXT, _FINISH_KEY, _USAGE_KEY = b'"content":"', b'"text":"', b'"finish_reason":', b'"usage":'
+
+
+def is_output(payload: bytes) -> bool:
+    """``OUTPUT_RE.search(payload) is not None``, fast for compact token deltas."""
+    i = payload.find(_CONTENT)
+    if i >= 0 and payload[i + 11:i + 12] != b'"':
+        return True
+    i = payload.find(_TEXT)
+    if i >= 0 and payload[i + 8:i + 9] != b'"':
+        return True
+    return OUTPUT_RE.search(payload) is not None
+
+
+def is_finish(payload: bytes) -> bool:
+    """``FINISH_RE.search(payload) is not None``, fast for one ``"finish_reason":null``."""
+    i = payload.find(_FINISH_KEY)
+    if i < 0:
+        return False
+    if payload[i + 16:i + 20] == b"null" and payload.find(_FINISH_KEY, i + 16) < 0:
+        return False
+    return FINISH_RE.search(payload) is not None
+
+
+def has_usage(payload: bytes) -> bool:
+    """``USAGE_RE.search(payload) is not None``, fast when there is no usage key."""
+    return _USAGE_KEY in payload and USAGE_RE.search(payload) is not None
+
+
+# --- what an engine offers the rest of the proxy ------------------------------------------
+
+
+@dataclass(slots=True)
+class ModelQuery:
+    """What listing an engine's models needs: the client, how many names to take, and
+    the models whose precision was read already (read only new ones)."""
+
+    client: "httpx.AsyncClient"
+    max_models: int
+    known: set[str]
+    model_dir: str | None = None
+
+
+@dataclass(slots=True)
+class ModelList:
+    """An engine's models, with the precision of the ones read this time (None: the
+    engine said nothing usable)."""
+
+    names: list[str]
+    precision: dict[str, Precision | None] = field(default_factory=dict)
+
+
+#: An engine's own state per model: {model name ("" when the engine does not say):
+#: {running | waiting | kv | loaded | vram | size | expiry: value}}.
+EngineState = dict[str, dict[str, float]]
+
+
+class Dialect(Protocol):
+    """One engine as the proxy's core sees it."""
+
+    name: ClassVar[str]
+    #: llama-server answers any model name with the one model it serves.
+    answers_any_model: ClassVar[bool]
+
+    # --- the request path -------------------------------------------------------------
+    def endpoint(self, method: str, path: str) -> str | None:
+        """The bounded endpoint label when (method, path) generates, else None."""
+    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
+        """What to send upstream; None when this request is not measured after all."""
+    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+        """A tap for a streamed answer of this content type, or None (a whole body)."""
+    def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
+        """What the finished answer said: usage, the engine's timings, errors."""
+    def stream_error(self, message: str, endpoint: str = "") -> bytes:
+        """A well-formed error event, in the stream's framing, to end a broken stream."""
+    def error_body(self, status: int, message: str, kind: str,
+                   path: str = "") -> tuple[bytes, bytes]:
+        """(content type, body) of an error the proxy itself answers on `path` with."""
+    def canonical(self, model: str, listed: set[str]) -> str | None:
+        """The listed name a request's model means, or None."""
+
+    # --- off the request path -----------------------------------------------------------
+    async def list_models(self, query: ModelQuery) -> ModelList | None:
+        """The engine's models (None when it does not answer)."""
+    async def read_state(self, client: "httpx.AsyncClient", models: set[str]) -> EngineState | None:
+        """The engine's own gauges (None when it does not answer or has none)."""
+
+
+def canonical_name(model: str, listed: set[str]) -> str | None:
+    """A request's model when the engine lists it under exactly that name."""
+    return model if model in listed else None

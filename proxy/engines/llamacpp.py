@@ -1,0 +1,291 @@
+"""llama.cpp's llama-server: ``/v1/chat/completions``, ``/v1/completions``, native ``/completion``.
+
+Wire facts (tests/fixtures/llama-server captures, tests/fixtures/wire/README.md §4, §6):
+- SSE ``data: <json>\\n\\n``; ``:`` keep-alive comments may come at any time, even before
+  the first token (headers go out when a slot starts, before prefill).
+- The first chat event is role-only with ``"content":null``: not a token. The finish
+  event has ``"delta":{}`` and stands for the last (EOS) token.
+- ``timings`` (``cache_n``, ``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``,
+  ``predicted_per_second`` ...) ride on the last JSON event (and, when a stop word ends
+  generation, also on the last content event): the last one wins. Usage is never
+  injected here: asking for it moves ``timings`` to a new event, and timings carry the
+  counts anyway. ``prompt_n`` excludes prefix-cache hits (``cache_n``).
+- Chat streams end with ``data: [DONE]``; native ``/completion`` streams end after the
+  ``"stop":true`` event, with no ``[DONE]``. A mid-stream error is ``data: {"error":...}``
+  and the stream ends without ``[DONE]``.
+
+Recognised by ``GET /props`` (build and generation settings) or models ``owned_by:
+"llamacpp"``. It serves one model and answers any model name with it. Precision comes from
+``/props`` ``model_ftype``, ``/v1/models`` ``meta.ftype``, the GGUF file name, else bits per
+weight. Its own state comes from ``/slots`` (slots processing, tokens held over the slots'
+context); only where ``/slots`` is off (``--no-slots``) from ``/metrics``, because every
+scrape of that resets the server's throughput gauges for whoever else scrapes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import TYPE_CHECKING, ClassVar
+
+import httpx
+
+from ..measure.precision import Precision, from_bits_per_weight, from_gguf_type, from_llama_ftype
+from ..measure.timeline import EngineTimings, Marks
+from .base import (OUTPUT_RE, USAGE_RE, EngineState, ModelList, ModelQuery, Outcome, Prepared,
+                   Tap, as_int, loads, settle)
+from .openai import OpenAIDialect
+from .probe import get_json, read_bounded
+from .prometheus import parse_prometheus
+
+if TYPE_CHECKING:
+    from .probe import Prober
+
+#: llama-server's /metrics names (``--metrics``), read only where /slots is off.
+GAUGES = {
+    "llamacpp:requests_processing": "running",
+    "llamacpp:requests_deferred": "waiting",
+    "llamacpp:kv_cache_usage_ratio": "kv",
+}
+
+_TIMINGS_RE = re.compile(rb'"timings":\s*\{')
+_STOP_RE = re.compile(rb'"stop":\s*true')
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
+             "/v1/completions": "completions", "/completions": "completions",
+             "/completion": "llamacpp_completion"}
+
+
+class LlamaTap(Tap):
+    """llama-server's SSE, inspected and forwarded untouched."""
+
+    __slots__ = ("native", "_sep")
+
+    def __init__(self, marks: Marks, native: bool) -> None:
+        super().__init__(marks)
+        self.native = native
+        self._sep = b""
+
+    def _event(self, ev: bytes, now: float) -> None:
+        if ev[:1] == b":":
+            return
+        p = ev.find(b"data:")
+        if p < 0:
+            if ev[:6] == b"error:":  # older builds' non-standard error field
+                self.error_payload = ev[6:].strip()
+            return
+        payload = ev[p + 5:].lstrip(b" ")
+        if payload[:6] == b"[DONE]":
+            self.done = True
+            return
+        if payload[:9] == b'{"error":':
+            self.error_payload = payload
+            return
+        if OUTPUT_RE.search(payload) is not None:
+            self._output(now)
+            if b'"finish_reason":"' in payload:
+                self.finish_seen = True
+        if self.native and b'"stop":' in payload and _STOP_RE.search(payload) is not None:
+            if not self.finish_seen:
+                self._output(now)  # the stop event stands for the last token
+            self.finish_seen = self.done = True
+        # only the last events carry these: a substring test first (a key inside a
+        # JSON string would have escaped quotes), the regex only when it hits
+        if b'"timings"' in payload and _TIMINGS_RE.search(payload) is not None:
+            self.timings_payload = payload
+        if b'"usage"' in payload and USAGE_RE.search(payload) is not None:
+            self.usage_payload = payload
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        data = self._buf + chunk if self._buf else chunk
+        sep = self._sep
+        if not sep:
+            sep = self._sep = b"\r\n\r\n" if b"\r\n" in data else b"\n\n"
+        step = len(sep)
+        find = data.find
+        start = 0
+        while (i := find(sep, start)) >= 0:
+            self._event(data[start:i], now)
+            start = i + step
+        self._buf = data[start:]
+        return chunk
+
+
+class LlamaCppDialect(OpenAIDialect):
+    """llama-server: reads its own timings, never injects usage."""
+
+    name: ClassVar[str] = "llamacpp"
+    answers_any_model: ClassVar[bool] = True
+    empty_stream_options_is_usage: ClassVar[bool] = False
+    endpoints: ClassVar[dict[str, str]] = ENDPOINTS
+
+    # --- recognising it, its model and its precision, its state --------------------------
+
+    @staticmethod
+    async def detect(probe: "Prober") -> bool:
+        props = await probe.get_dict("/props")
+        if props is not None and ("default_generation_settings" in props or "build_info" in props
+                                  or "model_path" in props):
+            return True
+        models = await probe.get_dict("/v1/models")
+        data = models.get("data") if models else None
+        return any(isinstance(item, dict) and item.get("owned_by") == "llamacpp"
+                   for item in (data if isinstance(data, list) else ()))
+
+    async def list_models(self, query: ModelQuery) -> ModelList | None:
+        try:
+            status, obj = await get_json(query.client, "GET", "/v1/models")
+            if status != 200 or not isinstance(obj, dict):
+                return None
+            data = obj.get("data")
+            entries = [e for e in (data if isinstance(data, list) else ())
+                       if isinstance(e, dict) and isinstance(e.get("id"), str)]
+            props = None
+            if any(e["id"] not in query.known for e in entries):
+                p_status, props = await get_json(query.client, "GET", "/props")
+                props = props if p_status == 200 else None
+        except httpx.HTTPError:
+            return None
+        out = ModelList([])
+        for e in entries[: query.max_models]:
+            out.names.append(e["id"])
+            if e["id"] not in query.known:
+                # /props describes the loaded model; with one model it is this one
+                out.precision[e["id"]] = llamacpp_precision(
+                    props if len(entries) == 1 else None, e)
+        return out
+
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+        only = next(iter(models)) if len(models) == 1 else ""
+        status, body = await read_bounded(client, "GET", "/slots")
+        if status == 200:
+            state = slots_state(json.loads(body))
+            return {only: state} if state else None
+        status, body = await read_bounded(client, "GET", "/metrics")
+        if status != 200:
+            return None
+        return parse_prometheus(body.decode("utf-8", "replace"), GAUGES, only) or None
+
+    # --- the request path ---------------------------------------------------------------
+
+    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            obj = None
+        if not isinstance(obj, dict):
+            return Prepared(endpoint, None, False, raw)
+        model = obj.get("model")
+        return Prepared(endpoint, model if isinstance(model, str) else None,
+                        obj.get("stream") is True, raw)
+
+    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+        if content_type.startswith("text/event-stream"):
+            return LlamaTap(marks, native=prepared.endpoint == "llamacpp_completion")
+        return None
+
+    def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
+        if status >= 400:
+            return super().outcome(tap, body, status)
+        out = Outcome()
+        if tap is None:
+            obj = loads(body)
+            if not isinstance(obj, dict):
+                out.error_kind, out.error_message = "protocol", "response is not JSON"
+                return out
+            read_timings(obj, out)
+            out.finished = True
+            return out
+        usage_obj = loads(tap.usage_payload)
+        if isinstance(usage_obj, dict):
+            self._read_usage(usage_obj, out.usage)
+        timings_obj = loads(tap.timings_payload)
+        if isinstance(timings_obj, dict):
+            read_timings(timings_obj, out)
+        return settle(tap, out, "its last event")
+
+
+def read_timings(obj: dict, out: Outcome) -> None:
+    """Counts and engine timings from an object carrying ``timings`` (and maybe usage)."""
+    if out.usage.prompt_tokens is None and isinstance(obj.get("usage"), dict):
+        OpenAIDialect._read_usage(obj, out.usage)
+    t = obj.get("timings")
+    if not isinstance(t, dict):
+        return
+    prompt_n, cache_n = as_int(t.get("prompt_n")), as_int(t.get("cache_n")) or 0
+    predicted_n = as_int(t.get("predicted_n"))
+    prompt_ms, predicted_ms = _num(t.get("prompt_ms")), _num(t.get("predicted_ms"))
+    u = out.usage
+    if u.prompt_tokens is None and prompt_n is not None:
+        u.prompt_tokens = prompt_n + cache_n
+    if u.cached_tokens is None:
+        u.cached_tokens = cache_n
+    if u.completion_tokens is None and predicted_n is not None:
+        u.completion_tokens = predicted_n
+    e = EngineTimings()
+    e.prefill_tokens = prompt_n  # excludes tokens served from the prompt cache
+    if prompt_ms is not None:
+        e.prefill_seconds = prompt_ms / 1000.0
+    e.decode_tokens = predicted_n
+    if predicted_ms is not None:
+        e.decode_seconds = predicted_ms / 1000.0
+    rate = _num(t.get("predicted_per_second"))
+    if rate is not None and predicted_n is not None and predicted_n >= 2:
+        e.decode_tokens_per_second = rate
+    out.engine = e
+
+
+def _num(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+# --- precision and state ----------------------------------------------------------------------
+
+
+def llamacpp_precision(props: object, model_entry: object) -> Precision | None:
+    """``/props`` model_ftype, ``/v1/models`` meta.ftype, the GGUF type in the model path,
+    else bits per weight from ``/v1/models`` meta."""
+    props = props if isinstance(props, dict) else {}
+    entry = model_entry if isinstance(model_entry, dict) else {}
+    meta = entry.get("meta")
+    meta = meta if isinstance(meta, dict) else {}
+    for text in (props.get("model_ftype"), meta.get("ftype")):
+        p = from_llama_ftype(text) if isinstance(text, str) else None
+        if p is not None:
+            return p
+    for path in (props.get("model_path"), entry.get("id")):
+        if isinstance(path, str):
+            p = from_gguf_type(os.path.basename(path))
+            if p is not None:
+                return p
+    return from_bits_per_weight(meta.get("size"), meta.get("n_params"))
+
+
+def slots_state(slots: object) -> dict[str, float]:
+    """Running requests and KV-cache use from llama-server's /slots."""
+    if not isinstance(slots, list):
+        return {}
+    running = 0
+    ctx = held = 0
+    for slot in slots:
+        if not isinstance(slot, dict):
+            continue
+        ctx += _count(slot.get("n_ctx"))
+        if slot.get("is_processing"):
+            running += 1
+            held += _count(slot.get("n_prompt_tokens"))
+            nxt = slot.get("next_token")
+            if isinstance(nxt, list) and nxt and isinstance(nxt[0], dict):
+                held += _count(nxt[0].get("n_decoded"))
+    state = {"running": float(running)}
+    if ctx:
+        state["kv"] = min(1.0, held / ctx)
+    return state
+
+
+def _count(value: object) -> int:
+    """A count from an engine's JSON; anything odd (``"4096"``, null, -1) counts 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

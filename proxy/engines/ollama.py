@@ -1,0 +1,325 @@
+"""Ollama: the native NDJSON API (``/api/chat``, ``/api/generate``) and its ``/v1`` layer.
+
+Wire facts (tests/fixtures/wire/README.md §2, §6):
+- Native streams are NDJSON, one ``json + "\\n"`` per flush, ``stream`` defaulting to
+  true. Counts and timings sit on the final ``"done":true`` line, in nanoseconds; a
+  metric that is zero is left out (Go omitempty), so a missing key means 0.
+  ``load_duration`` is cold start / scheduling, ``prompt_eval_duration`` covers only the
+  uncached prompt tokens while ``prompt_eval_count`` counts them all, ``eval_count``
+  includes the EOS token (which the done line stands for). The engine-side wait is
+  ``total - load - prompt_eval - eval`` (semaphore wait, templating, tokenising).
+- A mid-stream failure is a final ``{"error":"..."}`` line; a stream that ends without
+  its done line is an upstream error. ``done_reason`` ``load``/``unload`` answers (a chat
+  with no messages, a generate with no prompt) are not generations: they pass unmeasured.
+- ``/v1``: OpenAI SSE. Usage only with ``stream_options.include_usage`` (a missing
+  ``include_usage`` means false); injecting it adds one ``"choices":[]`` event, and on
+  ``/v1/completions`` also a zero ``usage`` object inside *every* event, both removed here
+  byte for byte. A stream that loses its error ends without ``[DONE]``.
+
+Recognised by ``GET /api/version``. Models come from ``/api/tags``, their precision from
+``details.quantization_level`` (``/api/show`` when the tag does not say); a model asked
+for without a tag means ``:latest``. Its own state comes from ``/api/ps``: the loaded
+models, their size in VRAM and when they unload.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, ClassVar
+
+import httpx
+
+from ..measure.precision import (Precision, from_gguf_file_type, from_gguf_type, from_hf_config,
+                                 from_llama_ftype)
+from ..measure.timeline import EngineTimings, Marks, Usage
+from .base import (EngineState, ModelList, ModelQuery, Outcome, Prepared, Tap, as_int,
+                   error_message, loads, settle)
+from .openai import OpenAIDialect
+from .probe import get_json, read_bounded
+from .sse import SSETap
+
+if TYPE_CHECKING:
+    from .probe import Prober
+
+#: A native line carrying generated output: non-empty text, thinking or tool calls.
+_NATIVE_OUTPUT_RE = re.compile(
+    rb'"(?:content|response|thinking)":\s*"(?!")|"tool_calls":\s*\[\s*\{')
+_DONE_RE = re.compile(rb'"done":\s*true')
+_NOT_GENERATION_RE = re.compile(rb'"done_reason":\s*"(?:load|unload)"')
+
+#: What Ollama's /v1/completions adds inside every event when include_usage is on.
+_ZERO_USAGE_EVENT_END = b',"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}'
+
+NATIVE = {"/api/chat": "ollama_chat", "/api/generate": "ollama_generate"}
+OPENAI = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class NDJSONTap(Tap):
+    """Ollama's native stream: one JSON object per line, forwarded untouched."""
+
+    __slots__ = ()
+
+    def _line(self, line: bytes, now: float) -> None:
+        if line[-14:] == b',"done":false}':  # the common mid-stream line: one scan
+            if _NATIVE_OUTPUT_RE.search(line) is not None:
+                self._output(now)
+            return
+        if line[:9] == b'{"error":' or line[:10] == b'{"error" :':
+            self.error_payload = line
+            return
+        if _DONE_RE.search(line) is not None:
+            self.done = True
+            self.finish_seen = True
+            self.timings_payload = line
+            if _NOT_GENERATION_RE.search(line) is None:
+                self._output(now)  # the done line stands for the last (EOS) token
+            return
+        if _NATIVE_OUTPUT_RE.search(line) is not None:
+            self._output(now)
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        data = self._buf + chunk if self._buf else chunk
+        start = 0
+        find = data.find
+        while (i := find(b"\n", start)) >= 0:
+            if i > start:
+                self._line(data[start:i], now)
+            start = i + 1
+        self._buf = data[start:]
+        return chunk
+
+    def flush(self) -> bytes:
+        # A last line without its newline (a non-standard writer) still counts.
+        if self._buf.strip():
+            self._line(self._buf.strip(), self.marks.t_last or 0.0)
+        self._buf = b""
+        return b""
+
+
+class OllamaSSETap(SSETap):
+    """Ollama's /v1 stream; when stripping completions, also removes the zero usage
+    object Ollama puts inside every event once include_usage is on."""
+
+    __slots__ = ("zero_suffix",)
+
+    def __init__(self, marks: Marks, strip: bool, zero_suffix: bool) -> None:
+        super().__init__(marks, strip=strip)
+        self.zero_suffix = zero_suffix
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        out = super().feed(chunk, now)
+        if self.zero_suffix and out:
+            out = _drop_zero_usage(out, self._sep)
+        return out
+
+    def flush(self) -> bytes:
+        out = super().flush()
+        if self.zero_suffix and out:
+            out = _drop_zero_usage(out, self._sep or b"\n\n")
+        return out
+
+
+def _drop_zero_usage(events: bytes, sep: bytes) -> bytes:
+    # Anchored at the event's end: the same bytes inside a JSON string would be escaped.
+    return events.replace(_ZERO_USAGE_EVENT_END + sep, b"}" + sep)
+
+
+class OllamaDialect(OpenAIDialect):
+    """Ollama, native and /v1."""
+
+    name: ClassVar[str] = "ollama"
+    empty_stream_options_is_usage: ClassVar[bool] = False
+    endpoints: ClassVar[dict[str, str]] = {**NATIVE, **OPENAI}
+
+    # --- recognising it, its models and their precision, its state ----------------------
+
+    @staticmethod
+    async def detect(probe: "Prober") -> bool:
+        version = await probe.get_dict("/api/version")
+        return version is not None and isinstance(version.get("version"), str)
+
+    def canonical(self, model: str, listed: set[str]) -> str | None:
+        if model in listed:
+            return model
+        if ":" not in model and model + ":latest" in listed:
+            return model + ":latest"
+        return None
+
+    async def list_models(self, query: ModelQuery) -> ModelList | None:
+        try:
+            status, obj = await get_json(query.client, "GET", "/api/tags")
+            if status != 200 or not isinstance(obj, dict):
+                return None
+            out = ModelList([])
+            items = obj.get("models")
+            for item in items if isinstance(items, list) else ():
+                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                    continue
+                name = item["name"]
+                out.names.append(name)
+                if name not in query.known:
+                    p = ollama_precision(item.get("details"))
+                    if p is None:  # ask /api/show (it fills an unknown level from the GGUF)
+                        s_status, show = await get_json(query.client, "POST", "/api/show",
+                                                        {"model": name})
+                        if s_status == 200 and isinstance(show, dict):
+                            p = ollama_precision(show.get("details"), show.get("model_info"))
+                    out.precision[name] = p
+                if len(out.names) >= query.max_models:
+                    break
+            return out
+        except httpx.HTTPError:
+            return None
+
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+        status, body = await read_bounded(client, "GET", "/api/ps")
+        return ollama_ps(json.loads(body)) if status == 200 else None
+
+    # --- the request path ---------------------------------------------------------------
+
+    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
+        if endpoint in OPENAI.values():
+            return super().prepare(endpoint, raw, inject_usage)
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            obj = None
+        if not isinstance(obj, dict):  # Ollama answers malformed input itself (400)
+            return Prepared(endpoint, None, False, raw)
+        model = obj.get("model", obj.get("name"))
+        model = model if isinstance(model, str) else None
+        if endpoint == "ollama_chat":
+            load_only = obj.get("messages") in (None, [])
+        else:
+            load_only = not obj.get("prompt") and not obj.get("images")
+        if load_only:
+            return None  # a model load/unload, not a generation: passed through unmeasured
+        return Prepared(endpoint, model, obj.get("stream") is not False, raw)
+
+    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+        if prepared.endpoint in NATIVE.values():
+            if content_type.startswith("application/x-ndjson"):
+                return NDJSONTap(marks)
+            return None
+        if content_type.startswith("text/event-stream"):
+            zero = prepared.strip_usage and prepared.endpoint == "completions"
+            return OllamaSSETap(marks, prepared.strip_usage, zero)
+        return None
+
+    def error_body(self, status: int, message: str, kind: str,
+                   path: str = "") -> tuple[bytes, bytes]:
+        if path.startswith("/api/"):
+            return b"application/json; charset=utf-8", json.dumps({"error": message}).encode()
+        return super().error_body(status, message, kind, path)
+
+    def stream_error(self, message: str, endpoint: str = "") -> bytes:
+        if endpoint in NATIVE.values():
+            return json.dumps({"error": message}).encode() + b"\n"
+        return super().stream_error(message, endpoint)
+
+    def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
+        if isinstance(tap, NDJSONTap):
+            out = Outcome()
+            obj = loads(tap.timings_payload)
+            if isinstance(obj, dict):
+                read_done_line(obj, out)
+            return settle(tap, out, "its done line")
+        if tap is None and status < 400:
+            obj = loads(body)
+            if isinstance(obj, dict) and "choices" not in obj and "done" in obj:
+                out = Outcome()
+                if "error" in obj:
+                    out.error_kind, out.error_message = "midstream", error_message(obj)
+                    return out
+                read_done_line(obj, out)
+                out.finished = True
+                return out
+        return super().outcome(tap, body, status)
+
+
+def read_done_line(obj: dict, out: Outcome) -> None:
+    """Counts and engine timings from a native done line (ns; a missing key is 0)."""
+
+    def ns(key: str) -> int:
+        return as_int(obj.get(key)) or 0
+
+    total, load = ns("total_duration"), ns("load_duration")
+    prompt_n, prompt_ns = ns("prompt_eval_count"), ns("prompt_eval_duration")
+    eval_n, eval_ns = ns("eval_count"), ns("eval_duration")
+    out.usage = Usage(prompt_tokens=prompt_n, completion_tokens=eval_n)
+    e = EngineTimings()
+    # prompt_eval_count includes prefix-cache hits, prompt_eval_duration does not:
+    # Ollama gives no cached count, so the engine's prefill rate is over all prompt
+    # tokens (docs/dialects.md says what that means).
+    e.prefill_tokens = prompt_n
+    e.prefill_seconds = prompt_ns / 1e9
+    e.decode_tokens = eval_n
+    e.decode_seconds = eval_ns / 1e9
+    if eval_ns > 0 and eval_n >= 2:
+        e.decode_tokens_per_second = eval_n / (eval_ns / 1e9)
+    e.load_seconds = load / 1e9
+    if total > 0:
+        e.total_seconds = total / 1e9
+        e.queue_seconds = max(0, total - load - prompt_ns - eval_ns) / 1e9
+    out.engine = e
+
+
+# --- precision and state ----------------------------------------------------------------------
+
+
+def ollama_precision(details: object, model_info: object = None) -> Precision | None:
+    """Ollama's ``details.quantization_level`` (``Q4_K_M``, ``F16``, ``BF16`` ...), else the
+    GGUF ``general.file_type`` of ``/api/show``'s model_info."""
+    level = details.get("quantization_level") if isinstance(details, dict) else None
+    if isinstance(level, str) and level and level.lower() != "unknown":
+        p = from_gguf_type(level) or from_llama_ftype(level)
+        if p is not None:
+            return p
+        dtype = from_hf_config({"torch_dtype": level})  # safetensors models: a dtype
+        if dtype is not None:
+            return dtype
+    if isinstance(model_info, dict):
+        return from_gguf_file_type(model_info.get("general.file_type"))
+    return None
+
+
+def ollama_ps(obj: object, now: datetime | None = None) -> EngineState:
+    """{model: {loaded, vram, size, expiry}} from Ollama's /api/ps."""
+    now = now or datetime.now(timezone.utc)
+    out: EngineState = {}
+    items = obj.get("models") if isinstance(obj, dict) else None
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            continue
+        state = {"loaded": 1.0, "vram": _number(item.get("size_vram")),
+                 "size": _number(item.get("size"))}
+        expires = _parse_time(item.get("expires_at"))
+        if expires is not None:
+            state["expiry"] = max(0.0, (expires - now).total_seconds())
+        out[item["name"]] = state
+    return out
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _parse_time(text: object) -> datetime | None:
+    """Go's RFC3339Nano (any number of fraction digits) as an aware datetime."""
+    if not isinstance(text, str) or "T" not in text:
+        return None
+    t = text.replace("Z", "+00:00")
+    main, _, rest = t.partition(".")
+    if rest:
+        n = 0
+        while n < len(rest) and rest[n].isdigit():
+            n += 1
+        digits, tz = rest[:n], rest[n:]
+        t = f"{main}.{(digits + '000000')[:6]}{tz}"
+    try:
+        parsed = datetime.fromisoformat(t)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)

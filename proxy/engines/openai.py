@@ -1,0 +1,208 @@
+"""Any OpenAI-compatible server: chat and text completions over OpenAI's wire format.
+
+Wire facts (tests/fixtures/vllm-real, tests/fixtures/wire/README.md §3, §6):
+- ``data: <json>\\n\\n`` events, ``data: [DONE]`` at the end, optional ``: keep-alive``.
+- Usage only with ``stream_options.include_usage``. Injecting it adds one
+  ``"choices":[]`` usage event, which :class:`~proxy.engines.sse.SSETap` strips again.
+- Mid-stream errors are ``data: {"error": ...}`` events.
+
+Recognised as the fallback: anything serving ``GET /v1/models``. Models come from
+``/v1/models``; precision from the checkpoint's ``config.json`` where ``--model-dir``
+makes it readable, else from the model id or its ``root`` path.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import TYPE_CHECKING, ClassVar
+
+import httpx
+
+from ..measure.precision import Precision, from_hf_config, from_name
+from ..measure.timeline import Marks, Usage
+from .base import (EngineState, ModelList, ModelQuery, Outcome, Prepared, Tap, as_int,
+                   canonical_name, error_message, loads, settle)
+from .probe import get_json
+from .sse import SSETap
+
+if TYPE_CHECKING:
+    from .probe import Prober
+
+class OpenAIDialect:
+    """Chat and text completions over OpenAI's wire format."""
+
+    name: ClassVar[str] = "openai"
+    answers_any_model: ClassVar[bool] = False
+    #: Whether ``"stream_options":{}`` means include_usage=true (vLLM) or false (OpenAI).
+    empty_stream_options_is_usage: ClassVar[bool] = False
+    endpoints: ClassVar[dict[str, str]] = {"/v1/chat/completions": "chat",
+                                           "/v1/completions": "completions"}
+
+    # --- recognising it, its models and their precision (off the request path) ---------
+
+    @staticmethod
+    async def detect(probe: "Prober") -> bool:
+        return await probe.get_dict("/v1/models") is not None
+
+    def canonical(self, model: str, listed: set[str]) -> str | None:
+        return canonical_name(model, listed)
+
+    async def list_models(self, query: ModelQuery) -> ModelList | None:
+        try:
+            status, obj = await get_json(query.client, "GET", "/v1/models")
+        except httpx.HTTPError:
+            return None
+        if status != 200 or not isinstance(obj, dict):
+            return None
+        out = ModelList([])
+        items = obj.get("data")
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                mid = item["id"]
+                out.names.append(mid)
+                if mid not in query.known:
+                    root = item.get("root") if isinstance(item.get("root"), str) else None
+                    out.precision[mid] = openai_precision(mid, root, query.model_dir)
+                if len(out.names) >= query.max_models:
+                    break
+        return out
+
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+        return None  # a generic OpenAI-compatible server exports no known gauges
+
+    # --- the request path ---------------------------------------------------------------
+
+    def endpoint(self, method: str, path: str) -> str | None:
+        if method == "POST":
+            return self.endpoints.get(path)
+        return None
+
+    def client_wants_usage(self, stream_options) -> bool:
+        if not isinstance(stream_options, dict):
+            return False
+        include = stream_options.get("include_usage")
+        if include is None:
+            return self.empty_stream_options_is_usage
+        return include is True
+
+    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            obj = None
+        if not isinstance(obj, dict):  # the engine answers malformed input itself
+            return Prepared(endpoint, None, False, raw)
+        model = obj.get("model")
+        model = model if isinstance(model, str) else None
+        stream = obj.get("stream") is True
+        prepared = Prepared(endpoint, model, stream, raw)
+        if not (stream and inject_usage):
+            return prepared
+        # only a well-formed request gets usage added: an invalid one must reach the engine
+        # (and its error message) exactly as the client wrote it
+        required = "messages" if endpoint == "chat" else "prompt"
+        if not isinstance(obj.get(required), (list, str)):
+            return prepared
+        options = obj.get("stream_options")
+        if self.client_wants_usage(options):
+            return prepared
+        if "stream_options" not in obj:
+            body = raw.rstrip()
+            if body.endswith(b"}"):
+                sep = b"," if body[:-1].rstrip() not in (b"{",) else b""
+                prepared.body = body[:-1] + sep + b'"stream_options":{"include_usage":true}}'
+                prepared.strip_usage = True
+        elif (isinstance(options, dict) and options.get("include_usage") is False
+              and not options.get("continuous_usage_stats")):
+            obj["stream_options"] = {**options, "include_usage": True}
+            prepared.body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+            prepared.strip_usage = True
+        return prepared
+
+    def stream_error(self, message: str, endpoint: str = "") -> bytes:
+        """A well-formed error event to end a stream the upstream broke off."""
+        err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+        return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+    def error_body(self, status: int, message: str, kind: str,
+                   path: str = "") -> tuple[bytes, bytes]:
+        """(content type, body) of an error the proxy itself answers on `path` with."""
+        err = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return b"application/json", json.dumps(err).encode()
+
+    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+        if content_type.startswith("text/event-stream"):
+            return SSETap(marks, strip=prepared.strip_usage)
+        return None
+
+    def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
+        out = Outcome()
+        if status >= 400:
+            out.error_kind = "upstream_status"
+            out.error_message = error_message(loads(body)) if body else f"HTTP {status}"
+            return out
+        if tap is None:  # whole JSON body
+            obj = loads(body)
+            if not isinstance(obj, dict):
+                out.error_kind, out.error_message = "protocol", "response is not JSON"
+                return out
+            self._read_usage(obj, out.usage)
+            out.finished = True
+            return out
+        obj = loads(tap.usage_payload)
+        if isinstance(obj, dict):
+            self._read_usage(obj, out.usage)
+        return settle(tap, out, "[DONE]")
+
+    @staticmethod
+    def _read_usage(obj: dict, usage: Usage) -> None:
+        u = obj.get("usage")
+        if not isinstance(u, dict):
+            return
+        usage.prompt_tokens = as_int(u.get("prompt_tokens"))
+        usage.completion_tokens = as_int(u.get("completion_tokens"))
+        details = u.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            usage.cached_tokens = as_int(details.get("cached_tokens"))
+
+
+# --- precision from the checkpoint ----------------------------------------------------------
+
+
+def read_model_config(model_dir: str | None, model_id: str, root: str | None) -> dict | None:
+    """The checkpoint's ``config.json`` where ``--model-dir`` makes it readable."""
+    if not model_dir:
+        return None
+    candidates = []
+    if root and os.path.isabs(root):
+        candidates.append(root)
+    for name in (model_id, root or ""):
+        if name:
+            candidates.append(os.path.join(model_dir, name))
+            candidates.append(os.path.join(model_dir, os.path.basename(name.rstrip("/"))))
+            hub = os.path.join(model_dir, "models--" + name.strip("/").replace("/", "--"), "snapshots")
+            candidates.extend(sorted(glob.glob(os.path.join(hub, "*")), reverse=True))
+    for folder in candidates:
+        path = os.path.join(folder, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                obj = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return None
+
+
+def openai_precision(model_id: str, root: str | None, model_dir: str | None) -> Precision | None:
+    """config.json when readable, else the id, else the root path (``/models/x-AWQ``)."""
+    config = read_model_config(model_dir, model_id, root)
+    p = from_hf_config(config) if config is not None else None
+    if p is not None:
+        return p
+    p = from_name(model_id)
+    if p is None and root:
+        p = from_name(root)
+    return p

@@ -1,0 +1,161 @@
+"""Turns a finished request into metric observations and one log line.
+
+Runs once per request, after the response is complete, so nothing here is on the
+per-event path. The log line is what engines print as "prompt eval rate / eval rate";
+it never carries prompt or completion text, nor any header value. What the recorder
+needs of a request is the :class:`Finished` protocol, so it knows nothing of the relay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Protocol
+
+from .metrics import Metrics, observe_counts, prompt_band
+from .timeline import EngineTimings, Figures, Marks, Usage, figures
+
+#: The per-request lines (filter or route them by this name).
+access_log = logging.getLogger("proxy.access")
+log = logging.getLogger(__name__)
+
+
+class Finished(Protocol):
+    """A finished request as the recorder reads it."""
+
+    request_id: str
+    model_label: str
+    precision: str
+    status: int
+    outcome: str  # ok | error | aborted | rejected
+    error_kind: str | None
+    error_message: str | None
+    abort_phase: str | None
+    marks: Marks
+
+    @property
+    def upstream_name(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def streamed(self) -> bool: ...
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def engine_timings(self) -> EngineTimings: ...
+    @property
+    def gaps(self) -> tuple[list[int], float] | None: ...
+
+
+#: Called with (request, figures) after each request; returns extra log-line fields.
+Listener = Callable[[Any, Figures], "dict | None"]
+
+
+class Recorder:
+    """Observes metrics and writes the per-request line."""
+
+    def __init__(self, metrics: Metrics, access_lines: bool = True) -> None:
+        self.metrics = metrics
+        self.access_lines = access_lines
+        #: Side services hook in here (the power sampler attaches per-phase watts, the
+        #: status page keeps recent points).
+        self.listeners: list[Listener] = []
+
+    def record(self, ex: Finished) -> None:
+        m = self.metrics
+        base = (ex.upstream_name, ex.model_label, ex.precision)
+        f = figures(ex.marks, ex.usage, ex.engine_timings, streamed=ex.streamed)
+        band = prompt_band(f.prompt_tokens)
+
+        m.requests_total.labels(*base, ex.endpoint, ex.outcome).inc()
+        if f.request_seconds is not None:
+            m.request_seconds.labels(*base, ex.outcome).observe(f.request_seconds)
+        if ex.outcome == "rejected":
+            self._log(ex, f, {})
+            return
+        if f.queue_proxy is not None:
+            m.queue_seconds.labels(*base, "proxy").observe(f.queue_proxy)
+        if ex.error_kind:
+            m.errors_total.labels(*base, ex.error_kind).inc()
+        if ex.outcome == "aborted":
+            m.aborts_total.labels(*base, ex.abort_phase or "unknown").inc()
+
+        if f.ttft is not None:
+            m.ttft_seconds.labels(*base, band).observe(f.ttft)
+        gaps = ex.gaps
+        if gaps is not None and ex.marks.output_events > 1:
+            observe_counts(m.inter_token_seconds.labels(*base), gaps[0], gaps[1])
+
+        # Phase figures need the engine's counts: only complete responses have them.
+        if ex.outcome == "ok":
+            if f.queue_upstream is not None:
+                m.queue_seconds.labels(*base, "upstream").observe(f.queue_upstream)
+            for source, value in f.prefill_seconds.items():
+                m.prefill_seconds.labels(*base, source, band).observe(value)
+            for source, value in f.prefill_tps.items():
+                m.prefill_tokens_per_second.labels(*base, source, band).observe(value)
+            for source, value in f.decode_seconds.items():
+                m.decode_seconds.labels(*base, source, band).observe(value)
+            for source, value in f.decode_tps.items():
+                m.decode_tokens_per_second.labels(*base, source, band).observe(value)
+            if f.load_seconds is not None:
+                m.load_seconds.labels(*base).observe(f.load_seconds)
+        if f.prompt_tokens is not None:
+            m.prompt_tokens.labels(*base).observe(f.prompt_tokens)
+            if f.processed_prompt_tokens:
+                m.tokens_total.labels(*base, "prefill").inc(f.processed_prompt_tokens)
+            if f.cached_tokens:
+                m.tokens_total.labels(*base, "cached").inc(f.cached_tokens)
+        if f.completion_tokens is not None:
+            m.completion_tokens.labels(*base).observe(f.completion_tokens)
+            if f.completion_tokens:
+                m.tokens_total.labels(*base, "decode").inc(f.completion_tokens)
+
+        extra: dict = {}
+        for listener in self.listeners:
+            try:
+                extra.update(listener(ex, f) or {})
+            except Exception:  # a side service must never break the request path
+                log.exception("request listener %r failed", listener)
+        self._log(ex, f, extra)
+
+    # --- the per-request line ---------------------------------------------------------
+
+    def _log(self, ex: Finished, f: Figures, extra: dict) -> None:
+        if not self.access_lines or not access_log.isEnabledFor(logging.INFO):
+            return
+        fields = {
+            "request_id": ex.request_id,
+            "upstream": ex.upstream_name,
+            "model": ex.model_label,
+            "precision": ex.precision,
+            "endpoint": ex.endpoint,
+            "stream": ex.stream,
+            "status": ex.status,
+            "outcome": ex.outcome,
+            "prompt_tokens": f.prompt_tokens,
+            "cached_tokens": f.cached_tokens,
+            "completion_tokens": f.completion_tokens,
+            "queue_s": _r(f.queue_proxy),
+            "upstream_queue_s": _r(f.queue_upstream),
+            "ttft_s": _r(f.ttft),
+            "prefill_tps": _r(f.prefill_tps.get("proxy"), 1),
+            "decode_tps": _r(f.decode_tps.get("proxy"), 2),
+            "engine_prefill_tps": _r(f.prefill_tps.get("engine"), 1),
+            "engine_decode_tps": _r(f.decode_tps.get("engine"), 2),
+            "request_s": _r(f.request_seconds),
+        }
+        if ex.abort_phase:
+            fields["abort_phase"] = ex.abort_phase
+        if ex.error_kind:
+            fields["error"] = ex.error_kind
+            fields["error_message"] = ex.error_message
+        fields.update(extra)
+        # the formatter (proxy.runtime.logs) renders and escapes the fields
+        access_log.info("request", extra={"fields": {k: v for k, v in fields.items()
+                                                    if v is not None}})
+
+
+def _r(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)

@@ -1,0 +1,1 @@
+"""Running the proxy: uvicorn with a graceful drain, N workers, log lines."""

@@ -1,0 +1,122 @@
+"""``phasewatch serve --workers N``: N processes sharing one listening socket.
+
+The parent binds the port, makes a private ``PROMETHEUS_MULTIPROC_DIR`` (removed when it
+exits), and spawns N workers, each a whole proxy (``ProxyApp`` under the same uvicorn
+server as a single process, graceful drain included). The kernel spreads connections
+over the workers' accept calls.
+
+Metrics: every worker writes its counters, histograms and gauges to memory-mapped files
+in that folder (prometheus-client multiprocess mode); whichever worker answers
+``/metrics`` reads them all, so counters and histograms are summed over the workers and
+gauges are combined per their ``multiprocess_mode`` (in-flight and queued: ``livesum``,
+only the living workers). When a worker dies its live gauges are dropped
+(``mark_process_dead``) and it is started again with the same index.
+
+One per host: worker 0 is the *primary*. Only the primary runs the GPU power sampler
+(``ProxyApp(primary=True)``), so energy is counted once, not N times; and only the primary
+listens on the separate metrics address (--metrics-host/--metrics-port) when one is set.
+A restarted worker 0 is primary again.
+
+Signals: the first SIGTERM/SIGINT is passed on to every worker (each drains its streams);
+a second one is passed on too (the workers then exit at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from types import FrameType
+from typing import Any
+
+from ..app import ProxyApp
+from ..measure.metrics import MULTIPROC_ENV
+from ..settings import Settings
+from .logs import configure_logging
+from .server import run as run_server
+from .server import uvicorn_config
+
+log = logging.getLogger(__name__)
+
+
+def _worker(given: dict[str, Any], index: int, sock: socket.socket) -> None:
+    """Entry point of one worker process (spawned: a fresh interpreter)."""
+    settings = Settings(**given)
+    configure_logging(settings.log_level, settings.log_format, worker=index)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns ^C into SIGTERM
+    app = ProxyApp(settings, primary=index == 0)
+    run_server(app, sockets=[sock], with_metrics=index == 0)
+
+
+def run(given: dict[str, Any], settings: Settings) -> int:
+    """Supervise `settings.workers` worker processes until they are all gone."""
+    n = settings.workers
+    config = uvicorn_config(None, settings.host, settings.port, settings.log_level)
+    sock = config.bind_socket()  # exits with uvicorn's message when the port is taken
+    folder = tempfile.mkdtemp(prefix="phasewatch-metrics-")
+    os.environ[MULTIPROC_ENV] = folder  # inherited by the spawned workers
+    ctx = multiprocessing.get_context("spawn")
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
+    stopping = threading.Event()
+    signals = 0
+
+    def start(index: int) -> None:
+        p = ctx.Process(target=_worker, args=(given, index, sock),
+                        name=f"phasewatch-worker-{index}", daemon=False)
+        p.start()
+        procs[index] = p
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal signals
+        signals += 1
+        stopping.set()
+        for p in procs.values():
+            if p.is_alive() and p.pid:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for i in range(n):
+            start(i)
+        log.info("phasewatch: %d workers on %s:%d; their metrics are summed from one folder",
+                 n, settings.host, settings.port, extra={"fields": {"metrics_dir": folder}})
+        while procs:
+            for index, p in list(procs.items()):
+                p.join(timeout=0.2 / len(procs))
+                if p.exitcode is None:
+                    continue
+                del procs[index]
+                _mark_dead(p.pid, folder)
+                if not stopping.is_set():
+                    log.warning("worker %d (pid %s) exited with %s; starting it again",
+                                index, p.pid, p.exitcode)
+                    start(index)
+        return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for p in procs.values():
+            p.kill()
+        sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(MULTIPROC_ENV, None)
+
+
+def _mark_dead(pid: int | None, folder: str) -> None:
+    if pid is None:
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, folder)
+    except Exception:  # noqa: BLE001 - best effort: only live gauges are affected
+        pass

@@ -1,0 +1,309 @@
+"""The power sampler: a daemon thread reading a source, feeding the power metrics, the
+per-GPU rings and each request's mean power over its prefill and decode windows.
+
+Every driver or HTTP call runs behind a timeout on a second daemon thread, so a hung NVML
+call can neither stall the proxy nor keep it from exiting. Each sample is classified by
+what the GPU's upstream had in flight (idle / prefill / decode) and counted as energy (the
+device's own energy counter where it has one, else integrated power).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from ...measure.metrics import Metrics
+from .energy import EnergyMeter, Ring, integrate
+from .sources import PowerUnavailable, Source
+
+log = logging.getLogger(__name__)
+
+
+# --- which GPU serves what ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Owner:
+    upstream: object  # proxy.upstreams.Upstream (duck-typed: name, active, models, precision_of)
+    model: str | None  # None: the whole upstream
+
+
+class GpuMap:
+    """GPU -> the upstream(s) or model it serves, from ``--power-gpu GPU=UPSTREAM|MODEL``;
+    with no mapping every GPU serves every upstream."""
+
+    def __init__(self, pairs: dict[str, str], upstreams: list, route: Callable[[str], object]):
+        self.pairs = pairs
+        self.upstreams = upstreams
+        self.route = route
+        self._owners: dict[str, tuple[Owner, ...]] = {}
+
+    def owners(self, gpu: str) -> tuple[Owner, ...]:
+        """Who this GPU works for; empty when a mapping is given and leaves it out."""
+        found = self._owners.get(gpu)
+        if found is None:
+            if not self.pairs:
+                found = tuple(Owner(u, None) for u in self.upstreams)
+            elif gpu not in self.pairs:
+                found = ()
+            else:
+                target = self.pairs[gpu]
+                by_name = [u for u in self.upstreams if u.name == target]
+                found = (Owner(by_name[0], None),) if by_name else (Owner(self.route(target), target),)
+            self._owners[gpu] = found
+        return found
+
+    def labels(self, gpu: str) -> tuple[str, str, str]:
+        """(upstream, model, precision) for this GPU's series. A GPU shared by several
+        upstreams is labelled with their names joined by '+'; one serving several models
+        has model ``all`` and their common precision, or ``mixed``."""
+        owners = self.owners(gpu)
+        upstream = "+".join(sorted({o.upstream.name for o in owners}))
+        models: dict[tuple[str, str | None], object] = {}  # (upstream name, model) -> upstream
+        for o in owners:
+            listed = [o.model] if o.model is not None else sorted(
+                o.upstream.models | o.upstream.configured_models) or [None]
+            models.update(((o.upstream.name, m), o.upstream) for m in listed)
+        if len(models) == 1:
+            (_, model), up = next(iter(models.items()))
+            if model is not None:
+                return upstream, model, up.precision_of(model).precision
+        precisions = {up.precision_of(m).precision if m else "unknown"
+                      for (_, m), up in models.items()}
+        return upstream, "all", precisions.pop() if len(precisions) == 1 else "mixed"
+
+    def in_flight(self, gpu: str) -> list:
+        out = []
+        for o in self.owners(gpu):
+            try:
+                active = list(o.upstream.active)
+            except RuntimeError:  # changed while copied: take the next tick's view
+                active = []
+            out.extend(active if o.model is None else [ex for ex in active if ex.model_label == o.model])
+        return out
+
+    def serves(self, gpu: str, ex) -> bool:
+        return any(o.upstream is ex.upstream and (o.model is None or o.model == ex.model_label)
+                   for o in self.owners(gpu))
+
+
+def classify(in_flight: Iterable) -> str:
+    """idle / prefill / decode for what a GPU's upstream has in flight. Any request before
+    its first token makes it prefill (the engine runs that prompt now); a non-streamed
+    request shows no first token, and counts as decode, where it spends most of its time."""
+    state = "idle"
+    for ex in in_flight:
+        if ex.marks.t_first is None and ex.prepared.stream:
+            return "prefill"
+        state = "decode"
+    return state
+
+
+# --- the sampler -------------------------------------------------------------------------------
+
+
+class _Caller:
+    """Runs source calls on one daemon thread, so a call that hangs in the driver costs a
+    timeout, not the sampler (and never blocks interpreter exit)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy: concurrent.futures.Future | None = None
+        threading.Thread(target=self._run, name="phasewatch-power-call", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self.jobs.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def call(self, fn, timeout: float):
+        """fn() or raises; TimeoutError while a previous call is still hung."""
+        if self.busy is not None and not self.busy.done():
+            raise TimeoutError("a previous call has not returned yet")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.busy = fut
+        self.jobs.put((fn, fut))
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout:g}s") from None
+
+
+class PowerSampler:
+    """Samples a source, feeds the power metrics and the per-GPU rings.
+
+    :meth:`tick` does one sample; :meth:`start` runs it every `interval` on a daemon thread.
+    Tests drive :meth:`tick` with their own clock.
+    """
+
+    def __init__(self, source: Source, metrics: Metrics, gpus: GpuMap, *, interval: float,
+                 timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+        self.metrics = metrics
+        self.gpus = gpus
+        self.interval = interval
+        self.timeout = timeout
+        self.clock = clock
+        self.rings: dict[str, Ring] = {}
+        self.meters: dict[str, EnergyMeter] = {}
+        self.up: bool | None = None  # None until the first tick
+        self.opened = False
+        self._current: dict[str, tuple] = {}  # gpu -> labels of its current-watts gauge
+        self._caller = _Caller()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._up_gauge = metrics.power_sampling_up.labels(source.name)
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def open(self) -> bool:
+        """Open the source; False (said once) when power cannot be read here at all."""
+        try:  # nvmlInit can take seconds on a many-GPU host without persistence mode
+            self._caller.call(self.source.open, max(30.0, self.timeout))
+        except PowerUnavailable as exc:
+            self._set_down(str(exc), permanent=True)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a hang or a driver error
+            self._set_down(f"opening {self.source.name} failed: {exc}", permanent=True)
+            return False
+        self.opened = True
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="phasewatch-power", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.timeout + self.interval)
+        if self.opened:
+            try:
+                self._caller.call(self.source.close, 1.0)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+
+    def _run(self) -> None:
+        if not self.open():
+            return
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the sampler must outlive its bugs
+                log.exception("power sampler tick failed")
+            next_t += self.interval
+            delay = next_t - time.monotonic()
+            if delay < 0:  # fell behind (a hang): skip the missed ticks
+                next_t, delay = time.monotonic(), 0.0
+            self._stop.wait(delay)
+
+    # --- one sample -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        t0 = self.clock()
+        try:
+            readings = self._caller.call(self.source.read, self.timeout)
+        except TimeoutError as exc:
+            self._set_down(f"a call to {self.source.name} hung ({exc})")
+            return
+        except Exception as exc:  # noqa: BLE001 - driver or HTTP error: said once
+            self._set_down(f"reading {self.source.name} failed: {exc}")
+            return
+        t = (t0 + self.clock()) / 2.0
+        m = self.metrics
+        seen = 0
+        for gpu, r in sorted(readings.items()):
+            if not self.gpus.owners(gpu):
+                continue
+            seen += 1
+            labels = self.gpus.labels(gpu)
+            in_flight = self.gpus.in_flight(gpu)
+            m.gpu_power_sample_watts.labels(*labels, gpu, classify(in_flight)).observe(r.watts)
+            current = labels + (gpu,)
+            old = self._current.get(gpu)
+            if old is not None and old != current:
+                _remove(m.gpu_power_current_watts, old)
+            m.gpu_power_current_watts.labels(*current).set(r.watts)
+            self._current[gpu] = current
+            joules = self.meters.setdefault(gpu, EnergyMeter()).step(t, r.watts, r.energy_mj)
+            if joules > 0:
+                m.gpu_energy_joules_total.labels(*current).inc(joules)
+            self.rings.setdefault(gpu, Ring()).append(t, r.watts, len(in_flight))
+        if seen:
+            self._set_up(len(readings), seen)
+        else:
+            self._set_down(f"{self.source.name} reports GPUs {sorted(readings)}, none of them "
+                           "mapped by --power-gpu")
+
+    def _set_up(self, visible: int, used: int) -> None:
+        if self.up is None:
+            log.info("GPU power sampled from %s every %gs: %d of %d GPUs", self.source.name,
+                     self.interval, used, visible)
+        elif self.up is False:
+            log.info("GPU power sampling from %s resumed", self.source.name)
+        self.up = True
+        self._up_gauge.set(1)
+
+    def _set_down(self, why: str, permanent: bool = False) -> None:
+        if self.up is not False:
+            if permanent:
+                log.info("GPU power is not sampled: %s. Requests are relayed and measured as "
+                         "usual; for a GPU on another host use --power-source dcgm "
+                         "--power-dcgm-url URL", why)
+            else:
+                log.warning("GPU power is not being sampled: %s. Requests are still relayed "
+                            "and measured; power metrics stay stale until it recovers", why)
+        self.up = False
+        self._up_gauge.set(0)
+        for labels in self._current.values():
+            _remove(self.metrics.gpu_power_current_watts, labels)
+        self._current.clear()
+
+    # --- per request ------------------------------------------------------------------------
+
+    def request_power(self, ex, completion_tokens: int | None) -> dict:
+        """Mean watts over the request's prefill and decode windows (its GPUs summed) and its
+        share of their energy (split evenly among the requests in flight on them)."""
+        rings = [ring for gpu, ring in list(self.rings.items()) if self.gpus.serves(gpu, ex)]
+        mk = ex.marks
+        if not rings or mk.t_sent is None:
+            return {}
+        out: dict = {}
+        for phase, a, b in (("prefill", mk.t_sent, mk.t_first), ("decode", mk.t_first, mk.t_last)):
+            if a is None or b is None or b <= a:
+                continue
+            total, inside = 0.0, 0
+            for ring in rings:
+                ts, ws, _, k = ring.window(a, b)
+                total += integrate(ts, ws, a, b)
+                inside = max(inside, k)
+            if inside:  # a window between two samples has no measurement of its own
+                out[phase] = total / (b - a)
+        end = mk.t_last if mk.t_last is not None else mk.t_end
+        if end is not None and end > mk.t_sent:
+            joules, inside = 0.0, 0
+            for ring in rings:
+                ts, ws, ns, k = ring.window(mk.t_sent, end)
+                joules += integrate(ts, [w / max(1, n) for w, n in zip(ws, ns)], mk.t_sent, end)
+                inside = max(inside, k)
+            if inside:
+                out["energy"] = joules
+                if completion_tokens:
+                    out["joules_per_token"] = joules / completion_tokens
+        return out
+
+
+def _remove(metric, labels: tuple) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass

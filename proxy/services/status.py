@@ -1,0 +1,166 @@
+"""The live status page's data: the methodology's table, recent TTFT and decode rates,
+in-flight and queued requests and power, computed by the proxy itself (no Grafana, no
+external assets).
+
+The table is :mod:`proxy.measure.summary` computed from the proxy's own registry. The
+charts come from a bounded ring of per-request points that the recorder hands over
+after each request (one deque append per request, nothing on the per-event path). The
+routes (``/phasewatch/``, ``/phasewatch/api/summary``) are the own API's
+(:mod:`proxy.api`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import time
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from .. import __version__
+from ..measure.summary import Samples, build
+
+if TYPE_CHECKING:
+    from ..core.exchange import Exchange
+    from ..core.upstreams import Upstreams
+    from ..measure.metrics import Metrics
+    from ..measure.timeline import Figures
+
+#: How far back the charts reach, and the most points kept.
+WINDOW_SECONDS = 600.0
+MAX_POINTS = 4000
+#: Window of the "recent" columns.
+RECENT_SECONDS = 60.0
+#: Seconds between two points of the power chart.
+POWER_STEP_SECONDS = 2.0
+
+_INITIAL_MARK = "/*__INITIAL_SUMMARY__*/null"
+
+
+class StatusPage:
+    """Serves the page and its JSON; collects recent per-request points."""
+
+    def __init__(self, metrics: Metrics, upstreams: Upstreams) -> None:
+        self.metrics = metrics
+        self.upstreams = upstreams
+        self.started = time.time()
+        self.points: collections.deque = collections.deque(maxlen=MAX_POINTS)
+        self._keys: dict[tuple[str, str, str], int] = {}
+        self._template: str | None = None
+        #: (time, {gpu label: watts}) every POWER_STEP_SECONDS while requests finish or
+        #: the page is open: the latest power samples, read from the one gauge.
+        self.power_points: collections.deque = collections.deque(
+            maxlen=int(WINDOW_SECONDS / POWER_STEP_SECONDS) + 1)
+        self._power_t = 0.0
+        self._summary: tuple[float, int, dict] | None = None
+        self._finished = 0  # requests seen by on_request
+
+    # --- the recorder's listener (once per finished request) -------------------------
+
+    def on_request(self, ex: "Exchange", f: "Figures") -> None:
+        self._finished += 1
+        if ex.outcome != "ok":
+            return None
+        key = (ex.upstream_name, ex.model_label, ex.precision)
+        idx = self._keys.get(key)
+        if idx is None:
+            if len(self._keys) >= 256:  # labels are bounded already; belt and braces
+                return None
+            idx = self._keys[key] = len(self._keys)
+        now = time.time()
+        self.points.append((now, idx, f.ttft, f.decode_tps.get("proxy", f.decode_tps.get("engine")),
+                            f.prompt_tokens, f.completion_tokens))
+        self._power_tick(now)
+        return None
+
+    def _power_tick(self, now: float) -> None:
+        if now - self._power_t < POWER_STEP_SECONDS:
+            return
+        self._power_t = now
+        watts = {}
+        for family in self.metrics.gpu_power_current_watts.collect():
+            for s in family.samples:
+                lab = s.labels
+                model = lab.get("model", "")
+                label = f"{lab.get('upstream', '')} gpu {lab.get('gpu', '')}" + (
+                    f" · {model}" if model and model != "all" else "")
+                watts[label] = s.value
+        if watts:
+            self.power_points.append((now, watts))
+
+    # --- data ------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """The page's data; computed at most once a second however many pages poll,
+        unless a request finished since."""
+        now = time.time()
+        cached = self._summary
+        if cached is not None and now - cached[0] < 1.0 and cached[1] == self._finished:
+            return cached[2]
+        data = self._compute(now)
+        self._summary = (now, self._finished, data)
+        return data
+
+    def _compute(self, now: float) -> dict:
+        self._power_tick(now)
+        reg = Samples.from_registry(self.metrics.exposition)  # all workers' figures
+        rep = build(reg, source="this proxy", include_idle_models=True)
+        as_dict = rep.as_dict()
+        keys = [None] * len(self._keys)
+        for key, i in self._keys.items():
+            keys[i] = key
+        cutoff = now - WINDOW_SECONDS
+        points = [p for p in list(self.points) if p[0] >= cutoff]
+        recent: dict[int, dict] = {}
+        for t, idx, ttft, dec, _pt, ct in points:
+            if t >= now - RECENT_SECONDS:
+                r = recent.setdefault(idx, {"ttft": [], "dec": [], "n": 0, "tokens": 0})
+                r["n"] += 1
+                r["tokens"] += ct or 0
+                if ttft is not None:
+                    r["ttft"].append(ttft)
+                if dec is not None:
+                    r["dec"].append(dec)
+        rows = []
+        for row in as_dict["rows"]:
+            key = (row["upstream"], row["model"], row["precision"])
+            r = recent.get(self._keys.get(key, -1))
+            row["recent"] = {
+                "requests_per_min": r["n"] * 60.0 / RECENT_SECONDS if r else 0.0,
+                "tokens_per_s": r["tokens"] / RECENT_SECONDS if r else 0.0,
+                "ttft_s": statistics.median(r["ttft"]) if r and r["ttft"] else None,
+                "decode_tok_s": statistics.median(r["dec"]) if r and r["dec"] else None,
+            }
+            rows.append(row)
+        upstreams = []
+        for u in self.upstreams.all:
+            upstreams.append({
+                "name": u.name, "engine": u.engine, "up": bool(getattr(u, "up", False)),
+                "models": len(getattr(u, "models", ()) or ()),
+                "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
+                "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
+                "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))
+                if rep.gpus else None,
+            })
+        return {
+            "version": __version__, "now": now, "uptime_s": now - self.started,
+            "window_s": WINDOW_SECONDS, "recent_s": RECENT_SECONDS,
+            "power_sampled": rep.power, "gpus": rep.gpus, "upstreams": upstreams,
+            "bands": as_dict["bands"], "rows": rows,
+            "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
+            "points": [[round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
+                       for t, idx, ttft, dec, pt, ct in points],
+            "power_points": [[round(t - now, 3), w] for t, w in list(self.power_points) if t >= cutoff],
+        }
+
+    def page(self) -> bytes:
+        """The page, with the current summary inlined (it renders before its first poll)."""
+        if self._template is None:
+            self._template = resources.files("proxy.services").joinpath("static/status.html").read_text("utf-8")
+        initial = json.dumps(self.summary(), separators=(",", ":")).replace("<", "\\u003c")
+        return self._template.replace(_INITIAL_MARK, initial, 1).encode("utf-8")
+
+
+def _r(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)

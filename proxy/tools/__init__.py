@@ -1,0 +1,1 @@
+"""Tools built on the rest: the command line, bench, report, demo. Nothing imports them."""

@@ -1,0 +1,211 @@
+"""Command line: ``phasewatch serve | simulate | demo | bench | report``.
+
+Parses flags and hands over: the proxy (proxy.app under proxy.runtime), the simulator
+(proxy.sim), the demo, the benchmark and the report (this package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from .. import __version__
+from ..settings import Settings
+
+_PROG = "phasewatch"
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list or "list[" in str(annotation)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field, documented from the field's description."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "PHASEWATCH_" + name.upper()
+        annotation = field.annotation
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description} [env {env}; default {default!r}]"
+        if _is_list(annotation):
+            parser.add_argument(flag, dest=name, action="append", default=None, help=help_text,
+                                metavar="VALUE")
+        elif annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+        else:
+            choices = (typing.get_args(annotation)
+                       if typing.get_origin(annotation) is typing.Literal else None)
+            parser.add_argument(flag, dest=name, default=None, help=help_text, choices=choices,
+                                metavar=None if choices else name.upper())
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags (the environment fills the rest)."""
+    return {k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None}
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit 2: how every bad setting is reported."""
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def validation_line(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        names = [str(p) for p in err["loc"] if isinstance(p, str)]
+        msg = err["msg"].removeprefix("Value error, ")
+        if not names:  # a check across settings names its flag itself
+            parts.append(msg)
+            continue
+        where = "--" + "-".join(names).replace("_", "-")
+        value = err.get("input")
+        shown = f" (got {value!r})" if value is not None and not isinstance(value, (list, dict)) else ""
+        parts.append(f"{where}: {msg}{shown}")
+    return "; ".join(parts)
+
+
+# --- serve ----------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = Settings(**given_settings(args))
+    except ValidationError as exc:
+        fail(validation_line(exc))
+    except ValueError as exc:
+        fail(str(exc))
+    if not settings.upstream:
+        fail("no upstream: give --upstream URL (or PHASEWATCH_UPSTREAM), e.g. "
+             "--upstream http://127.0.0.1:8000")
+    from ..app import ProxyApp
+    from ..runtime.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        app = ProxyApp(settings)
+    except ValueError as exc:
+        fail(str(exc))
+    if settings.workers > 1:  # N processes, metrics summed, one power sampler
+        from ..runtime.workers import run as run_workers
+
+        del app  # built above only to check the configuration
+        return run_workers(given_settings(args), settings)
+    from ..runtime.server import run
+
+    run(app)
+    return 0
+
+
+# --- simulate ---------------------------------------------------------------------------
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..runtime.logs import configure_logging
+    from ..runtime.server import uvicorn_config
+    from ..sim.command import from_args
+
+    configure_logging("info")
+    try:
+        app = from_args(args)
+    except ValueError as exc:
+        fail(str(exc))
+    config = uvicorn_config(app, args.host, args.port, "info")
+    config.server_header, config.date_header = True, True  # like the engines it imitates
+    uvicorn.Server(config).run()
+    return 0
+
+
+# --- demo, bench, report -------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ..runtime.logs import configure_logging
+    from .demo import run_demo
+
+    configure_logging("info")
+    try:
+        asyncio.run(run_demo(args))
+    except ValueError as exc:
+        fail(str(exc))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import run
+
+    return run(args)
+
+
+# --- entry --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..sim import command as sim_command
+    from . import bench, demo, report
+
+    parser = argparse.ArgumentParser(prog=_PROG, description="Instrumenting reverse proxy for "
+                                     "self-hosted LLM engines: per-request queue, TTFT, prefill and "
+                                     "decode rates, precision and GPU power, as Prometheus metrics.")
+    parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy in front of one or more engines",
+                           description="Run the proxy. Every flag can also be set as a "
+                           "PHASEWATCH_* environment variable; flags win.")
+    add_settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    sim = sub.add_parser("simulate", help="run the built-in engine simulator",
+                         description="A simulated engine (vLLM, Ollama or llama-server, "
+                         "--engine) with faithful wire format and physics-based timing: one 8B "
+                         "model at bf16, fp8 and int4 (Ollama: F16, Q8_0, Q4_K_M; llama-server: "
+                         "one Q4_K_M model), the engines' own timing fields filled from it.")
+    sim.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    sim.add_argument("--port", type=int, default=8000, help="Port to listen on [default 8000].")
+    sim_command.add_arguments(sim)
+    sim.set_defaults(func=cmd_simulate)
+
+    d = sub.add_parser("demo", help="simulator + proxy + gentle traffic: metrics with no GPU",
+                       description="Runs the simulator, the proxy (on --port) in front of it, "
+                       "and a gentle traffic generator, so /metrics fills with no GPU.")
+    demo.add_arguments(d)
+    sim_command.add_arguments(d)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmark an endpoint: decode, prefill, TTFT, concurrency",
+                       description="Warm-up, then decode tok/s, prefill ms/token and TTFT at ~4K, "
+                       "~8K and ~16K-token prompts, and a concurrency sweep, each repeated "
+                       "(median reported).")
+    bench.add_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    r = sub.add_parser("report", help="the benchmark table from phasewatch's own metrics",
+                       description="Per model x precision: decode tok/s, prefill ms/token and "
+                       "TTFT by prompt band, power, J/token, phase shares and speed-ups, from a "
+                       "phasewatch /metrics URL or a Prometheus server.")
+    report.add_arguments(r)
+    r.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
