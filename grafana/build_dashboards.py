@@ -35,14 +35,25 @@ PALETTE = "palette-classic"
 def steps(*pairs):
     """Threshold steps: steps(GREEN, (1, YELLOW), (2, RED))."""
     first, *rest = pairs
-    return {"mode": "absolute", "steps": [{"color": first, "value": None}]
-            + [{"color": c, "value": v} for v, c in rest]}
+    return {
+        "mode": "absolute",
+        "steps": [{"color": first, "value": None}] + [{"color": c, "value": v} for v, c in rest],
+    }
 
 
-def target(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False,
-           fmt: str = "time_series") -> dict:
-    t = {"datasource": DS, "refId": ref, "expr": expr, "legendFormat": legend or "__auto",
-         "range": not instant, "instant": instant, "format": fmt, "editorMode": "code"}
+def target(
+    expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, fmt: str = "time_series"
+) -> dict:
+    t = {
+        "datasource": DS,
+        "refId": ref,
+        "expr": expr,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "instant": instant,
+        "format": fmt,
+        "editorMode": "code",
+    }
     return t
 
 
@@ -53,8 +64,9 @@ def refs(targets):
 class Dash:
     """Lays panels out left to right, top to bottom, and numbers them."""
 
-    def __init__(self, uid: str, title: str, description: str, tags: list[str],
-                 variables: list[dict]) -> None:
+    def __init__(
+        self, uid: str, title: str, description: str, tags: list[str], variables: list[dict]
+    ) -> None:
         self.uid, self.title, self.description, self.tags = uid, title, description, tags
         self.variables = variables
         self.panels: list[dict] = []
@@ -73,8 +85,16 @@ class Dash:
     def row(self, title: str) -> None:
         if self.x:
             self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        self.panels.append({"type": "row", "id": self.next_id, "title": title, "collapsed": False,
-                            "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1}, "panels": []})
+        self.panels.append(
+            {
+                "type": "row",
+                "id": self.next_id,
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1},
+                "panels": [],
+            }
+        )
         self.next_id += 1
         self.y += 1
 
@@ -86,212 +106,462 @@ class Dash:
 
     def json(self) -> dict:
         return {
-            "uid": self.uid, "title": self.title, "description": self.description,
-            "tags": ["phasewatch", *self.tags], "timezone": "browser", "editable": True,
-            "graphTooltip": 1, "schemaVersion": 39, "version": 1, "refresh": "10s",
-            "time": {"from": "now-1h", "to": "now"}, "fiscalYearStartMonth": 0,
-            "liveNow": False, "weekStart": "",
+            "uid": self.uid,
+            "title": self.title,
+            "description": self.description,
+            "tags": ["phasewatch", *self.tags],
+            "timezone": "browser",
+            "editable": True,
+            "graphTooltip": 1,
+            "schemaVersion": 39,
+            "version": 1,
+            "refresh": "10s",
+            "time": {"from": "now-1h", "to": "now"},
+            "fiscalYearStartMonth": 0,
+            "liveNow": False,
+            "weekStart": "",
             "timepicker": {"refresh_intervals": ["5s", "10s", "30s", "1m", "5m", "15m"]},
-            "annotations": {"list": [{
-                "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-                "name": "Annotations & Alerts", "type": "dashboard"}]},
-            "links": [{"title": "phasewatch dashboards", "type": "dashboards", "tags": ["phasewatch"],
-                       "asDropdown": True, "includeVars": True, "keepTime": True,
-                       "icon": "external link", "targetBlank": False, "tooltip": "", "url": ""}],
+            "annotations": {
+                "list": [
+                    {
+                        "builtIn": 1,
+                        "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                        "enable": True,
+                        "hide": True,
+                        "iconColor": "rgba(0, 211, 255, 1)",
+                        "name": "Annotations & Alerts",
+                        "type": "dashboard",
+                    }
+                ]
+            },
+            "links": [
+                {
+                    "title": "phasewatch dashboards",
+                    "type": "dashboards",
+                    "tags": ["phasewatch"],
+                    "asDropdown": True,
+                    "includeVars": True,
+                    "keepTime": True,
+                    "icon": "external link",
+                    "targetBlank": False,
+                    "tooltip": "",
+                    "url": "",
+                }
+            ],
             "templating": {"list": self.variables},
             "panels": self.panels,
         }
 
 
-def timeseries(title, description, targets, unit, thresholds, *, stack=False, min_=0, max_=None,
-               legend_calcs=("mean", "max", "lastNotNull"), decimals=None, fill=10,
-               threshold_style="off", log=False):
+def timeseries(
+    title,
+    description,
+    targets,
+    unit,
+    thresholds,
+    *,
+    stack=False,
+    min_=0,
+    max_=None,
+    legend_calcs=("mean", "max", "lastNotNull"),
+    decimals=None,
+    fill=10,
+    threshold_style="off",
+    log=False,
+):
     defaults = {
-        "unit": unit, "min": min_, "thresholds": thresholds,
+        "unit": unit,
+        "min": min_,
+        "thresholds": thresholds,
         "color": {"mode": PALETTE},
-        "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": fill, "showPoints": "never",
-                   "spanNulls": True, "axisPlacement": "auto", "axisSoftMin": 0,
-                   "scaleDistribution": {"type": "log", "log": 10} if log else {"type": "linear"},
-                   "stacking": {"mode": "normal" if stack else "none", "group": "A"},
-                   "thresholdsStyle": {"mode": threshold_style}},
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": fill,
+            "showPoints": "never",
+            "spanNulls": True,
+            "axisPlacement": "auto",
+            "axisSoftMin": 0,
+            "scaleDistribution": {"type": "log", "log": 10} if log else {"type": "linear"},
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": threshold_style},
+        },
     }
     if max_ is not None:
         defaults["max"] = max_
     if decimals is not None:
         defaults["decimals"] = decimals
-    return {"type": "timeseries", "title": title, "description": description, "targets": targets,
-            "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                                   "calcs": list(legend_calcs)},
-                        "tooltip": {"mode": "multi", "sort": "desc"}}}
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {
+                "displayMode": "table",
+                "placement": "bottom",
+                "showLegend": True,
+                "calcs": list(legend_calcs),
+            },
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
 
 
-def stat(title, description, targets, unit, thresholds, *, decimals=None, mappings=None,
-         color_mode="value", text_mode="value_and_name", orientation="vertical"):
-    defaults = {"unit": unit, "thresholds": thresholds, "color": {"mode": "thresholds"},
-                "mappings": mappings or []}
+def stat(
+    title,
+    description,
+    targets,
+    unit,
+    thresholds,
+    *,
+    decimals=None,
+    mappings=None,
+    color_mode="value",
+    text_mode="value_and_name",
+    orientation="vertical",
+):
+    defaults = {
+        "unit": unit,
+        "thresholds": thresholds,
+        "color": {"mode": "thresholds"},
+        "mappings": mappings or [],
+    }
     if decimals is not None:
         defaults["decimals"] = decimals
-    return {"type": "stat", "title": title, "description": description, "targets": targets,
-            "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                        "orientation": orientation, "textMode": text_mode,
-                        "colorMode": color_mode, "graphMode": "none", "justifyMode": "center",
-                        "wideLayout": True, "showPercentChange": False}}
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "orientation": orientation,
+            "textMode": text_mode,
+            "colorMode": color_mode,
+            "graphMode": "none",
+            "justifyMode": "center",
+            "wideLayout": True,
+            "showPercentChange": False,
+        },
+    }
 
 
 def bargauge(title, description, targets, unit, thresholds, *, min_=0, max_=None, decimals=None):
-    defaults = {"unit": unit, "min": min_, "thresholds": thresholds,
-                "color": {"mode": "thresholds"}}
+    defaults = {
+        "unit": unit,
+        "min": min_,
+        "thresholds": thresholds,
+        "color": {"mode": "thresholds"},
+    }
     if max_ is not None:
         defaults["max"] = max_
     if decimals is not None:
         defaults["decimals"] = decimals
-    return {"type": "bargauge", "title": title, "description": description, "targets": targets,
-            "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                        "orientation": "horizontal", "displayMode": "gradient",
-                        "showUnfilled": True, "valueMode": "color", "namePlacement": "auto",
-                        "sizing": "auto", "minVizHeight": 16, "minVizWidth": 8, "maxVizHeight": 300}}
+    return {
+        "type": "bargauge",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "orientation": "horizontal",
+            "displayMode": "gradient",
+            "showUnfilled": True,
+            "valueMode": "color",
+            "namePlacement": "auto",
+            "sizing": "auto",
+            "minVizHeight": 16,
+            "minVizWidth": 8,
+            "maxVizHeight": 300,
+        },
+    }
 
 
 def heatmap(title, description, targets, unit):
-    return {"type": "heatmap", "title": title, "description": description, "targets": targets,
-            "fieldConfig": {"defaults": {"unit": unit, "custom": {
-                "hideFrom": {"legend": False, "tooltip": False, "viz": False},
-                "scaleDistribution": {"type": "linear"}}}, "overrides": []},
-            "options": {"calculate": False, "cellGap": 1, "yAxis": {"axisPlacement": "left", "unit": unit},
-                        "rowsFrame": {"layout": "auto"},
-                        "color": {"mode": "scheme", "scheme": "Oranges", "fill": "dark-orange",
-                                  "scale": "exponential", "exponent": 0.5, "steps": 64,
-                                  "reverse": False},
-                        "filterValues": {"le": 1e-9}, "legend": {"show": True},
-                        "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": False},
-                        "exemplars": {"color": "rgba(255,0,255,0.7)"}, "showValue": "never"}}
+    return {
+        "type": "heatmap",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "custom": {
+                    "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                    "scaleDistribution": {"type": "linear"},
+                },
+            },
+            "overrides": [],
+        },
+        "options": {
+            "calculate": False,
+            "cellGap": 1,
+            "yAxis": {"axisPlacement": "left", "unit": unit},
+            "rowsFrame": {"layout": "auto"},
+            "color": {
+                "mode": "scheme",
+                "scheme": "Oranges",
+                "fill": "dark-orange",
+                "scale": "exponential",
+                "exponent": 0.5,
+                "steps": 64,
+                "reverse": False,
+            },
+            "filterValues": {"le": 1e-9},
+            "legend": {"show": True},
+            "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": False},
+            "exemplars": {"color": "rgba(255,0,255,0.7)"},
+            "showValue": "never",
+        },
+    }
 
 
 def table(title, description, targets, overrides, thresholds, *, organize=None):
     transformations = [{"id": "merge", "options": {}}]
     if organize:
         transformations.append({"id": "organize", "options": organize})
-    return {"type": "table", "title": title, "description": description, "targets": targets,
-            "fieldConfig": {"defaults": {"thresholds": thresholds, "color": {"mode": "thresholds"},
-                                         "custom": {"align": "auto", "cellOptions": {"type": "auto"},
-                                                    "inspect": False}},
-                            "overrides": overrides},
-            "options": {"showHeader": True, "cellHeight": "sm", "footer": {"show": False,
-                                                                           "reducer": ["sum"],
-                                                                           "fields": ""}},
-            "transformations": transformations}
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {
+            "defaults": {
+                "thresholds": thresholds,
+                "color": {"mode": "thresholds"},
+                "custom": {"align": "auto", "cellOptions": {"type": "auto"}, "inspect": False},
+            },
+            "overrides": overrides,
+        },
+        "options": {
+            "showHeader": True,
+            "cellHeight": "sm",
+            "footer": {"show": False, "reducer": ["sum"], "fields": ""},
+        },
+        "transformations": transformations,
+    }
 
 
 def override(name, **props):
-    return {"matcher": {"id": "byName", "options": name},
-            "properties": [{"id": k.replace("__", "."), "value": v} for k, v in props.items()]}
+    return {
+        "matcher": {"id": "byName", "options": name},
+        "properties": [{"id": k.replace("__", "."), "value": v} for k, v in props.items()],
+    }
 
 
 # --- variables ----------------------------------------------------------------------------
 
 
 def ds_var():
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [],
-            "refresh": 1, "regex": "", "skipUrlSync": False}
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "includeAll": False,
+        "multi": False,
+        "options": [],
+        "refresh": 1,
+        "regex": "",
+        "skipUrlSync": False,
+    }
 
 
 def query_var(name, label, query, description):
-    return {"name": name, "label": label, "description": description, "type": "query",
-            "datasource": DS, "definition": query,
-            "query": {"query": query, "refId": f"PrometheusVariableQueryEditor-{name}",
-                      "qryType": 1},
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "includeAll": True, "allValue": ".*", "multi": True, "options": [], "refresh": 2,
-            "regex": "", "sort": 1, "hide": 0, "skipUrlSync": False}
+    return {
+        "name": name,
+        "label": label,
+        "description": description,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": {"query": query, "refId": f"PrometheusVariableQueryEditor-{name}", "qryType": 1},
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "options": [],
+        "refresh": 2,
+        "regex": "",
+        "sort": 1,
+        "hide": 0,
+        "skipUrlSync": False,
+    }
 
 
 def custom_var(name, label, values, default, description):
-    return {"name": name, "label": label, "description": description, "type": "custom",
-            "query": ",".join(values), "current": {"selected": True, "text": default, "value": default},
-            "options": [{"selected": v == default, "text": v, "value": v} for v in values],
-            "includeAll": False, "multi": False, "hide": 0, "skipUrlSync": False}
+    return {
+        "name": name,
+        "label": label,
+        "description": description,
+        "type": "custom",
+        "query": ",".join(values),
+        "current": {"selected": True, "text": default, "value": default},
+        "options": [{"selected": v == default, "text": v, "value": v} for v in values],
+        "includeAll": False,
+        "multi": False,
+        "hide": 0,
+        "skipUrlSync": False,
+    }
 
 
 def base_vars():
     return [
         ds_var(),
-        query_var("upstream", "Upstream", "label_values(phasewatch_model_info, upstream)",
-                  "Engine(s) behind phasewatch (--upstream name=URL)."),
-        query_var("model", "Model", 'label_values(phasewatch_model_info{upstream=~"$upstream"}, model)',
-                  "Served model names."),
-        query_var("precision", "Precision",
-                  'label_values(phasewatch_model_info{upstream=~"$upstream", model=~"$model"}, precision)',
-                  "Normalised weight precision (bf16, fp8, int4 ...)."),
+        query_var(
+            "upstream",
+            "Upstream",
+            "label_values(phasewatch_model_info, upstream)",
+            "Engine(s) behind phasewatch (--upstream name=URL).",
+        ),
+        query_var(
+            "model",
+            "Model",
+            'label_values(phasewatch_model_info{upstream=~"$upstream"}, model)',
+            "Served model names.",
+        ),
+        query_var(
+            "precision",
+            "Precision",
+            'label_values(phasewatch_model_info{upstream=~"$upstream", model=~"$model"}, precision)',
+            "Normalised weight precision (bf16, fp8, int4 ...).",
+        ),
     ]
 
 
 def source_var():
-    return custom_var("source", "Measured by", ["proxy", "engine"], "proxy",
-                      "proxy: phasewatch's own clock (streaming requests, every engine); engine: "
-                      "the engine's reported timings (llama-server, Ollama).")
+    return custom_var(
+        "source",
+        "Measured by",
+        ["proxy", "engine"],
+        "proxy",
+        "proxy: phasewatch's own clock (streaming requests, every engine); engine: "
+        "the engine's reported timings (llama-server, Ollama).",
+    )
 
 
 # --- Overview ------------------------------------------------------------------------------
 
 
 def overview() -> dict:
-    d = Dash("phasewatch-overview", "phasewatch / Overview",
-             "Where the wait goes per request phase (queue, prefill, decode), per model and "
-             "precision, from phasewatch's per-request histograms.", ["overview"],
-             base_vars() + [source_var()])
+    d = Dash(
+        "phasewatch-overview",
+        "phasewatch / Overview",
+        "Where the wait goes per request phase (queue, prefill, decode), per model and "
+        "precision, from phasewatch's per-request histograms.",
+        ["overview"],
+        base_vars() + [source_var()],
+    )
 
     d.row("Time to first token and decode")
-    q = lambda p: (f"histogram_quantile({p}, sum by (le) "  # noqa: E731
-                   f"(phasewatch:ttft_seconds_bucket:rate5m{{{SEL}}}))")
-    d.add(timeseries(
-        "Time to first token p50 / p95 / p99",
-        "Time from phasewatch having the whole request to the first generated output reaching "
-        "the client (proxy queue + engine queue + prefill), over 5 min windows (recording rule). "
-        "The red line is the TTFTSLOBreach bound (2 s, for prompts under 6K tokens).",
-        [target(q(0.5), "p50"), target(q(0.95), "p95"), target(q(0.99), "p99")],
-        "s", steps(GREEN, (1, YELLOW), (2, RED)), threshold_style="line", fill=0))
-    d.add(timeseries(
-        "TTFT p95 by prompt length",
-        "p95 time to first token per prompt band: prefill grows with the prompt, so ~8K and "
-        "~16K prompts (6k-12k, 12k-24k) wait seconds where short chats wait milliseconds.",
-        [target("histogram_quantile(0.95, sum by (prompt_band, le) "
-                f"(phasewatch:ttft_seconds_bucket:rate5m{{{SEL}}}))", "{{prompt_band}}")],
-        "s", steps(GREEN, (2, YELLOW), (10, RED)), fill=0))
-    d.add(heatmap(
-        "Decode rate distribution (tok/s)",
-        "Per-request decode rate, (completion tokens - 1) / (last - first output event), as a "
-        "heatmap of histogram buckets. Decode is memory-bandwidth-bound: lower precision moves "
-        "this up ~2.5-3.5x from bf16 to int4.",
-        [target("sum by (le) (increase(phasewatch_decode_tokens_per_second_bucket"
-                f'{{{SEL}, source="$source"}}[$__rate_interval]))', "{{le}}", fmt="heatmap")],
-        TOKS))
-    d.add(heatmap(
-        "Prefill rate distribution (tok/s)",
-        "Per-request prefill rate: prompt tokens actually processed (prefix-cache hits excluded) "
-        "per second of prefill. Compute-bound: precision moves it only ~1.2-1.5x.",
-        [target("sum by (le) (increase(phasewatch_prefill_tokens_per_second_bucket"
-                f'{{{SEL}, source="$source"}}[$__rate_interval]))', "{{le}}", fmt="heatmap")],
-        TOKS))
-    d.add(timeseries(
-        "Median decode rate by model",
-        "Median decode tokens/s per upstream, model and precision over 5 min (recording rule): "
-        "the series DecodeRateRegression watches (it fires when the 30 min median falls below "
-        "80 % of the same window 1 d / 7 d earlier).",
-        [target(f'phasewatch:decode_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
-                "{{model}} ({{precision}}) on {{upstream}}")],
-        TOKS, steps(RED, (10, YELLOW), (25, GREEN)), fill=0))
-    d.add(timeseries(
-        "Median prefill rate by model",
-        "Median prefill tokens/s per upstream, model and precision over 5 min, all prompt "
-        "lengths (recording rule).",
-        [target(f'phasewatch:prefill_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
-                "{{model}} ({{precision}}) on {{upstream}}")],
-        TOKS, steps(RED, (100, YELLOW), (1000, GREEN)), fill=0))
+
+    def q(p: float) -> str:
+        return (
+            f"histogram_quantile({p}, sum by (le) (phasewatch:ttft_seconds_bucket:rate5m{{{SEL}}}))"
+        )
+
+    d.add(
+        timeseries(
+            "Time to first token p50 / p95 / p99",
+            "Time from phasewatch having the whole request to the first generated output reaching "
+            "the client (proxy queue + engine queue + prefill), over 5 min windows (recording rule). "
+            "The red line is the TTFTSLOBreach bound (2 s, for prompts under 6K tokens).",
+            [target(q(0.5), "p50"), target(q(0.95), "p95"), target(q(0.99), "p99")],
+            "s",
+            steps(GREEN, (1, YELLOW), (2, RED)),
+            threshold_style="line",
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "TTFT p95 by prompt length",
+            "p95 time to first token per prompt band: prefill grows with the prompt, so ~8K and "
+            "~16K prompts (6k-12k, 12k-24k) wait seconds where short chats wait milliseconds.",
+            [
+                target(
+                    "histogram_quantile(0.95, sum by (prompt_band, le) "
+                    f"(phasewatch:ttft_seconds_bucket:rate5m{{{SEL}}}))",
+                    "{{prompt_band}}",
+                )
+            ],
+            "s",
+            steps(GREEN, (2, YELLOW), (10, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        heatmap(
+            "Decode rate distribution (tok/s)",
+            "Per-request decode rate, (completion tokens - 1) / (last - first output event), as a "
+            "heatmap of histogram buckets. Decode is memory-bandwidth-bound: lower precision moves "
+            "this up ~2.5-3.5x from bf16 to int4.",
+            [
+                target(
+                    "sum by (le) (increase(phasewatch_decode_tokens_per_second_bucket"
+                    f'{{{SEL}, source="$source"}}[$__rate_interval]))',
+                    "{{le}}",
+                    fmt="heatmap",
+                )
+            ],
+            TOKS,
+        )
+    )
+    d.add(
+        heatmap(
+            "Prefill rate distribution (tok/s)",
+            "Per-request prefill rate: prompt tokens actually processed (prefix-cache hits excluded) "
+            "per second of prefill. Compute-bound: precision moves it only ~1.2-1.5x.",
+            [
+                target(
+                    "sum by (le) (increase(phasewatch_prefill_tokens_per_second_bucket"
+                    f'{{{SEL}, source="$source"}}[$__rate_interval]))',
+                    "{{le}}",
+                    fmt="heatmap",
+                )
+            ],
+            TOKS,
+        )
+    )
+    d.add(
+        timeseries(
+            "Median decode rate by model",
+            "Median decode tokens/s per upstream, model and precision over 5 min (recording rule): "
+            "the series DecodeRateRegression watches (it fires when the 30 min median falls below "
+            "80 % of the same window 1 d / 7 d earlier).",
+            [
+                target(
+                    f'phasewatch:decode_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
+                    "{{model}} ({{precision}}) on {{upstream}}",
+                )
+            ],
+            TOKS,
+            steps(RED, (10, YELLOW), (25, GREEN)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Median prefill rate by model",
+            "Median prefill tokens/s per upstream, model and precision over 5 min, all prompt "
+            "lengths (recording rule).",
+            [
+                target(
+                    f'phasewatch:prefill_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
+                    "{{model}} ({{precision}}) on {{upstream}}",
+                )
+            ],
+            TOKS,
+            steps(RED, (100, YELLOW), (1000, GREEN)),
+            fill=0,
+        )
+    )
 
     d.row("Where the wait goes")
     sums = {
@@ -300,138 +570,322 @@ def overview() -> dict:
         "decode": f'sum(rate(phasewatch_decode_seconds_sum{{{SEL}, source="proxy"}}[$__rate_interval]))',
     }
     total = "(" + " + ".join(sums.values()) + ")"
-    d.add(timeseries(
-        "Share of wall time: queue, prefill, decode",
-        "Of all the time requests spent, the share in the proxy's queue, in prefill (first "
-        "output minus request sent: includes the engine's own queue) and in decode. For chat "
-        "with short prompts decode dominates (the seeds' '94 % of the wait is decode'); "
-        "long RAG prompts shift it to prefill.",
-        [target(f"{expr} / {total}", name) for name, expr in sums.items()],
-        "percentunit", steps(GREEN), stack=True, max_=1, fill=60, legend_calcs=("mean", "lastNotNull")))
+    d.add(
+        timeseries(
+            "Share of wall time: queue, prefill, decode",
+            "Of all the time requests spent, the share in the proxy's queue, in prefill (first "
+            "output minus request sent: includes the engine's own queue) and in decode. For chat "
+            "with short prompts decode dominates (the seeds' '94 % of the wait is decode'); "
+            "long RAG prompts shift it to prefill.",
+            [target(f"{expr} / {total}", name) for name, expr in sums.items()],
+            "percentunit",
+            steps(GREEN),
+            stack=True,
+            max_=1,
+            fill=60,
+            legend_calcs=("mean", "lastNotNull"),
+        )
+    )
     band_decode = f'sum by (prompt_band) (rate(phasewatch_decode_seconds_sum{{{SEL}, source="proxy"}}[$__range]))'
     band_prefill = f'sum by (prompt_band) (rate(phasewatch_prefill_seconds_sum{{{SEL}, source="proxy"}}[$__range]))'
-    d.add(bargauge(
-        "Decode share of the wait by prompt length",
-        "Per prompt band, decode time over prefill + decode time across the dashboard's time "
-        "range. Short prompts: almost all decode. ~16K-token RAG prompts: prefill takes a large "
-        "share, so prefill speed (compute, not bandwidth) starts to matter.",
-        [target(f"{band_decode} / ({band_decode} + {band_prefill})", "{{prompt_band}}", instant=True)],
-        "percentunit", steps(BLUE, (0.5, GREEN), (0.9, ORANGE)), max_=1))
+    d.add(
+        bargauge(
+            "Decode share of the wait by prompt length",
+            "Per prompt band, decode time over prefill + decode time across the dashboard's time "
+            "range. Short prompts: almost all decode. ~16K-token RAG prompts: prefill takes a large "
+            "share, so prefill speed (compute, not bandwidth) starts to matter.",
+            [
+                target(
+                    f"{band_decode} / ({band_decode} + {band_prefill})",
+                    "{{prompt_band}}",
+                    instant=True,
+                )
+            ],
+            "percentunit",
+            steps(BLUE, (0.5, GREEN), (0.9, ORANGE)),
+            max_=1,
+        )
+    )
 
     d.row("Queue")
-    d.add(timeseries(
-        "Queue time p95",
-        "where=proxy: waiting at phasewatch's own admission gate (--max-concurrency); "
-        "where=upstream: waiting inside the engine (only where the engine reports its prefill "
-        "time). ProxyQueueSaturation fires above 1 s for 10 min.",
-        [target("histogram_quantile(0.95, sum by (where, le) "
-                f"(phasewatch:queue_seconds_bucket:rate5m{{{SEL}}}))", "{{where}}")],
-        "s", steps(GREEN, (0.5, YELLOW), (1, RED)), threshold_style="line", fill=0))
-    d.add(timeseries(
-        "Queue depth and requests in flight",
-        "Requests waiting at the proxy's admission gate and requests admitted and not finished, "
-        "summed over replicas.",
-        [target(f"sum(phasewatch_queued_requests{{{SEL}}})", "queued"),
-         target(f"sum(phasewatch_in_flight_requests{{{SEL}}})", "in flight")],
-        "short", steps(GREEN, (16, YELLOW), (64, RED)), decimals=0, fill=20))
+    d.add(
+        timeseries(
+            "Queue time p95",
+            "where=proxy: waiting at phasewatch's own admission gate (--max-concurrency); "
+            "where=upstream: waiting inside the engine (only where the engine reports its prefill "
+            "time). ProxyQueueSaturation fires above 1 s for 10 min.",
+            [
+                target(
+                    "histogram_quantile(0.95, sum by (where, le) "
+                    f"(phasewatch:queue_seconds_bucket:rate5m{{{SEL}}}))",
+                    "{{where}}",
+                )
+            ],
+            "s",
+            steps(GREEN, (0.5, YELLOW), (1, RED)),
+            threshold_style="line",
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Queue depth and requests in flight",
+            "Requests waiting at the proxy's admission gate and requests admitted and not finished, "
+            "summed over replicas.",
+            [
+                target(f"sum(phasewatch_queued_requests{{{SEL}}})", "queued"),
+                target(f"sum(phasewatch_in_flight_requests{{{SEL}}})", "in flight"),
+            ],
+            "short",
+            steps(GREEN, (16, YELLOW), (64, RED)),
+            decimals=0,
+            fill=20,
+        )
+    )
 
     d.row("Traffic")
-    d.add(timeseries(
-        "Tokens per second in and out",
-        "prefill: prompt tokens processed; cached: prompt tokens served from the engine's "
-        "prefix cache; decode: generated tokens. Summed over models and replicas.",
-        [target(f"sum by (phase) (rate(phasewatch_tokens_total{{{SEL}}}[$__rate_interval]))", "{{phase}}")],
-        TOKS, steps(GREEN), stack=False))
-    d.add(timeseries(
-        "Requests per second by outcome",
-        "ok, error (upstream failed: see errors by kind), aborted (client hung up), rejected "
-        "(proxy queue full or queue timeout).",
-        [target(f"sum by (outcome) (rate(phasewatch_requests_total{{{SEL}}}[$__rate_interval]))", "{{outcome}}")],
-        "reqps", steps(GREEN), stack=True, fill=40))
-    d.add(timeseries(
-        "Errors per second by kind",
-        "connect / timeout: engine unreachable; upstream_status: the engine answered >= 400; "
-        "midstream / truncated: a stream broke. UpstreamErrorRatioHigh fires above 5 %.",
-        [target(f"sum by (upstream, kind) (rate(phasewatch_errors_total{{{SEL}}}[$__rate_interval]))",
-                "{{upstream}} {{kind}}")],
-        "reqps", steps(GREEN, (0.01, YELLOW), (0.1, RED)), stack=True, fill=40))
-    d.add(timeseries(
-        "Client aborts per second by phase",
-        "Requests the client hung up on, by the phase they were in (queue, prefill, decode). "
-        "phasewatch cancels the upstream request at once, so the GPU stops working for it.",
-        [target(f"sum by (phase) (rate(phasewatch_aborts_total{{{SEL}}}[$__rate_interval]))", "{{phase}}")],
-        "reqps", steps(GREEN, (0.1, YELLOW)), stack=True, fill=40))
-    d.add(timeseries(
-        "In flight by model and precision",
-        "Requests being served now per model, summed over replicas.",
-        [target(f"sum by (model, precision) (phasewatch_in_flight_requests{{{SEL}}})", "{{model}} ({{precision}})")],
-        "short", steps(GREEN, (16, YELLOW), (64, RED)), decimals=0, fill=20, stack=True))
-    d.add(timeseries(
-        "Request duration p95 by outcome",
-        "Whole request, from phasewatch having it to the response complete or aborted.",
-        [target("histogram_quantile(0.95, sum by (outcome, le) "
-                f"(rate(phasewatch_request_seconds_bucket{{{SEL}}}[$__rate_interval])))", "{{outcome}}")],
-        "s", steps(GREEN, (30, YELLOW), (120, RED)), fill=0))
-    d.add(timeseries(
-        "Gap between output events p50 / p99",
-        "Inter-token latency as the client sees it (an event may carry more than one token). "
-        "Spikes at p99 with a flat p50 point to prefills of other requests stalling decode.",
-        [target("histogram_quantile(0.5, sum by (le) "
-                f"(rate(phasewatch_inter_token_seconds_bucket{{{SEL}}}[$__rate_interval])))", "p50"),
-         target("histogram_quantile(0.99, sum by (le) "
-                f"(rate(phasewatch_inter_token_seconds_bucket{{{SEL}}}[$__rate_interval])))", "p99")],
-        "s", steps(GREEN, (0.1, YELLOW), (0.5, RED)), fill=0))
-    d.add(timeseries(
-        "Tokens per request p50",
-        "Median prompt and completion length in tokens, as the engine counted them.",
-        [target("histogram_quantile(0.5, sum by (le) "
-                f"(rate(phasewatch_prompt_tokens_bucket{{{SEL}}}[$__rate_interval])))", "prompt"),
-         target("histogram_quantile(0.5, sum by (le) "
-                f"(rate(phasewatch_completion_tokens_bucket{{{SEL}}}[$__rate_interval])))", "completion")],
-        "short", steps(GREEN, (8192, YELLOW), (32768, RED)), fill=0, log=True, min_=None))
+    d.add(
+        timeseries(
+            "Tokens per second in and out",
+            "prefill: prompt tokens processed; cached: prompt tokens served from the engine's "
+            "prefix cache; decode: generated tokens. Summed over models and replicas.",
+            [
+                target(
+                    f"sum by (phase) (rate(phasewatch_tokens_total{{{SEL}}}[$__rate_interval]))",
+                    "{{phase}}",
+                )
+            ],
+            TOKS,
+            steps(GREEN),
+            stack=False,
+        )
+    )
+    d.add(
+        timeseries(
+            "Requests per second by outcome",
+            "ok, error (upstream failed: see errors by kind), aborted (client hung up), rejected "
+            "(proxy queue full or queue timeout).",
+            [
+                target(
+                    f"sum by (outcome) (rate(phasewatch_requests_total{{{SEL}}}[$__rate_interval]))",
+                    "{{outcome}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        )
+    )
+    d.add(
+        timeseries(
+            "Errors per second by kind",
+            "connect / timeout: engine unreachable; upstream_status: the engine answered >= 400; "
+            "midstream / truncated: a stream broke. UpstreamErrorRatioHigh fires above 5 %.",
+            [
+                target(
+                    f"sum by (upstream, kind) (rate(phasewatch_errors_total{{{SEL}}}[$__rate_interval]))",
+                    "{{upstream}} {{kind}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN, (0.01, YELLOW), (0.1, RED)),
+            stack=True,
+            fill=40,
+        )
+    )
+    d.add(
+        timeseries(
+            "Client aborts per second by phase",
+            "Requests the client hung up on, by the phase they were in (queue, prefill, decode). "
+            "phasewatch cancels the upstream request at once, so the GPU stops working for it.",
+            [
+                target(
+                    f"sum by (phase) (rate(phasewatch_aborts_total{{{SEL}}}[$__rate_interval]))",
+                    "{{phase}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN, (0.1, YELLOW)),
+            stack=True,
+            fill=40,
+        )
+    )
+    d.add(
+        timeseries(
+            "In flight by model and precision",
+            "Requests being served now per model, summed over replicas.",
+            [
+                target(
+                    f"sum by (model, precision) (phasewatch_in_flight_requests{{{SEL}}})",
+                    "{{model}} ({{precision}})",
+                )
+            ],
+            "short",
+            steps(GREEN, (16, YELLOW), (64, RED)),
+            decimals=0,
+            fill=20,
+            stack=True,
+        )
+    )
+    d.add(
+        timeseries(
+            "Request duration p95 by outcome",
+            "Whole request, from phasewatch having it to the response complete or aborted.",
+            [
+                target(
+                    "histogram_quantile(0.95, sum by (outcome, le) "
+                    f"(rate(phasewatch_request_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                    "{{outcome}}",
+                )
+            ],
+            "s",
+            steps(GREEN, (30, YELLOW), (120, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Gap between output events p50 / p99",
+            "Inter-token latency as the client sees it (an event may carry more than one token). "
+            "Spikes at p99 with a flat p50 point to prefills of other requests stalling decode.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(phasewatch_inter_token_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                    "p50",
+                ),
+                target(
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(phasewatch_inter_token_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                    "p99",
+                ),
+            ],
+            "s",
+            steps(GREEN, (0.1, YELLOW), (0.5, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Tokens per request p50",
+            "Median prompt and completion length in tokens, as the engine counted them.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(phasewatch_prompt_tokens_bucket{{{SEL}}}[$__rate_interval])))",
+                    "prompt",
+                ),
+                target(
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(phasewatch_completion_tokens_bucket{{{SEL}}}[$__rate_interval])))",
+                    "completion",
+                ),
+            ],
+            "short",
+            steps(GREEN, (8192, YELLOW), (32768, RED)),
+            fill=0,
+            log=True,
+            min_=None,
+        )
+    )
 
     d.row("Engine state")
-    d.add(timeseries(
-        "Engine KV-cache usage",
-        "Share of each engine's KV cache in use, scraped from the engine itself (vLLM "
-        "kv_cache_usage_perc; llama-server: tokens in busy slots / slot context). Long chats "
-        "fill it: near 100 % the engine preempts or queues requests (max over replicas, "
-        "which all scrape the same engine).",
-        [target(f"max by (upstream, model) (phasewatch_engine_kv_cache_usage_ratio{{{SEL}}})",
-                "{{upstream}} {{model}}")],
-        "percentunit", steps(GREEN, (0.8, YELLOW), (0.95, RED)), max_=1, fill=10))
-    d.add(timeseries(
-        "Engine requests running and waiting",
-        "The engine's own count of requests being generated and waiting in its scheduler "
-        "(vLLM num_requests_running / waiting; llama-server busy slots; max over replicas). "
-        "Waiting here and not in phasewatch's queue means the engine is the bottleneck.",
-        [target(f"max by (upstream, model) (phasewatch_engine_requests_running{{{SEL}}})",
-                "running {{upstream}} {{model}}"),
-         target(f"max by (upstream, model) (phasewatch_engine_requests_waiting{{{SEL}}})",
-                "waiting {{upstream}} {{model}}", ref="B")],
-        "short", steps(GREEN, (16, YELLOW), (64, RED)), decimals=0, fill=10))
+    d.add(
+        timeseries(
+            "Engine KV-cache usage",
+            "Share of each engine's KV cache in use, scraped from the engine itself (vLLM "
+            "kv_cache_usage_perc; llama-server: tokens in busy slots / slot context). Long chats "
+            "fill it: near 100 % the engine preempts or queues requests (max over replicas, "
+            "which all scrape the same engine).",
+            [
+                target(
+                    f"max by (upstream, model) (phasewatch_engine_kv_cache_usage_ratio{{{SEL}}})",
+                    "{{upstream}} {{model}}",
+                )
+            ],
+            "percentunit",
+            steps(GREEN, (0.8, YELLOW), (0.95, RED)),
+            max_=1,
+            fill=10,
+        )
+    )
+    d.add(
+        timeseries(
+            "Engine requests running and waiting",
+            "The engine's own count of requests being generated and waiting in its scheduler "
+            "(vLLM num_requests_running / waiting; llama-server busy slots; max over replicas). "
+            "Waiting here and not in phasewatch's queue means the engine is the bottleneck.",
+            [
+                target(
+                    f"max by (upstream, model) (phasewatch_engine_requests_running{{{SEL}}})",
+                    "running {{upstream}} {{model}}",
+                ),
+                target(
+                    f"max by (upstream, model) (phasewatch_engine_requests_waiting{{{SEL}}})",
+                    "waiting {{upstream}} {{model}}",
+                    ref="B",
+                ),
+            ],
+            "short",
+            steps(GREEN, (16, YELLOW), (64, RED)),
+            decimals=0,
+            fill=10,
+        )
+    )
 
     d.row("Upstreams and models")
-    d.add(stat(
-        "Upstreams",
-        "Whether each engine answers phasewatch's model-list probe (worst over replicas). "
-        "UpstreamDown fires after 2 min down.",
-        [target(f"min by (upstream, engine) (phasewatch_upstream_up{{{UP}}})", "{{upstream}} ({{engine}})",
-                instant=True)],
-        "none", steps(RED, (1, GREEN)), color_mode="background",
-        mappings=[{"type": "value", "options": {"0": {"text": "down", "color": RED, "index": 0},
-                                                "1": {"text": "up", "color": GREEN, "index": 1}}}]),
-        w=8, h=6)
-    d.add(table(
-        "Models served",
-        "Every model each upstream serves, with its normalised precision, raw quantisation "
-        "scheme and where the precision came from (config, engine or name).",
-        [target(f"max by (upstream, model, precision, quant, precision_source) (phasewatch_model_info{{{SEL}}})",
-                instant=True, fmt="table")],
-        [override("Value", custom__hidden=True)], steps(GREEN),
-        organize={"excludeByName": {"Time": True, "Value": True}, "indexByName": {},
-                  "renameByName": {"precision_source": "precision from"}}),
-        w=16, h=6)
+    d.add(
+        stat(
+            "Upstreams",
+            "Whether each engine answers phasewatch's model-list probe (worst over replicas). "
+            "UpstreamDown fires after 2 min down.",
+            [
+                target(
+                    f"min by (upstream, engine) (phasewatch_upstream_up{{{UP}}})",
+                    "{{upstream}} ({{engine}})",
+                    instant=True,
+                )
+            ],
+            "none",
+            steps(RED, (1, GREEN)),
+            color_mode="background",
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "down", "color": RED, "index": 0},
+                        "1": {"text": "up", "color": GREEN, "index": 1},
+                    },
+                }
+            ],
+        ),
+        w=8,
+        h=6,
+    )
+    d.add(
+        table(
+            "Models served",
+            "Every model each upstream serves, with its normalised precision, raw quantisation "
+            "scheme and where the precision came from (config, engine or name).",
+            [
+                target(
+                    f"max by (upstream, model, precision, quant, precision_source) (phasewatch_model_info{{{SEL}}})",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            [override("Value", custom__hidden=True)],
+            steps(GREEN),
+            organize={
+                "excludeByName": {"Time": True, "Value": True},
+                "indexByName": {},
+                "renameByName": {"precision_source": "precision from"},
+            },
+        ),
+        w=16,
+        h=6,
+    )
     return d.json()
 
 
@@ -448,121 +902,297 @@ def figures(pm: str, rng: str = "$__range") -> dict[str, str]:
     per_gpu = "upstream, model, precision, gpu"
     idle_per_model = (
         f'sum by (upstream, model, precision) (sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_sum{{{s}, state="idle"}}[{rng}]))'
-        f' / sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_count{{{s}, state="idle"}}[{rng}])))')
+        f' / sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_count{{{s}, state="idle"}}[{rng}])))'
+    )
     return {
-        "decode": ("histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_decode_tokens_per_second_bucket"
-                   f'{{{s}, source="$source"}}[{rng}])))'),
-        "prefill4k": ("1000 / histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_prefill_tokens_per_second_bucket"
-                      f'{{{s}, source="$source", prompt_band="2k-6k"}}[{rng}])))'),
-        "prefill16k": ("1000 / histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_prefill_tokens_per_second_bucket"
-                       f'{{{s}, source="$source", prompt_band="12k-24k"}}[{rng}])))'),
-        "ttft8k": ("histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_ttft_seconds_bucket"
-                   f'{{{s}, prompt_band="6k-12k"}}[{rng}])))'),
-        "decode_watts": (f'sum by (precision) (rate(phasewatch_gpu_power_watts_sum{{{s}, phase="decode"}}[{rng}]))'
-                         f' / sum by (precision) (rate(phasewatch_gpu_power_watts_count{{{s}, phase="decode"}}[{rng}]))'),
+        "decode": (
+            "histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_decode_tokens_per_second_bucket"
+            f'{{{s}, source="$source"}}[{rng}])))'
+        ),
+        "prefill4k": (
+            "1000 / histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_prefill_tokens_per_second_bucket"
+            f'{{{s}, source="$source", prompt_band="2k-6k"}}[{rng}])))'
+        ),
+        "prefill16k": (
+            "1000 / histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_prefill_tokens_per_second_bucket"
+            f'{{{s}, source="$source", prompt_band="12k-24k"}}[{rng}])))'
+        ),
+        "ttft8k": (
+            "histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_ttft_seconds_bucket"
+            f'{{{s}, prompt_band="6k-12k"}}[{rng}])))'
+        ),
+        "decode_watts": (
+            f'sum by (precision) (rate(phasewatch_gpu_power_watts_sum{{{s}, phase="decode"}}[{rng}]))'
+            f' / sum by (precision) (rate(phasewatch_gpu_power_watts_count{{{s}, phase="decode"}}[{rng}]))'
+        ),
         "idle_watts": f"avg by (precision) ({idle_per_model})",
-        "joules": (f"avg by (precision) (avg_over_time(phasewatch:joules_per_decode_token:rate5m{{{s}}}[{rng}]))"),
+        "joules": (
+            f"avg by (precision) (avg_over_time(phasewatch:joules_per_decode_token:rate5m{{{s}}}[{rng}]))"
+        ),
     }
 
 
 def precision_comparison() -> dict:
-    d = Dash("phasewatch-precision", "phasewatch / Precision comparison",
-             "The seeds' 'what to report' table, one column per precision: decode tok/s, prefill "
-             "ms/token at ~4K and ~16K prompts, TTFT at ~8K, power at decode load, idle power, "
-             "J/token, and decode speed-up and power saving relative to a bf16/fp16 baseline.",
-             ["precision"],
-             base_vars() + [source_var(),
-                            custom_var("baseline", "Baseline precision", ["bf16", "fp16", "fp32", "fp8"],
-                                       "bf16", "The precision speed-up and power saving are relative to.")])
+    d = Dash(
+        "phasewatch-precision",
+        "phasewatch / Precision comparison",
+        "The seeds' 'what to report' table, one column per precision: decode tok/s, prefill "
+        "ms/token at ~4K and ~16K prompts, TTFT at ~8K, power at decode load, idle power, "
+        "J/token, and decode speed-up and power saving relative to a bf16/fp16 baseline.",
+        ["precision"],
+        base_vars()
+        + [
+            source_var(),
+            custom_var(
+                "baseline",
+                "Baseline precision",
+                ["bf16", "fp16", "fp32", "fp8"],
+                "bf16",
+                "The precision speed-up and power saving are relative to.",
+            ),
+        ],
+    )
     f = figures('precision=~"$precision"')
     b = figures('precision="$baseline"')
     speedup = f"{f['decode']} / ignoring (precision) group_left () {b['decode']}"
     saving = f"1 - ({f['decode_watts']}) / ignoring (precision) group_left () ({b['decode_watts']})"
 
     rows = [
-        ("decode", "Decode tok/s (median)", TOKS, steps(RED, (10, YELLOW), (25, GREEN)), 1,
-         "Median decode tokens/s over the time range. Memory-bandwidth-bound: ~ effective "
-         "bandwidth / weight bytes, so int4 decodes ~2.5-3.5x faster than bf16."),
-        ("prefill4k", "Prefill ms/token, ~4K prompts", "ms", steps(GREEN, (1, YELLOW), (5, RED)), 3,
-         "1000 / median prefill tokens/s for prompts of 2K-6K tokens (prompt_band 2k-6k). "
-         "Compute-bound: precision changes it only ~1.2-1.5x."),
-        ("prefill16k", "Prefill ms/token, ~16K prompts", "ms", steps(GREEN, (1, YELLOW), (5, RED)), 3,
-         "1000 / median prefill tokens/s for prompts of 12K-24K tokens (prompt_band 12k-24k). "
-         "Higher than at ~4K: attention grows with the context."),
-        ("ttft8k", "TTFT, ~8K prompts (median)", "s", steps(GREEN, (2, YELLOW), (5, RED)), 2,
-         "Median time to first token for prompts of 6K-12K tokens (prompt_band 6k-12k)."),
-        ("decode_watts", "Power at decode load", "watt", steps(GREEN, (300, YELLOW), (400, RED)), 0,
-         "Mean GPU power over requests' decode windows (the upstream's GPUs summed). Lower "
-         "precision reads fewer bytes per token and draws less."),
-        ("idle_watts", "Idle power", "watt", steps(GREEN, (50, YELLOW), (100, RED)), 0,
-         "Mean power of a model's GPUs while phasewatch had nothing in flight on them "
-         "(GPUs mapped to models with --power-gpu GPU=MODEL; 'all' GPUs show as their upstream's)."),
-        ("joules", "Energy per generated token", "joule", steps(GREEN, (1, YELLOW), (3, RED)), 3,
-         "GPU energy over generated tokens, rate(energy) / rate(decode tokens), averaged over the "
-         "time range (recording rule). Exact per precision when GPUs are mapped to models "
-         "(--power-gpu GPU=MODEL); a GPU shared by several models gives their blend."),
+        (
+            "decode",
+            "Decode tok/s (median)",
+            TOKS,
+            steps(RED, (10, YELLOW), (25, GREEN)),
+            1,
+            "Median decode tokens/s over the time range. Memory-bandwidth-bound: ~ effective "
+            "bandwidth / weight bytes, so int4 decodes ~2.5-3.5x faster than bf16.",
+        ),
+        (
+            "prefill4k",
+            "Prefill ms/token, ~4K prompts",
+            "ms",
+            steps(GREEN, (1, YELLOW), (5, RED)),
+            3,
+            "1000 / median prefill tokens/s for prompts of 2K-6K tokens (prompt_band 2k-6k). "
+            "Compute-bound: precision changes it only ~1.2-1.5x.",
+        ),
+        (
+            "prefill16k",
+            "Prefill ms/token, ~16K prompts",
+            "ms",
+            steps(GREEN, (1, YELLOW), (5, RED)),
+            3,
+            "1000 / median prefill tokens/s for prompts of 12K-24K tokens (prompt_band 12k-24k). "
+            "Higher than at ~4K: attention grows with the context.",
+        ),
+        (
+            "ttft8k",
+            "TTFT, ~8K prompts (median)",
+            "s",
+            steps(GREEN, (2, YELLOW), (5, RED)),
+            2,
+            "Median time to first token for prompts of 6K-12K tokens (prompt_band 6k-12k).",
+        ),
+        (
+            "decode_watts",
+            "Power at decode load",
+            "watt",
+            steps(GREEN, (300, YELLOW), (400, RED)),
+            0,
+            "Mean GPU power over requests' decode windows (the upstream's GPUs summed). Lower "
+            "precision reads fewer bytes per token and draws less.",
+        ),
+        (
+            "idle_watts",
+            "Idle power",
+            "watt",
+            steps(GREEN, (50, YELLOW), (100, RED)),
+            0,
+            "Mean power of a model's GPUs while phasewatch had nothing in flight on them "
+            "(GPUs mapped to models with --power-gpu GPU=MODEL; 'all' GPUs show as their upstream's).",
+        ),
+        (
+            "joules",
+            "Energy per generated token",
+            "joule",
+            steps(GREEN, (1, YELLOW), (3, RED)),
+            3,
+            "GPU energy over generated tokens, rate(energy) / rate(decode tokens), averaged over the "
+            "time range (recording rule). Exact per precision when GPUs are mapped to models "
+            "(--power-gpu GPU=MODEL); a GPU shared by several models gives their blend.",
+        ),
     ]
     d.row("What to report: one column per precision")
     for key, title, unit, th, dec, desc in rows:
-        d.add(stat(title, desc, [target(f[key], "{{precision}}", instant=True)], unit, th,
-                   decimals=dec), w=8, h=5)
-    d.add(stat("Decode speed-up vs baseline", "Median decode tok/s of each precision over the "
-               "baseline precision's (variable 'Baseline precision', default bf16).",
-               [target(speedup, "{{precision}}", instant=True)], "suffix:x",
-               steps(RED, (0.95, YELLOW), (1.2, GREEN)), decimals=2), w=8, h=5)
-    d.add(stat("Power saving at decode vs baseline", "1 - decode-load power of each precision / "
-               "the baseline precision's. Positive: draws less than the baseline.",
-               [target(saving, "{{precision}}", instant=True)], "percentunit",
-               steps(RED, (0, YELLOW), (0.1, GREEN)), decimals=0), w=8, h=5)
+        d.add(
+            stat(
+                title, desc, [target(f[key], "{{precision}}", instant=True)], unit, th, decimals=dec
+            ),
+            w=8,
+            h=5,
+        )
+    d.add(
+        stat(
+            "Decode speed-up vs baseline",
+            "Median decode tok/s of each precision over the "
+            "baseline precision's (variable 'Baseline precision', default bf16).",
+            [target(speedup, "{{precision}}", instant=True)],
+            "suffix:x",
+            steps(RED, (0.95, YELLOW), (1.2, GREEN)),
+            decimals=2,
+        ),
+        w=8,
+        h=5,
+    )
+    d.add(
+        stat(
+            "Power saving at decode vs baseline",
+            "1 - decode-load power of each precision / "
+            "the baseline precision's. Positive: draws less than the baseline.",
+            [target(saving, "{{precision}}", instant=True)],
+            "percentunit",
+            steps(RED, (0, YELLOW), (0.1, GREEN)),
+            decimals=0,
+        ),
+        w=8,
+        h=5,
+    )
 
     d.row("As a table")
-    names = {"decode": "decode tok/s", "prefill4k": "prefill ms/tok ~4K",
-             "prefill16k": "prefill ms/tok ~16K", "ttft8k": "TTFT ~8K (s)",
-             "decode_watts": "decode W", "idle_watts": "idle W", "joules": "J/token",
-             "speedup": "decode speed-up", "saving": "power saving"}
-    exprs = {**{k: f[k] for k in ("decode", "prefill4k", "prefill16k", "ttft8k", "decode_watts",
-                                  "idle_watts", "joules")}, "speedup": speedup, "saving": saving}
+    names = {
+        "decode": "decode tok/s",
+        "prefill4k": "prefill ms/tok ~4K",
+        "prefill16k": "prefill ms/tok ~16K",
+        "ttft8k": "TTFT ~8K (s)",
+        "decode_watts": "decode W",
+        "idle_watts": "idle W",
+        "joules": "J/token",
+        "speedup": "decode speed-up",
+        "saving": "power saving",
+    }
+    exprs = {
+        **{
+            k: f[k]
+            for k in (
+                "decode",
+                "prefill4k",
+                "prefill16k",
+                "ttft8k",
+                "decode_watts",
+                "idle_watts",
+                "joules",
+            )
+        },
+        "speedup": speedup,
+        "saving": saving,
+    }
     targets = [target(e, k, instant=True, fmt="table") for k, e in exprs.items()]
     rename = {f"Value #{chr(ord('A') + i)}": names[k] for i, k in enumerate(exprs)}
-    units = {"decode": TOKS, "prefill4k": "ms", "prefill16k": "ms", "ttft8k": "s", "decode_watts": "watt",
-             "idle_watts": "watt", "joules": "joule", "speedup": "suffix:x", "saving": "percentunit"}
-    decimals = {"decode": 1, "prefill4k": 3, "prefill16k": 3, "ttft8k": 2, "decode_watts": 0,
-                "idle_watts": 0, "joules": 3, "speedup": 2, "saving": 0}
+    units = {
+        "decode": TOKS,
+        "prefill4k": "ms",
+        "prefill16k": "ms",
+        "ttft8k": "s",
+        "decode_watts": "watt",
+        "idle_watts": "watt",
+        "joules": "joule",
+        "speedup": "suffix:x",
+        "saving": "percentunit",
+    }
+    decimals = {
+        "decode": 1,
+        "prefill4k": 3,
+        "prefill16k": 3,
+        "ttft8k": 2,
+        "decode_watts": 0,
+        "idle_watts": 0,
+        "joules": 3,
+        "speedup": 2,
+        "saving": 0,
+    }
     overrides = [override(names[k], unit=units[k], decimals=decimals[k]) for k in exprs]
-    d.add(table(
-        "What to report, per precision",
-        "The same figures as above, a row per precision (merge of instant queries over the "
-        "dashboard's time range). Empty cells: no requests of that kind in the range (e.g. no "
-        "~16K prompts) or no power source.",
-        targets, overrides, steps(GREEN),
-        organize={"excludeByName": {"Time": True}, "indexByName": {"precision": 0},
-                  "renameByName": rename}), w=24, h=7)
+    d.add(
+        table(
+            "What to report, per precision",
+            "The same figures as above, a row per precision (merge of instant queries over the "
+            "dashboard's time range). Empty cells: no requests of that kind in the range (e.g. no "
+            "~16K prompts) or no power source.",
+            targets,
+            overrides,
+            steps(GREEN),
+            organize={
+                "excludeByName": {"Time": True},
+                "indexByName": {"precision": 0},
+                "renameByName": rename,
+            },
+        ),
+        w=24,
+        h=7,
+    )
 
     d.row("Over time")
-    d.add(timeseries(
-        "Median decode rate by precision",
-        "5 min median decode tokens/s (recording rule), per precision.",
-        [target("histogram_quantile(0.5, sum by (precision, le) "
-                f'(phasewatch:decode_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
-                "{{precision}}")],
-        TOKS, steps(RED, (10, YELLOW), (25, GREEN)), fill=0))
-    d.add(timeseries(
-        "Median prefill rate by precision",
-        "5 min median prefill tokens/s (recording rule), per precision, all prompt lengths.",
-        [target("histogram_quantile(0.5, sum by (precision, le) "
-                f'(phasewatch:prefill_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
-                "{{precision}}")],
-        TOKS, steps(RED, (100, YELLOW), (1000, GREEN)), fill=0))
-    d.add(timeseries(
-        "TTFT p95 by precision",
-        "5 min p95 time to first token per precision, all prompt lengths (recording rule).",
-        [target(f"max by (precision) (phasewatch:ttft_seconds:p95_5m{{{SEL}}})", "{{precision}}")],
-        "s", steps(GREEN, (1, YELLOW), (2, RED)), fill=0))
-    d.add(timeseries(
-        "Energy per generated token by precision",
-        "J per generated token over 5 min (recording rule phasewatch:joules_per_decode_token:rate5m).",
-        [target(f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})", "{{precision}}")],
-        "joule", steps(GREEN, (1, YELLOW), (3, RED)), fill=0, decimals=3))
+    d.add(
+        timeseries(
+            "Median decode rate by precision",
+            "5 min median decode tokens/s (recording rule), per precision.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (precision, le) "
+                    f'(phasewatch:decode_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
+                    "{{precision}}",
+                )
+            ],
+            TOKS,
+            steps(RED, (10, YELLOW), (25, GREEN)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Median prefill rate by precision",
+            "5 min median prefill tokens/s (recording rule), per precision, all prompt lengths.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (precision, le) "
+                    f'(phasewatch:prefill_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
+                    "{{precision}}",
+                )
+            ],
+            TOKS,
+            steps(RED, (100, YELLOW), (1000, GREEN)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "TTFT p95 by precision",
+            "5 min p95 time to first token per precision, all prompt lengths (recording rule).",
+            [
+                target(
+                    f"max by (precision) (phasewatch:ttft_seconds:p95_5m{{{SEL}}})", "{{precision}}"
+                )
+            ],
+            "s",
+            steps(GREEN, (1, YELLOW), (2, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Energy per generated token by precision",
+            "J per generated token over 5 min (recording rule phasewatch:joules_per_decode_token:rate5m).",
+            [
+                target(
+                    f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})",
+                    "{{precision}}",
+                )
+            ],
+            "joule",
+            steps(GREEN, (1, YELLOW), (3, RED)),
+            fill=0,
+            decimals=3,
+        )
+    )
     return d.json()
 
 
@@ -570,88 +1200,214 @@ def precision_comparison() -> dict:
 
 
 def power() -> dict:
-    gpu_var = query_var("gpu", "GPU", 'label_values(phasewatch_gpu_energy_joules_total, gpu)',
-                        "GPU index (as the power source numbers them).")
-    d = Dash("phasewatch-power", "phasewatch / Power & energy",
-             "GPU power by what phasewatch had in flight (idle, prefill, decode), energy per GPU, "
-             "and joules per token by precision. Empty when no power source is configured.",
-             ["power"], base_vars() + [gpu_var])
+    gpu_var = query_var(
+        "gpu",
+        "GPU",
+        "label_values(phasewatch_gpu_energy_joules_total, gpu)",
+        "GPU index (as the power source numbers them).",
+    )
+    d = Dash(
+        "phasewatch-power",
+        "phasewatch / Power & energy",
+        "GPU power by what phasewatch had in flight (idle, prefill, decode), energy per GPU, "
+        "and joules per token by precision. Empty when no power source is configured.",
+        ["power"],
+        base_vars() + [gpu_var],
+    )
     PG = SEL + ', gpu=~"$gpu"'
 
     d.row("Power")
-    d.add(stat(
-        "Power sampling",
-        "Whether each phasewatch replica is sampling GPU power (NVML, DCGM endpoint or the "
-        "simulator). PowerSamplingDown fires after 5 min down.",
-        [target("min by (source) (phasewatch_power_sampling_up)", "{{source}}", instant=True)],
-        "none", steps(RED, (1, GREEN)), color_mode="background",
-        mappings=[{"type": "value", "options": {"0": {"text": "down", "color": RED, "index": 0},
-                                                "1": {"text": "sampling", "color": GREEN, "index": 1}}}]),
-        w=6, h=6)
-    d.add(bargauge(
-        "Mean power by state",
-        "Mean of the power samples per state over the time range: idle (nothing in flight on "
-        "the GPU's upstream), prefill (a request before its first token), decode.",
-        [target(f"sum by (state) (rate(phasewatch_gpu_power_sample_watts_sum{{{PG}}}[$__range]))"
-                f" / sum by (state) (rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))",
-                "{{state}}", instant=True)],
-        "watt", steps(GREEN, (300, YELLOW), (400, RED)), decimals=0), w=9, h=6)
-    d.add(bargauge(
-        "Share of time by state",
-        "Share of power samples in each state: how busy the GPUs were.",
-        [target(f"sum by (state) (rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))"
-                f" / scalar(sum(rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range])))",
-                "{{state}}", instant=True)],
-        "percentunit", steps(BLUE), max_=1, decimals=0), w=9, h=6)
-    d.add(timeseries(
-        "GPU power",
-        "Latest power sample per GPU (max over replicas, which sample the same GPUs).",
-        [target(f"max by (upstream, model, gpu) (phasewatch_gpu_power_current_watts{{{PG}}})",
-                "gpu {{gpu}}: {{model}} on {{upstream}}")],
-        "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=10))
-    d.add(timeseries(
-        "Power by state",
-        "5 min mean of the power samples per GPU and state (recording rule): idle power and "
-        "decode-load power side by side.",
-        [target(f"phasewatch:gpu_power_sample_watts:mean5m{{{PG}}}", "gpu {{gpu}} ({{model}}) {{state}}")],
-        "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=0))
-    d.add(timeseries(
-        "Per-request power by phase and precision",
-        "Mean GPU power over requests' prefill and decode windows (recording rule), by precision: "
-        "prefill draws more than decode; lower precision draws less at decode.",
-        [target(f"avg by (precision, phase) (phasewatch:gpu_power_watts:mean5m{{{SEL}}})", "{{precision}} {{phase}}")],
-        "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=0))
-    d.add(heatmap(
-        "Power sample distribution",
-        "All power samples as a heatmap of histogram buckets (W).",
-        [target(f"sum by (le) (increase(phasewatch_gpu_power_sample_watts_bucket{{{PG}}}[$__rate_interval]))",
-                "{{le}}", fmt="heatmap")], "watt"))
+    d.add(
+        stat(
+            "Power sampling",
+            "Whether each phasewatch replica is sampling GPU power (NVML, DCGM endpoint or the "
+            "simulator). PowerSamplingDown fires after 5 min down.",
+            [target("min by (source) (phasewatch_power_sampling_up)", "{{source}}", instant=True)],
+            "none",
+            steps(RED, (1, GREEN)),
+            color_mode="background",
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "down", "color": RED, "index": 0},
+                        "1": {"text": "sampling", "color": GREEN, "index": 1},
+                    },
+                }
+            ],
+        ),
+        w=6,
+        h=6,
+    )
+    d.add(
+        bargauge(
+            "Mean power by state",
+            "Mean of the power samples per state over the time range: idle (nothing in flight on "
+            "the GPU's upstream), prefill (a request before its first token), decode.",
+            [
+                target(
+                    f"sum by (state) (rate(phasewatch_gpu_power_sample_watts_sum{{{PG}}}[$__range]))"
+                    f" / sum by (state) (rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))",
+                    "{{state}}",
+                    instant=True,
+                )
+            ],
+            "watt",
+            steps(GREEN, (300, YELLOW), (400, RED)),
+            decimals=0,
+        ),
+        w=9,
+        h=6,
+    )
+    d.add(
+        bargauge(
+            "Share of time by state",
+            "Share of power samples in each state: how busy the GPUs were.",
+            [
+                target(
+                    f"sum by (state) (rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))"
+                    f" / scalar(sum(rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range])))",
+                    "{{state}}",
+                    instant=True,
+                )
+            ],
+            "percentunit",
+            steps(BLUE),
+            max_=1,
+            decimals=0,
+        ),
+        w=9,
+        h=6,
+    )
+    d.add(
+        timeseries(
+            "GPU power",
+            "Latest power sample per GPU (max over replicas, which sample the same GPUs).",
+            [
+                target(
+                    f"max by (upstream, model, gpu) (phasewatch_gpu_power_current_watts{{{PG}}})",
+                    "gpu {{gpu}}: {{model}} on {{upstream}}",
+                )
+            ],
+            "watt",
+            steps(GREEN, (300, YELLOW), (400, RED)),
+            fill=10,
+        )
+    )
+    d.add(
+        timeseries(
+            "Power by state",
+            "5 min mean of the power samples per GPU and state (recording rule): idle power and "
+            "decode-load power side by side.",
+            [
+                target(
+                    f"phasewatch:gpu_power_sample_watts:mean5m{{{PG}}}",
+                    "gpu {{gpu}} ({{model}}) {{state}}",
+                )
+            ],
+            "watt",
+            steps(GREEN, (300, YELLOW), (400, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Per-request power by phase and precision",
+            "Mean GPU power over requests' prefill and decode windows (recording rule), by precision: "
+            "prefill draws more than decode; lower precision draws less at decode.",
+            [
+                target(
+                    f"avg by (precision, phase) (phasewatch:gpu_power_watts:mean5m{{{SEL}}})",
+                    "{{precision}} {{phase}}",
+                )
+            ],
+            "watt",
+            steps(GREEN, (300, YELLOW), (400, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        heatmap(
+            "Power sample distribution",
+            "All power samples as a heatmap of histogram buckets (W).",
+            [
+                target(
+                    f"sum by (le) (increase(phasewatch_gpu_power_sample_watts_bucket{{{PG}}}[$__rate_interval]))",
+                    "{{le}}",
+                    fmt="heatmap",
+                )
+            ],
+            "watt",
+        )
+    )
 
     d.row("Energy")
-    d.add(timeseries(
-        "Energy per generated token by precision",
-        "GPU energy over generated tokens, 5 min (recording rule). Exact per precision when "
-        "GPUs are mapped to models (--power-gpu GPU=MODEL); a blend where a GPU serves several.",
-        [target(f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})", "{{precision}}")],
-        "joule", steps(GREEN, (1, YELLOW), (3, RED)), fill=0, decimals=3))
-    d.add(timeseries(
-        "Generated tokens per joule by precision",
-        "The inverse: tokens per joule (higher is better).",
-        [target(f"1 / avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})", "{{precision}}")],
-        "suffix: tok/J", steps(RED, (0.3, YELLOW), (1, GREEN)), fill=0, decimals=2))
-    d.add(timeseries(
-        "Average power per GPU (from energy)",
-        "rate of the energy counter per GPU (recording rule, deduplicated over replicas): the "
-        "GPU's average draw.",
-        [target(f"phasewatch:gpu_energy_joules:rate5m{{{PG}}}", "gpu {{gpu}}: {{model}} on {{upstream}}")],
-        "watt", steps(GREEN, (300, YELLOW), (400, RED)), fill=10))
-    d.add(bargauge(
-        "Energy per GPU over the time range",
-        "Energy each GPU used over the dashboard's time range (max over replicas, which read "
-        "the same counter), in watt-hours.",
-        [target(f"max by (upstream, model, gpu) (increase(phasewatch_gpu_energy_joules_total{{{PG}}}[$__range])) / 3600",
-                "gpu {{gpu}}: {{model}} on {{upstream}}", instant=True)],
-        "watth", steps(GREEN, (100, YELLOW), (1000, RED)), decimals=2))
+    d.add(
+        timeseries(
+            "Energy per generated token by precision",
+            "GPU energy over generated tokens, 5 min (recording rule). Exact per precision when "
+            "GPUs are mapped to models (--power-gpu GPU=MODEL); a blend where a GPU serves several.",
+            [
+                target(
+                    f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})",
+                    "{{precision}}",
+                )
+            ],
+            "joule",
+            steps(GREEN, (1, YELLOW), (3, RED)),
+            fill=0,
+            decimals=3,
+        )
+    )
+    d.add(
+        timeseries(
+            "Generated tokens per joule by precision",
+            "The inverse: tokens per joule (higher is better).",
+            [
+                target(
+                    f"1 / avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})",
+                    "{{precision}}",
+                )
+            ],
+            "suffix: tok/J",
+            steps(RED, (0.3, YELLOW), (1, GREEN)),
+            fill=0,
+            decimals=2,
+        )
+    )
+    d.add(
+        timeseries(
+            "Average power per GPU (from energy)",
+            "rate of the energy counter per GPU (recording rule, deduplicated over replicas): the "
+            "GPU's average draw.",
+            [
+                target(
+                    f"phasewatch:gpu_energy_joules:rate5m{{{PG}}}",
+                    "gpu {{gpu}}: {{model}} on {{upstream}}",
+                )
+            ],
+            "watt",
+            steps(GREEN, (300, YELLOW), (400, RED)),
+            fill=10,
+        )
+    )
+    d.add(
+        bargauge(
+            "Energy per GPU over the time range",
+            "Energy each GPU used over the dashboard's time range (max over replicas, which read "
+            "the same counter), in watt-hours.",
+            [
+                target(
+                    f"max by (upstream, model, gpu) (increase(phasewatch_gpu_energy_joules_total{{{PG}}}[$__range])) / 3600",
+                    "gpu {{gpu}}: {{model}} on {{upstream}}",
+                    instant=True,
+                )
+            ],
+            "watth",
+            steps(GREEN, (100, YELLOW), (1000, RED)),
+            decimals=2,
+        )
+    )
     return d.json()
 
 
@@ -663,15 +1419,20 @@ DASHBOARDS = {
 
 
 def render() -> dict[str, str]:
-    return {name: json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
-            for name, build in DASHBOARDS.items()}
+    return {
+        name: json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+        for name, build in DASHBOARDS.items()
+    }
 
 
 def main(argv: list[str]) -> int:
     files = render()
     if "--check" in argv:
-        stale = [n for n, text in files.items()
-                 if not (OUT / n).exists() or (OUT / n).read_text() != text]
+        stale = [
+            n
+            for n, text in files.items()
+            if not (OUT / n).exists() or (OUT / n).read_text() != text
+        ]
         if stale:
             print("out of date (run python grafana/build_dashboards.py):", *stale)
             return 1

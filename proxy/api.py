@@ -67,7 +67,8 @@ class Recent(BaseModel):
 SummaryRow: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "SummaryRow",
     **{f.name: (typing.get_type_hints(Row)[f.name], ...) for f in dataclasses.fields(Row)},
-    recent=(Recent, ...))
+    recent=(Recent, ...),
+)
 
 
 class SummaryUpstream(BaseModel):
@@ -90,7 +91,7 @@ class Summary(BaseModel):
     gpus: list[dict[str, Any]]
     upstreams: list[SummaryUpstream]
     bands: dict[str, str]
-    rows: list[SummaryRow]  # type: ignore[valid-type]
+    rows: list[SummaryRow]
     series: list[dict[str, str]]
     points: list[list[Any]]
     power_points: list[list[Any]]
@@ -101,34 +102,55 @@ class Summary(BaseModel):
 
 def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access: Access) -> FastAPI:
     """The own-API app, wired to the proxy's parts."""
-    api = FastAPI(title="phasewatch", version=__version__,
-                  description="phasewatch's own routes. Every other path is relayed to the "
-                  "engine unchanged.",
-                  docs_url=PREFIX + "/docs", openapi_url=PREFIX + "/openapi.json", redoc_url=None)
+    api = FastAPI(
+        title="phasewatch",
+        version=__version__,
+        description="phasewatch's own routes. Every other path is relayed to the engine unchanged.",
+        docs_url=PREFIX + "/docs",
+        openapi_url=PREFIX + "/openapi.json",
+        redoc_url=None,
+    )
 
     def key(request: Request) -> None:
         """With proxy keys set, a key is needed (Bearer, x-api-key or Basic password)."""
         if not access.allowed(request.scope["headers"], basic=True):
-            raise HTTPException(401, "missing or invalid phasewatch API key", headers={
-                "www-authenticate": 'Basic realm="phasewatch", charset="UTF-8"'})
+            raise HTTPException(
+                401,
+                "missing or invalid phasewatch API key",
+                headers={"www-authenticate": 'Basic realm="phasewatch", charset="UTF-8"'},
+            )
 
     @api.get(PREFIX + "/health", response_model=Health, tags=["probes"])
     async def health() -> Health:
         """Liveness: 200 while the process serves (also while draining)."""
         return Health(draining=relay.draining)
 
-    @api.get(PREFIX + "/ready", response_model=Readiness, tags=["probes"],
-             responses={503: {"model": Readiness, "description": "not ready"}})
+    @api.get(
+        PREFIX + "/ready",
+        response_model=Readiness,
+        tags=["probes"],
+        responses={503: {"model": Readiness, "description": "not ready"}},
+    )
     async def ready() -> JSONResponse:
         """Readiness: 503 while no upstream answers, or while draining on SIGTERM."""
-        state = Readiness(ready=upstreams.ready and not relay.draining, draining=relay.draining,
-                          upstreams=[UpstreamState(name=u.name, url=u.url, engine=u.engine,
-                                                   up=u.up, models=len(u.models))
-                                     for u in upstreams.all])
+        state = Readiness(
+            ready=upstreams.ready and not relay.draining,
+            draining=relay.draining,
+            upstreams=[
+                UpstreamState(
+                    name=u.name, url=u.url, engine=u.engine, up=u.up, models=len(u.models)
+                )
+                for u in upstreams.all
+            ],
+        )
         return JSONResponse(state.model_dump(), status_code=200 if state.ready else 503)
 
-    @api.get(PREFIX + "/api/summary", response_model=Summary, dependencies=[Depends(key)],
-             tags=["status"])
+    @api.get(
+        PREFIX + "/api/summary",
+        response_model=Summary,
+        dependencies=[Depends(key)],
+        tags=["status"],
+    )
     async def summary() -> dict[str, Any]:
         """The status page's data: the table per upstream x model x precision, recent
         points for the charts, upstreams and GPUs."""
@@ -138,34 +160,57 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
     async def debug() -> Debug:
         return Debug(tasks=len(asyncio.all_tasks()), busy=relay.busy(), draining=relay.draining)
 
-    @api.api_route(PREFIX + "/", methods=["GET", "HEAD"], response_class=HTMLResponse,
-                   dependencies=[Depends(key)], tags=["status"])
+    @api.api_route(
+        PREFIX + "/",
+        methods=["GET", "HEAD"],
+        response_class=HTMLResponse,
+        dependencies=[Depends(key)],
+        tags=["status"],
+    )
     async def page() -> HTMLResponse:
         """The live status page (also at ``/`` for browsers)."""
         return _page(status)
 
-    @api.api_route(PREFIX, methods=["GET", "HEAD"], response_class=HTMLResponse,
-                   dependencies=[Depends(key)], include_in_schema=False)
+    @api.api_route(
+        PREFIX,
+        methods=["GET", "HEAD"],
+        response_class=HTMLResponse,
+        dependencies=[Depends(key)],
+        include_in_schema=False,
+    )
     async def page_bare() -> HTMLResponse:
         return _page(status)
 
-    @api.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse,
-                   dependencies=[Depends(key)], include_in_schema=False)
+    @api.api_route(
+        "/",
+        methods=["GET", "HEAD"],
+        response_class=HTMLResponse,
+        dependencies=[Depends(key)],
+        include_in_schema=False,
+    )
     async def page_root() -> HTMLResponse:
         return _page(status)
 
     return api
 
 
-_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
-        "frame-ancestors 'none'")
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
 
 
 def _page(status: StatusPage) -> HTMLResponse:
-    return HTMLResponse(status.page(), headers={
-        "vary": "Accept", "content-security-policy": _CSP, "x-content-type-options": "nosniff",
-        "cache-control": "no-store"})
+    return HTMLResponse(
+        status.page(),
+        headers={
+            "vary": "Accept",
+            "content-security-policy": _CSP,
+            "x-content-type-options": "nosniff",
+            "cache-control": "no-store",
+        },
+    )
 
 
 def wants_page(scope: dict[str, Any] | Any) -> bool:

@@ -33,16 +33,18 @@ METRICS_PATH = "/metrics"
 class ProxyApp:
     """The phasewatch proxy as one ASGI application."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None,
-                 primary: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics | None = None, primary: bool = True
+    ) -> None:
         self.settings = settings
         #: The one process per host that runs host-wide side services (the GPU power
         #: sampler): False in all but worker 0 under --workers N (proxy.runtime.workers).
         self.primary = primary
         self.metrics = metrics or Metrics()
         options = settings.upstream_options()
-        self.upstreams = Upstreams([Upstream(spec, options, self.metrics)
-                                    for spec in settings.upstreams])
+        self.upstreams = Upstreams(
+            [Upstream(spec, options, self.metrics) for spec in settings.upstreams]
+        )
         self.recorder = Recorder(self.metrics, access_lines=settings.log_format != "none")
         # GPU power: a side service sampling on its own thread, hooked into the recorder.
         self.power = PowerService(settings.power_options(), self.metrics, self.upstreams)
@@ -51,10 +53,16 @@ class ProxyApp:
         self.status = StatusPage(self.metrics, self.upstreams)
         self.recorder.listeners.append(self.status.on_request)
         self.access = Access(settings.api_keys, settings.upstream_keys)
-        self.relay = Relay(self.upstreams, self.recorder, inject_usage=settings.inject_usage,
-                           max_body_bytes=settings.max_body_bytes, access=self.access)
-        self.api = build_api(relay=self.relay, upstreams=self.upstreams, status=self.status,
-                             access=self.access)
+        self.relay = Relay(
+            self.upstreams,
+            self.recorder,
+            inject_usage=settings.inject_usage,
+            max_body_bytes=settings.max_body_bytes,
+            access=self.access,
+        )
+        self.api = build_api(
+            relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
+        )
         self.exposition = make_asgi_app(self.metrics.exposition)
         #: /metrics on the proxy port, unless it has its own address.
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
@@ -68,8 +76,13 @@ class ProxyApp:
         if self.primary:  # once per host, not per worker: energy must not count N times
             self.power.start()
         for u in self.upstreams.all:
-            log.info("phasewatch %s relaying to %s = %s (engine %s)", __version__, u.name, u.url,
-                     u.engine if u.spec.engine else "detected in the background")
+            log.info(
+                "phasewatch %s relaying to %s = %s (engine %s)",
+                __version__,
+                u.name,
+                u.url,
+                u.engine if u.spec.engine else "detected in the background",
+            )
 
     async def shutdown(self) -> None:
         self.power.stop()
@@ -93,11 +106,17 @@ class ProxyApp:
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless
         --metrics-public (a separate --metrics-port is for Prometheus alone)."""
-        if not self.settings.metrics_public and not self.access.allowed(scope["headers"], basic=True):
-            await send_error(send, 401, "missing or invalid phasewatch API key (or run with "
-                             "--metrics-public, or --metrics-port for a port of its own)",
-                             "authentication_error",
-                             [(b"www-authenticate", b'Bearer realm="phasewatch"')])
+        if not self.settings.metrics_public and not self.access.allowed(
+            scope["headers"], basic=True
+        ):
+            await send_error(
+                send,
+                401,
+                "missing or invalid phasewatch API key (or run with "
+                "--metrics-public, or --metrics-port for a port of its own)",
+                "authentication_error",
+                [(b"www-authenticate", b'Bearer realm="phasewatch"')],
+            )
             return
         await self.exposition(scope, receive, send)
 
@@ -117,9 +136,16 @@ class ProxyApp:
             await self.api(scope, receive, send)
         else:
             body = b"only /metrics and /phasewatch/ here\n"
-            await send({"type": "http.response.start", "status": 404,
-                        "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 404,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:

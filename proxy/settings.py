@@ -58,8 +58,9 @@ def parse_upstream(spec: str) -> tuple[str | None, str]:
 class Settings(BaseSettings):
     """Every setting of ``phasewatch serve``."""
 
-    model_config = SettingsConfigDict(env_prefix="PHASEWATCH_", extra="ignore",
-                                      env_ignore_empty=True)
+    model_config = SettingsConfigDict(
+        env_prefix="PHASEWATCH_", extra="ignore", env_ignore_empty=True
+    )
 
     _upstreams: tuple[UpstreamSpec, ...] = PrivateAttr(default=())
     _precision: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -68,102 +69,149 @@ class Settings(BaseSettings):
     upstream: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Engine base URL, optionally named: [name=]http://host:port "
-        "(repeatable; requests are routed by model).")
+        "(repeatable; requests are routed by model).",
+    )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8090, ge=0, le=65535, description="Port to listen on.")
     workers: int = Field(
-        1, ge=1, le=256, description="Worker processes sharing the port (one per core to "
-        "scale); /metrics sums them, and GPU power is sampled by one of them only.")
+        1,
+        ge=1,
+        le=256,
+        description="Worker processes sharing the port (one per core to "
+        "scale); /metrics sums them, and GPU power is sampled by one of them only.",
+    )
     engine: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Engine dialect override per upstream: name=vllm|openai|ollama|llamacpp "
-        "(default: detected).")
+        "(default: detected).",
+    )
     max_concurrency: int = Field(
-        0, ge=0, description="Most generation requests in flight per upstream; more wait "
-        "in the proxy's queue (0: no limit).")
+        0,
+        ge=0,
+        description="Most generation requests in flight per upstream; more wait "
+        "in the proxy's queue (0: no limit).",
+    )
     max_queue: int = Field(
-        256, ge=0, description="Most requests waiting per upstream when max-concurrency is "
-        "reached; beyond it requests get 429.")
+        256,
+        ge=0,
+        description="Most requests waiting per upstream when max-concurrency is "
+        "reached; beyond it requests get 429.",
+    )
     queue_timeout: float = Field(
-        0.0, ge=0, description="Seconds a request may wait in the queue before a 503 "
-        "(0: no limit).")
+        0.0, ge=0, description="Seconds a request may wait in the queue before a 503 (0: no limit)."
+    )
     precision: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Precision override per model: model=precision (bf16, fp8, int4, "
-        "Q4_K_M, AWQ ...).")
+        "Q4_K_M, AWQ ...).",
+    )
     models: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Extra model names to label as themselves (beyond the upstreams' "
-        "model lists); any other name is labelled 'other'.")
-    max_models: int = Field(
-        64, ge=1, description="Most distinct model label values per upstream.")
+        "model lists); any other name is labelled 'other'.",
+    )
+    max_models: int = Field(64, ge=1, description="Most distinct model label values per upstream.")
     model_refresh: float = Field(
-        30.0, gt=0, description="Seconds between refreshes of each upstream's model list.")
+        30.0, gt=0, description="Seconds between refreshes of each upstream's model list."
+    )
     model_dir: str | None = Field(
-        None, description="Folder where the upstreams' checkpoints are readable (vLLM): "
+        None,
+        description="Folder where the upstreams' checkpoints are readable (vLLM): "
         "each model's config.json there tells its precision (quantization_config, "
-        "torch_dtype).")
+        "torch_dtype).",
+    )
     engine_scrape: float = Field(
-        5.0, ge=0, description="Seconds between scrapes of the engines' own state (running "
-        "and waiting requests, KV-cache use, Ollama's loaded models); 0: off.")
+        5.0,
+        ge=0,
+        description="Seconds between scrapes of the engines' own state (running "
+        "and waiting requests, KV-cache use, Ollama's loaded models); 0: off.",
+    )
     inject_usage: bool = Field(
-        True, description="Ask the engine for usage on streams whose client did not, and "
-        "strip it again byte for byte.")
-    connect_timeout: float = Field(
-        10.0, gt=0, description="Seconds to connect to an upstream.")
+        True,
+        description="Ask the engine for usage on streams whose client did not, and "
+        "strip it again byte for byte.",
+    )
+    connect_timeout: float = Field(10.0, gt=0, description="Seconds to connect to an upstream.")
     read_timeout: float = Field(
-        600.0, gt=0, description="Seconds an upstream may stay silent (long prefills "
-        "and cold loads need minutes).")
+        600.0,
+        gt=0,
+        description="Seconds an upstream may stay silent (long prefills "
+        "and cold loads need minutes).",
+    )
     upstream_client: Literal["lean", "httpx"] = Field(
-        "lean", description="HTTP client for the upstream connections: lean (an asyncio + "
+        "lean",
+        description="HTTP client for the upstream connections: lean (an asyncio + "
         "httptools HTTP/1.1 transport under httpx's API, several times cheaper per "
-        "streamed event) or httpx (httpx's own transport).")
+        "streamed event) or httpx (httpx's own transport).",
+    )
     max_body_bytes: int = Field(
-        64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
+        64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
+    )
 
     # Access (never logged, never exported)
     api_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Keys clients must present (Authorization: Bearer KEY or x-api-key) "
         "to use the proxy (repeatable; default: no proxy keys, the client's own "
-        "Authorization reaches the engine).")
+        "Authorization reaches the engine).",
+    )
     upstream_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Engine API key per upstream, name=KEY, sent as Authorization: Bearer "
-        "KEY in place of the client's (repeatable).")
+        "KEY in place of the client's (repeatable).",
+    )
     metrics_host: str | None = Field(
-        None, description="Serve /metrics on its own address instead of the proxy port "
-        "(the proxy port then relays /metrics to the engine).")
+        None,
+        description="Serve /metrics on its own address instead of the proxy port "
+        "(the proxy port then relays /metrics to the engine).",
+    )
     metrics_public: bool = Field(
-        False, description="Serve /metrics on the proxy port without a key even when "
+        False,
+        description="Serve /metrics on the proxy port without a key even when "
         "--api-key is set (by default it then needs one, like every own route but the "
-        "health and readiness probes).")
+        "health and readiness probes).",
+    )
     metrics_port: int | None = Field(
-        None, ge=0, le=65535, description="Port for --metrics-host (default: the proxy's "
-        "host when only the port is given).")
+        None,
+        ge=0,
+        le=65535,
+        description="Port for --metrics-host (default: the proxy's "
+        "host when only the port is given).",
+    )
     shutdown_grace: float = Field(
-        30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests to finish "
-        "(new ones get 503 meanwhile) before exiting.")
+        30.0,
+        ge=0,
+        description="Seconds SIGTERM waits for in-flight requests to finish "
+        "(new ones get 503 meanwhile) before exiting.",
+    )
     log_format: Literal["logfmt", "json", "none"] = Field(
-        "logfmt", description="Per-request log line format.")
+        "logfmt", description="Per-request log line format."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level.")
+        "info", description="Log level."
+    )
 
     # GPU power (proxy.services.power)
     power_source: Literal["auto", "nvml", "dcgm", "none"] = Field(
-        "auto", description="Where GPU power is read: nvml (this host's GPUs), dcgm (a "
+        "auto",
+        description="Where GPU power is read: nvml (this host's GPUs), dcgm (a "
         "DCGM-exporter /metrics URL, for GPUs on another host), none, or auto (dcgm when "
-        "--power-dcgm-url is given, else nvml, which says once when there is no GPU).")
+        "--power-dcgm-url is given, else nvml, which says once when there is no GPU).",
+    )
     power_dcgm_url: str | None = Field(
-        None, description="DCGM-exporter metrics URL, e.g. http://gpu-host:9400/metrics "
-        "(DCGM_FI_DEV_POWER_USAGE, DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION).")
+        None,
+        description="DCGM-exporter metrics URL, e.g. http://gpu-host:9400/metrics "
+        "(DCGM_FI_DEV_POWER_USAGE, DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION).",
+    )
     power_interval: float = Field(
-        0.2, ge=0.02, le=10.0, description="Seconds between GPU power samples.")
+        0.2, ge=0.02, le=10.0, description="Seconds between GPU power samples."
+    )
     power_gpu: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Which upstream or model a GPU serves: GPU=UPSTREAM or GPU=MODEL, GPU "
         "numbered as the power source numbers it (repeatable; default: every GPU serves "
-        "every upstream; GPUs left out of a mapping are not sampled).")
+        "every upstream; GPUs left out of a mapping are not sampled).",
+    )
 
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
@@ -234,7 +282,7 @@ class Settings(BaseSettings):
     # --- the typed views, parsed once -----------------------------------------------------
 
     @model_validator(mode="after")
-    def _parse(self) -> "Settings":
+    def _parse(self) -> Settings:
         keys = dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
         engines = dict(item.split("=", 1) for item in self.engine)
         specs = []
@@ -247,19 +295,27 @@ class Settings(BaseSettings):
         names = {s.name for s in specs}
         for name, engine in engines.items():
             if engine not in ENGINES:
-                raise ValueError(f"--engine: {engine!r} is not an engine phasewatch knows "
-                                 f"({', '.join(sorted(ENGINES))})")
+                raise ValueError(
+                    f"--engine: {engine!r} is not an engine phasewatch knows "
+                    f"({', '.join(sorted(ENGINES))})"
+                )
             if specs and name not in names:
-                raise ValueError(f"--engine: no upstream is named {name!r} (upstreams: "
-                                 f"{', '.join(sorted(names))})")
+                raise ValueError(
+                    f"--engine: no upstream is named {name!r} (upstreams: "
+                    f"{', '.join(sorted(names))})"
+                )
         for name in keys:
             if specs and name not in names:
-                raise ValueError(f"--upstream-key: no upstream is named {name!r} (upstreams: "
-                                 f"{', '.join(sorted(names))})")
+                raise ValueError(
+                    f"--upstream-key: no upstream is named {name!r} (upstreams: "
+                    f"{', '.join(sorted(names))})"
+                )
         self._upstreams = tuple(specs)
         self._precision = dict(item.split("=", 1) for item in self.precision)
-        self._power_gpu = {gpu.strip(): target.strip() for gpu, _, target in
-                           (item.partition("=") for item in self.power_gpu)}
+        self._power_gpu = {
+            gpu.strip(): target.strip()
+            for gpu, _, target in (item.partition("=") for item in self.power_gpu)
+        }
         return self
 
     @property
@@ -271,14 +327,19 @@ class Settings(BaseSettings):
         """What every upstream shares."""
         return UpstreamOptions(
             client=ClientOptions(self.upstream_client, self.connect_timeout, self.read_timeout),
-            max_concurrency=self.max_concurrency, max_queue=self.max_queue,
-            queue_timeout=self.queue_timeout, max_models=self.max_models,
+            max_concurrency=self.max_concurrency,
+            max_queue=self.max_queue,
+            queue_timeout=self.queue_timeout,
+            max_models=self.max_models,
             extra_models=frozenset(self.models),
-            precision_overrides=tuple(self._precision.items()), model_dir=self.model_dir)
+            precision_overrides=tuple(self._precision.items()),
+            model_dir=self.model_dir,
+        )
 
     def power_options(self) -> PowerOptions:
-        return PowerOptions(self.power_source, self.power_dcgm_url, self.power_interval,
-                            dict(self._power_gpu))
+        return PowerOptions(
+            self.power_source, self.power_dcgm_url, self.power_interval, dict(self._power_gpu)
+        )
 
     @property
     def api_keys(self) -> list[str]:

@@ -121,10 +121,16 @@ class ReplayApp:
             if cap is not None and cap.status < 400:
                 cap = None
         if cap is None:
-            payload = json.dumps({"error": f"no capture for {scope['method']} {scope['path']} "
-                                           f"{body[:300]!r}"}).encode()
-            await send({"type": "http.response.start", "status": 599,
-                        "headers": [(b"content-type", b"application/json")]})
+            payload = json.dumps(
+                {"error": f"no capture for {scope['method']} {scope['path']} {body[:300]!r}"}
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 599,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": payload})
             return
         self.served.append(cap.name)
@@ -145,13 +151,14 @@ class ThreadServer:
     def __init__(self, app, port: int) -> None:
         self.app = app
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="on")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        )
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def start(self) -> "ThreadServer":
+    def start(self) -> ThreadServer:
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:

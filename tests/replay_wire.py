@@ -52,7 +52,7 @@ def without_usage(sse: bytes) -> bytes:
     for ev in sse.split(b"\n\n"):
         if not ev:
             continue
-        payload = ev[len(b"data: "):]
+        payload = ev[len(b"data: ") :]
         if payload == b"[DONE]":
             out.append(ev)
             continue
@@ -127,13 +127,20 @@ class WireReplay:
         name = headers.get(b"x-fixture", b"").decode()
         path = scope["path"]
         if not name:
-            name = {("ollama", "/api/tags"): "ollama-tags.json", ("ollama", "/api/ps"): "ollama-ps.json",
-                    ("ollama", "/api/show"): "ollama-show.json",
-                    ("ollama", "/v1/models"): "ollama-v1-models.json",
-                    ("vllm", "/v1/models"): "vllm-models.json"}.get((self.engine, path), "")
+            name = {
+                ("ollama", "/api/tags"): "ollama-tags.json",
+                ("ollama", "/api/ps"): "ollama-ps.json",
+                ("ollama", "/api/show"): "ollama-show.json",
+                ("ollama", "/v1/models"): "ollama-v1-models.json",
+                ("vllm", "/v1/models"): "vllm-models.json",
+            }.get((self.engine, path), "")
         if not name and self.engine == "ollama" and path == "/api/version":
-            await self._send(send, 200, [(b"content-type", b"application/json; charset=utf-8")],
-                             [b'{"version":"0.12.3"}'])
+            await self._send(
+                send,
+                200,
+                [(b"content-type", b"application/json; charset=utf-8")],
+                [b'{"version":"0.12.3"}'],
+            )
             return
         if not name:
             await self._send(send, 404, [(b"content-type", b"text/plain")], [b"404 page not found"])
@@ -182,13 +189,17 @@ class LlamaCapture:
                     self.headers.append((k.strip().lower().encode(), v.strip().encode()))
         self.body = (LLAMA / f"{name}.response.body").read_bytes()
         timing = LLAMA / f"{name}.timing.json"
-        sizes = [c["size"] for c in json.loads(timing.read_text()).get("chunks", [])] if timing.exists() else []
+        sizes = (
+            [c["size"] for c in json.loads(timing.read_text()).get("chunks", [])]
+            if timing.exists()
+            else []
+        )
         self.chunked = b"chunked" in (LLAMA / f"{name}.response.headers").read_bytes().lower()
         self.parts = []
         if self.chunked and sum(sizes) == len(self.body):
             pos = 0
             for size in sizes:
-                self.parts.append(self.body[pos:pos + size])
+                self.parts.append(self.body[pos : pos + size])
                 pos += size
         else:
             self.parts = [self.body]
@@ -232,9 +243,16 @@ class CaptureReplay:
         cap = self.by_key.get(_key(scope["method"], scope["path"], body))
         if cap is None:
             payload = b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
-            await send({"type": "http.response.start", "status": 404,
-                        "headers": [(b"content-type", b"application/json; charset=utf-8"),
-                                    (b"content-length", str(len(payload)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 404,
+                    "headers": [
+                        (b"content-type", b"application/json; charset=utf-8"),
+                        (b"content-length", str(len(payload)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": payload})
             return
         self.served.append(cap.name)

@@ -96,12 +96,23 @@ def _probed(resp: httpx.Response) -> bool:
         return False
 
 
-def _spawn(args: list[str], port: int, ready_path: str, env: dict | None = None,
-           timeout: float = 30.0, ready=lambda resp: resp.status_code < 500) -> tuple[subprocess.Popen, Path]:
+def _spawn(
+    args: list[str],
+    port: int,
+    ready_path: str,
+    env: dict | None = None,
+    timeout: float = 30.0,
+    ready=lambda resp: resp.status_code < 500,
+) -> tuple[subprocess.Popen, Path]:
     log = Path(tempfile.mkstemp(prefix="pw-", suffix=".log")[1])
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "proxy", *args], cwd=ROOT, env=full_env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() < deadline:
@@ -117,13 +128,36 @@ def _spawn(args: list[str], port: int, ready_path: str, env: dict | None = None,
     raise RuntimeError(f"server did not start in {timeout}s:\n{log.read_text()}")
 
 
-def start_sim(engine: str = "vllm", *, speed: float = 1.0, deterministic: bool = True,
-              max_num_seqs: int = 16, jitter: float = 0.0, extra: list[str] | None = None) -> Server:
+def start_sim(
+    engine: str = "vllm",
+    *,
+    speed: float = 1.0,
+    deterministic: bool = True,
+    max_num_seqs: int = 16,
+    jitter: float = 0.0,
+    extra: list[str] | None = None,
+) -> Server:
     port = free_port()
     truth = Path(tempfile.mkstemp(prefix="pw-truth-", suffix=".jsonl")[1])
-    args = ["simulate", "--engine", engine, "--port", str(port), "--speed", str(speed),
-            "--max-num-seqs", str(max_num_seqs), "--jitter", str(jitter),
-            "--truth-log", str(truth)] + (["--deterministic"] if deterministic else []) + (extra or [])
+    args = (
+        [
+            "simulate",
+            "--engine",
+            engine,
+            "--port",
+            str(port),
+            "--speed",
+            str(speed),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--jitter",
+            str(jitter),
+            "--truth-log",
+            str(truth),
+        ]
+        + (["--deterministic"] if deterministic else [])
+        + (extra or [])
+    )
     ready = "/api/version" if engine == "ollama" else ("/health")
     proc, log = _spawn(args, port, ready)
     return Server(proc, f"http://127.0.0.1:{port}", log, truth)

@@ -18,11 +18,13 @@ PACKAGE = ROOT / "proxy"
 #: A part may import from parts of a lower layer, and from itself.
 LAYERS = {
     "proxy": 0,  # the package root: the version only
-    "measure": 1, "transport": 1,
+    "measure": 1,
+    "transport": 1,
     "engines": 2,
     "core": 3,
     "services": 4,
-    "settings": 5, "api": 5,
+    "settings": 5,
+    "api": 5,
     "app": 6,
     "runtime": 7,
     "tools": 8,
@@ -185,7 +187,11 @@ def test_no_document_outside_the_repository_is_cited():
     import re
 
     pattern = re.compile(r"SPEC §|\bSPEC\b|seeds'|issue \d|\.\./shared")
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in PACKAGE.rglob("*")
-             if p.suffix in (".py", ".html")
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in PACKAGE.rglob("*")
+        if p.suffix in (".py", ".html")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not found, found

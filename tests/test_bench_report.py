@@ -24,8 +24,13 @@ SIZES = (4096, 8192, 16384)
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "proxy", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +40,41 @@ def benched(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     try:
         t0 = time.monotonic()
-        res = _cli("bench", "--url", proxy.url, "--repeat", "3", "--decode-tokens", str(DECODE_TOKENS),
-                   "--decode-prompt", str(DECODE_PROMPT), "--prompt-tokens", ",".join(map(str, SIZES)),
-                   "--concurrency", "1,4", "--sweep-tokens", "64", "--output", str(out))
+        res = _cli(
+            "bench",
+            "--url",
+            proxy.url,
+            "--repeat",
+            "3",
+            "--decode-tokens",
+            str(DECODE_TOKENS),
+            "--decode-prompt",
+            str(DECODE_PROMPT),
+            "--prompt-tokens",
+            ",".join(map(str, SIZES)),
+            "--concurrency",
+            "1,4",
+            "--sweep-tokens",
+            "64",
+            "--output",
+            str(out),
+        )
         bench_seconds = time.monotonic() - t0
         assert res.returncode == 0, res.stderr[-3000:]
         report_md = _cli("report", "--from", proxy.url)
         report_json = _cli("report", "--from", proxy.url + "/metrics", "--format", "json")
-        assert report_md.returncode == 0 and report_json.returncode == 0, report_md.stderr + report_json.stderr
-        yield {"table": res.stdout, "progress": res.stderr, "bench": json.loads(out.read_text()),
-               "report_md": report_md.stdout, "report": json.loads(report_json.stdout),
-               "seconds": bench_seconds, "truth": sim.truth()}
+        assert report_md.returncode == 0 and report_json.returncode == 0, (
+            report_md.stderr + report_json.stderr
+        )
+        yield {
+            "table": res.stdout,
+            "progress": res.stderr,
+            "bench": json.loads(out.read_text()),
+            "report_md": report_md.stdout,
+            "report": json.loads(report_json.stdout),
+            "seconds": bench_seconds,
+            "truth": sim.truth(),
+        }
     finally:
         proxy.stop()
         sim.stop()
@@ -122,10 +151,16 @@ def test_report_from_live_metrics_matches_bench(benched):
         assert r["decode_source"] == "proxy"
         for band, size in (("2k-6k", 4096), ("6k-12k", 8192), ("12k-24k", 16384)):
             want = next(p for p in b["prefill"] if p["target_tokens"] == size)
-            assert r["prefill_ms_per_token"][band] == pytest.approx(want["ms_per_token"], rel=0.2), (prec, band)
+            assert r["prefill_ms_per_token"][band] == pytest.approx(
+                want["ms_per_token"], rel=0.2
+            ), (prec, band)
             assert r["ttft_s"][band] == pytest.approx(want["ttft_s"], rel=0.2), (prec, band)
-        assert 0 < r["share_prefill"] < 1 and r["share_prefill"] + r["share_decode"] == pytest.approx(1)
-        assert r["decode_watts"] is None and r["idle_watts"] is None and r["joules_per_token"] is None
+        assert 0 < r["share_prefill"] < 1 and r["share_prefill"] + r[
+            "share_decode"
+        ] == pytest.approx(1)
+        assert (
+            r["decode_watts"] is None and r["idle_watts"] is None and r["joules_per_token"] is None
+        )
     assert 2.5 <= rows["int4"]["decode_speedup"] <= 3.5
     assert 1.1 <= rows["int4"]["prefill_speedup"] <= 1.5
     assert rows["int4"]["baseline"] == "meta-llama/Llama-3.1-8B-Instruct (bf16)"

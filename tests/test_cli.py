@@ -15,8 +15,14 @@ from .servers import ROOT
 def run(*args, env=None, timeout=30):
     import os
 
-    return subprocess.run([sys.executable, "-m", "proxy", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_help_documents_every_setting():
@@ -27,14 +33,20 @@ def test_help_documents_every_setting():
         assert "PHASEWATCH_" + name.upper() in out
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--upstream", "localhost:8000"], "--upstream: upstream 'localhost:8000' is not an http(s)://host[:port] URL"),
-    (["--upstream", "http://a:1", "--max-concurrency", "-1"], "--max-concurrency"),
-    (["--upstream", "http://a:99999"], "bad port"),
-    (["--upstream", "http://a:1", "--port", "x"], "--port"),
-    (["--upstream", "http://a:1", "--precision", "nopair"], "name=value"),
-    ([], "no upstream"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (
+            ["--upstream", "localhost:8000"],
+            "--upstream: upstream 'localhost:8000' is not an http(s)://host[:port] URL",
+        ),
+        (["--upstream", "http://a:1", "--max-concurrency", "-1"], "--max-concurrency"),
+        (["--upstream", "http://a:99999"], "bad port"),
+        (["--upstream", "http://a:1", "--port", "x"], "--port"),
+        (["--upstream", "http://a:1", "--precision", "nopair"], "name=value"),
+        ([], "no upstream"),
+    ],
+)
 def test_bad_setting_is_one_clear_line(args, needle):
     res = run("serve", *args)
     assert res.returncode == 2
@@ -55,7 +67,10 @@ def test_env_vars_and_flags():
         os.environ["PHASEWATCH_UPSTREAM"] = "a=http://127.0.0.1:1, b=http://127.0.0.1:2"
         os.environ["PHASEWATCH_MAX_CONCURRENCY"] = "4"
         s = Settings()
-        assert [(u.name, u.url) for u in s.upstreams] == [("a", "http://127.0.0.1:1"), ("b", "http://127.0.0.1:2")]
+        assert [(u.name, u.url) for u in s.upstreams] == [
+            ("a", "http://127.0.0.1:1"),
+            ("b", "http://127.0.0.1:2"),
+        ]
         assert s.max_concurrency == 4
         s = Settings(max_concurrency=8)  # a flag wins over the environment
         assert s.max_concurrency == 8
@@ -65,7 +80,9 @@ def test_env_vars_and_flags():
 
 
 def test_env_var_error_is_one_line():
-    res = run("serve", env={"PHASEWATCH_UPSTREAM": "http://127.0.0.1:1", "PHASEWATCH_READ_TIMEOUT": "-5"})
+    res = run(
+        "serve", env={"PHASEWATCH_UPSTREAM": "http://127.0.0.1:1", "PHASEWATCH_READ_TIMEOUT": "-5"}
+    )
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "--read-timeout" in res.stderr
 

@@ -17,16 +17,17 @@ from hypothesis import strategies as st
 from proxy.engines.llamacpp import LlamaCppDialect, LlamaTap
 from proxy.measure.timeline import Marks
 
-from .streams import run, splits
 from .replay import ThreadServer
 from .replay_wire import WIRE, CaptureReplay, llama_captures
 from .servers import free_port, metric_samples, sample, start_proxy, start_sim
+from .streams import run, splits
 
 CAPTURES = llama_captures()
 # one capture per distinct request (a replay answers a request with the first one)
 # (GET /metrics is phasewatch's own page: the engine's is scraped, not relayed)
-UNIQUE = sorted({CaptureReplay().by_key[c.key()].name for c in CAPTURES.values()
-                 if c.path != "/metrics"})
+UNIQUE = sorted(
+    {CaptureReplay().by_key[c.key()].name for c in CAPTURES.values() if c.path != "/metrics"}
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,9 @@ def test_capture_bytes_equal_direct(replay, name):
     cap = CAPTURES[name]
     headers = {"content-type": "application/json"} if cap.request_body else {}
     n = len(app.served)
-    direct = httpx.request(cap.method, server.url + cap.path, content=cap.request_body, headers=headers)
+    direct = httpx.request(
+        cap.method, server.url + cap.path, content=cap.request_body, headers=headers
+    )
     via = httpx.request(cap.method, proxy.url + cap.path, content=cap.request_body, headers=headers)
     assert via.status_code == direct.status_code == cap.status
     assert _headers(via) == _headers(direct)
@@ -69,18 +72,25 @@ def _timings(body: bytes) -> dict:
     return last
 
 
-@pytest.mark.parametrize("name,endpoint", [("chat_stream", "chat"), ("completions_stream", "completions"),
-                                           ("native_completion_stream", "llamacpp_completion"),
-                                           ("chat_stream_stop_word", "chat"),
-                                           ("chat_nonstream", "chat")])
+@pytest.mark.parametrize(
+    "name,endpoint",
+    [
+        ("chat_stream", "chat"),
+        ("completions_stream", "completions"),
+        ("native_completion_stream", "llamacpp_completion"),
+        ("chat_stream_stop_word", "chat"),
+        ("chat_nonstream", "chat"),
+    ],
+)
 def test_engine_figures_equal_the_response(replay, name, endpoint):
     """source="engine" figures are the capture's own timings, exactly."""
     app, server, proxy = replay
     cap = CAPTURES[name]
     t = _timings(cap.body)
     before = metric_samples(proxy.url)
-    resp = httpx.post(proxy.url + cap.path, content=cap.request_body,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        proxy.url + cap.path, content=cap.request_body, headers={"content-type": "application/json"}
+    )
     assert resp.content == cap.body
     time.sleep(0.2)
     after = metric_samples(proxy.url)
@@ -89,13 +99,19 @@ def test_engine_figures_equal_the_response(replay, name, endpoint):
         return sample(after, metric, **labels) - sample(before, metric, **labels)
 
     assert delta("phasewatch_requests_total", outcome="ok", endpoint=endpoint) == 1
-    assert delta("phasewatch_prefill_seconds_sum", source="engine") == pytest.approx(t["prompt_ms"] / 1000, rel=1e-12)
-    assert delta("phasewatch_decode_seconds_sum", source="engine") == pytest.approx(t["predicted_ms"] / 1000, rel=1e-12)
+    assert delta("phasewatch_prefill_seconds_sum", source="engine") == pytest.approx(
+        t["prompt_ms"] / 1000, rel=1e-12
+    )
+    assert delta("phasewatch_decode_seconds_sum", source="engine") == pytest.approx(
+        t["predicted_ms"] / 1000, rel=1e-12
+    )
     assert delta("phasewatch_decode_tokens_per_second_sum", source="engine") == pytest.approx(
-        t["predicted_per_second"], rel=1e-12)
+        t["predicted_per_second"], rel=1e-12
+    )
     # prefill rate over the tokens actually evaluated (cache hits excluded)
     assert delta("phasewatch_prefill_tokens_per_second_sum", source="engine") == pytest.approx(
-        t["prompt_per_second"], rel=1e-9)
+        t["prompt_per_second"], rel=1e-9
+    )
     assert delta("phasewatch_tokens_total", phase="prefill") == t["prompt_n"]
     assert delta("phasewatch_tokens_total", phase="cached") == t["cache_n"]
     assert delta("phasewatch_tokens_total", phase="decode") == t["predicted_n"]
@@ -111,11 +127,22 @@ def test_precision_and_engine_detected_from_real_props(replay):
     app, server, proxy = replay
     s = metric_samples(proxy.url)
     assert sample(s, "phasewatch_upstream_up", upstream="llama", engine="llamacpp") == 1
-    assert sample(s, "phasewatch_model_info", model="gemma-3-270m", precision="int4", quant="Q4_K_M",
-                  precision_source="engine") == 1
+    assert (
+        sample(
+            s,
+            "phasewatch_model_info",
+            model="gemma-3-270m",
+            precision="int4",
+            quant="Q4_K_M",
+            precision_source="engine",
+        )
+        == 1
+    )
     # llama-server answers any model name with its one model: labelled as that model
     cap = CAPTURES["err_unknown_model"]
-    httpx.post(proxy.url + cap.path, content=cap.request_body, headers={"content-type": "application/json"})
+    httpx.post(
+        proxy.url + cap.path, content=cap.request_body, headers={"content-type": "application/json"}
+    )
     time.sleep(0.2)
     line = [r for r in proxy.request_lines()][-1]
     assert line["model"] == "gemma-3-270m" and line["precision"] == "int4"
@@ -126,8 +153,9 @@ def test_openai_sdk_parses_the_relayed_stream(replay):
     cap = CAPTURES["chat_stream"]
     req = json.loads(cap.request_body)
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**req)
-                   if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**req) if c.choices
+    )
     assert text.startswith("Name three colours")
 
 
@@ -172,15 +200,19 @@ def test_stop_word_timings_last_one_wins_and_progress_is_not_output():
     cap = CAPTURES["native_completion_stream_progress"]
     tap, marks = _tap("x", "llamacpp_completion")
     run(tap, cap.parts)
-    first_content = next(i for i, p in enumerate(cap.parts) if b'"content":"' in p
-                         and b'"content":""' not in p)
+    first_content = next(
+        i for i, p in enumerate(cap.parts) if b'"content":"' in p and b'"content":""' not in p
+    )
     assert marks.t_first == pytest.approx(100.0 + first_content * 0.01)
     assert LlamaCppDialect().outcome(tap, None, 200).engine.decode_tokens == 16
 
 
 def test_midstream_error_without_done():
     cap = CAPTURES["chat_stream"]
-    body = b"".join(cap.parts[:5]) + b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+    body = (
+        b"".join(cap.parts[:5])
+        + b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+    )
     tap, marks = _tap("x")
     run(tap, [body])
     out = LlamaCppDialect().outcome(tap, None, 200)
@@ -198,9 +230,19 @@ def test_usage_is_never_injected():
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=10**6), max_size=30),
-       st.sampled_from(["chat_stream", "chat_stream_include_usage", "completions_stream",
-                        "native_completion_stream", "chat_stream_stop_word", "sse_ping_stream"]))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**6), max_size=30),
+    st.sampled_from(
+        [
+            "chat_stream",
+            "chat_stream_include_usage",
+            "completions_stream",
+            "native_completion_stream",
+            "chat_stream_stop_word",
+            "sse_ping_stream",
+        ]
+    ),
+)
 def test_any_split_forwards_every_byte_and_reads_the_same(cuts, name):
     cap = CAPTURES[name]
     native = cap.path == "/completion"
@@ -219,7 +261,11 @@ def test_wire_fixtures_read():
         data = (WIRE / name).read_bytes()
         assert run(tap, [data]) == data
         out = LlamaCppDialect().outcome(tap, None, 200)
-        assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens) == (36, 16, cached)
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens) == (
+            36,
+            16,
+            cached,
+        )
         assert out.engine.decode_tokens_per_second == 120.47104177333372
 
 
@@ -234,9 +280,13 @@ def test_proxy_figures_within_a_few_percent_of_the_engines():
         for i in range(4):
             prompt = " ".join(f"w{i}x{j}" for j in range(400 + 600 * i))
             stream = client.chat.completions.create(
-                model="qwen2.5-7b-instruct", messages=[{"role": "user", "content": prompt}],
-                max_tokens=160, stream=True, extra_body={"ignore_eos": True},
-                extra_headers={"x-request-id": f"llama-{i}"})
+                model="qwen2.5-7b-instruct",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=160,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                extra_headers={"x-request-id": f"llama-{i}"},
+            )
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         time.sleep(0.3)
         truth = {t["request_id"]: t for t in sim.truth()}
@@ -247,19 +297,29 @@ def test_proxy_figures_within_a_few_percent_of_the_engines():
             t = truth[line["request_id"]]
             rep = t["reported"]
             assert int(line["completion_tokens"]) == rep["predicted_n"] == 160
-            assert float(line["engine_decode_tps"]) == pytest.approx(rep["predicted_per_second"], rel=1e-3)
+            assert float(line["engine_decode_tps"]) == pytest.approx(
+                rep["predicted_per_second"], rel=1e-3
+            )
             # the proxy's decode rate: same definition, its own clock
             decode_err.append(abs(float(line["decode_tps"]) / rep["predicted_per_second"] - 1))
             # prefill: proxy's window = engine wait + prompt_ms + the first write
-            proxy_prefill = (float(line["ttft_s"]) - float(line["queue_s"]))
+            proxy_prefill = float(line["ttft_s"]) - float(line["queue_s"])
             assert proxy_prefill == pytest.approx(rep["prompt_ms"] / 1000, rel=0.25, abs=0.02)
             waits.append(float(line["upstream_queue_s"]))
         # within a few percent (a busy 2-core machine delays single writes now and then)
         assert statistics.median(decode_err) < 0.03 and max(decode_err) < 0.08, decode_err
         assert statistics.median(waits) < 0.02, waits  # nothing queued: network + first write
         s = metric_samples(proxy.url)
-        assert sample(s, "phasewatch_model_info", model="qwen2.5-7b-instruct", precision="int4",
-                      quant="Q4_K_M") == 1
+        assert (
+            sample(
+                s,
+                "phasewatch_model_info",
+                model="qwen2.5-7b-instruct",
+                precision="int4",
+                quant="Q4_K_M",
+            )
+            == 1
+        )
     finally:
         proxy.stop()
         sim.stop()
@@ -270,9 +330,23 @@ def test_sim_bytes_through_proxy_equal_direct():
     proxy = start_proxy(sim.url)
     try:
         for path, body in (
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 12, "stream": True}),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 12, "stream": True,
-                                      "stream_options": {"include_usage": True}}),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "a b c"}],
+                    "max_tokens": 12,
+                    "stream": True,
+                },
+            ),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "a b c"}],
+                    "max_tokens": 12,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ),
             ("/v1/completions", {"prompt": "x y", "max_tokens": 9, "stream": True}),
             ("/completion", {"prompt": "x y", "n_predict": 9, "stream": True}),
             ("/completion", {"prompt": "x y z", "n_predict": 9}),
@@ -284,15 +358,24 @@ def test_sim_bytes_through_proxy_equal_direct():
             def strip(b):  # timings and cache hits differ run to run; the rest is equal
                 b = re.sub(rb'"timings":\{[^}]*\}', b"T", b)
                 return re.sub(rb'"cached_tokens":\d+', b"C", b)
+
             assert strip(via.content) == strip(direct.content)
         s = metric_samples(proxy.url)
         assert sample(s, "phasewatch_requests_total", outcome="ok") == 5
         assert sample(s, "phasewatch_requests_total", endpoint="llamacpp_completion") == 2
         # a stream cut by an engine error: the error event passes, the request is an error
-        resp = httpx.post(proxy.url + "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "q"}], "max_tokens": 30, "stream": True,
-            "sim_error_after": 4})
-        assert resp.content.endswith(b'"type":"server_error"}}\n\n') and b"[DONE]" not in resp.content
+        resp = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "q"}],
+                "max_tokens": 30,
+                "stream": True,
+                "sim_error_after": 4,
+            },
+        )
+        assert (
+            resp.content.endswith(b'"type":"server_error"}}\n\n') and b"[DONE]" not in resp.content
+        )
         time.sleep(0.2)
         assert sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="midstream") == 1
     finally:

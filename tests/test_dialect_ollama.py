@@ -19,10 +19,10 @@ from proxy.engines.base import Prepared
 from proxy.engines.ollama import NDJSONTap, OllamaDialect, OllamaSSETap
 from proxy.measure.timeline import Marks, figures
 
-from .streams import run, splits
 from .replay import ThreadServer
 from .replay_wire import WIRE, WireReplay, fixture_body, manifest
 from .servers import free_port, metric_samples, sample, start_proxy, start_sim
+from .streams import run, splits
 
 CHAT = (WIRE / "ollama-api-chat-stream.ndjson").read_bytes()
 DONE = json.loads(CHAT.splitlines()[-1])
@@ -95,7 +95,9 @@ def test_load_requests_are_not_generations():
     d = OllamaDialect()
     assert d.prepare("ollama_chat", b'{"model":"llama3.2","messages":[]}', True) is None
     assert d.prepare("ollama_generate", b'{"model":"llama3.2"}', True) is None
-    p = d.prepare("ollama_chat", b'{"model":"llama3.2","messages":[{"role":"user","content":"x"}]}', True)
+    p = d.prepare(
+        "ollama_chat", b'{"model":"llama3.2","messages":[{"role":"user","content":"x"}]}', True
+    )
     assert p.stream and p.body.endswith(b"}]}")  # stream defaults to true; body untouched
     load = b'{"model":"m","created_at":"x","message":{"role":"assistant","content":""},"done":true,"done_reason":"load"}\n'
     tap = NDJSONTap(Marks(t_recv=0.0))
@@ -104,9 +106,16 @@ def test_load_requests_are_not_generations():
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=10**5), max_size=30),
-       st.sampled_from(["ollama-api-chat-stream.ndjson", "ollama-api-generate-stream.ndjson",
-                        "ollama-api-chat-stream-midstream-error.ndjson"]))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**5), max_size=30),
+    st.sampled_from(
+        [
+            "ollama-api-chat-stream.ndjson",
+            "ollama-api-generate-stream.ndjson",
+            "ollama-api-chat-stream-midstream-error.ndjson",
+        ]
+    ),
+)
 def test_native_any_split(cuts, name):
     data = (WIRE / name).read_bytes()
     tap, whole = NDJSONTap(Marks(t_recv=0.0)), NDJSONTap(Marks(t_recv=0.0))
@@ -121,11 +130,20 @@ def test_native_any_split(cuts, name):
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=10**5), max_size=30),
-       st.sampled_from([("ollama-v1-chat-stream-usage.sse", "ollama-v1-chat-stream.sse", "chat"),
-                        ("ollama-v1-chat-stream-usage-legacy.sse", "ollama-v1-chat-stream-legacy.sse", "chat"),
-                        ("ollama-v1-completions-stream-usage.sse", "ollama-v1-completions-stream.sse",
-                         "completions")]))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**5), max_size=30),
+    st.sampled_from(
+        [
+            ("ollama-v1-chat-stream-usage.sse", "ollama-v1-chat-stream.sse", "chat"),
+            ("ollama-v1-chat-stream-usage-legacy.sse", "ollama-v1-chat-stream-legacy.sse", "chat"),
+            (
+                "ollama-v1-completions-stream-usage.sse",
+                "ollama-v1-completions-stream.sse",
+                "completions",
+            ),
+        ]
+    ),
+)
 def test_v1_strip_is_exact_for_any_split(cuts, case):
     with_usage, plain, endpoint = (WIRE / case[0]).read_bytes(), fixture_body(case[1]), case[2]
     prepared = Prepared(endpoint, "llama3.2", True, b"", strip_usage=True)
@@ -142,9 +160,13 @@ def test_v1_inject_only_when_the_client_did_not_ask():
     p = d.prepare("chat", b'{"model":"m","stream":true,"messages":[]}', True)
     assert p.strip_usage and p.body.endswith(b',"stream_options":{"include_usage":true}}')
     # {} means include_usage=false on Ollama (unlike vLLM): inject, strip again
-    assert d.prepare("chat", b'{"model":"m","stream":true,"stream_options":{}}', True).body == \
-        b'{"model":"m","stream":true,"stream_options":{}}'
-    p = d.prepare("chat", b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}', True)
+    assert (
+        d.prepare("chat", b'{"model":"m","stream":true,"stream_options":{}}', True).body
+        == b'{"model":"m","stream":true,"stream_options":{}}'
+    )
+    p = d.prepare(
+        "chat", b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}', True
+    )
     assert not p.strip_usage
     assert not d.prepare("chat", b'{"model":"m","messages":[]}', True).strip_usage  # not a stream
 
@@ -165,19 +187,94 @@ def wire():
 
 CASES = [
     # (fixture the client asks for, path, request body, fixture the engine must have served)
-    ("ollama-api-chat-stream.ndjson", "/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]}, None),
-    ("ollama-api-chat-nonstream.json", "/api/chat", {"model": "llama3.2", "stream": False, "messages": [{"role": "user", "content": "q"}]}, None),
-    ("ollama-api-generate-stream.ndjson", "/api/generate", {"model": "llama3.2", "prompt": "q"}, None),
-    ("ollama-api-chat-stream-midstream-error.ndjson", "/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]}, None),
-    ("ollama-api-error-model-not-found.json", "/api/chat", {"model": "llama9", "messages": [{"role": "user", "content": "q"}]}, None),
-    ("ollama-api-error-queue-full.json", "/api/generate", {"model": "llama3.2", "prompt": "q"}, None),
-    ("ollama-v1-chat-stream.sse", "/v1/chat/completions", {"model": "llama3.2", "stream": True, "messages": [{"role": "user", "content": "q"}]}, "ollama-v1-chat-stream-usage.sse"),
-    ("ollama-v1-chat-stream-usage.sse", "/v1/chat/completions", {"model": "llama3.2", "stream": True, "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "q"}]}, None),
-    ("ollama-v1-chat-stream-legacy.sse", "/v1/chat/completions", {"model": "llama3.2", "stream": True, "messages": [{"role": "user", "content": "q"}]}, "ollama-v1-chat-stream-usage-legacy.sse"),
-    ("ollama-v1-completions-stream.sse", "/v1/completions", {"model": "llama3.2", "prompt": "q", "stream": True}, "ollama-v1-completions-stream-usage.sse"),
-    ("ollama-v1-completions-stream-usage.sse", "/v1/completions", {"model": "llama3.2", "prompt": "q", "stream": True, "stream_options": {"include_usage": True}}, None),
-    ("ollama-v1-chat-nonstream.json", "/v1/chat/completions", {"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]}, None),
-    ("ollama-v1-error-model-not-found.json", "/v1/chat/completions", {"model": "llama9", "messages": [{"role": "user", "content": "q"}]}, None),
+    (
+        "ollama-api-chat-stream.ndjson",
+        "/api/chat",
+        {"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
+        None,
+    ),
+    (
+        "ollama-api-chat-nonstream.json",
+        "/api/chat",
+        {"model": "llama3.2", "stream": False, "messages": [{"role": "user", "content": "q"}]},
+        None,
+    ),
+    (
+        "ollama-api-generate-stream.ndjson",
+        "/api/generate",
+        {"model": "llama3.2", "prompt": "q"},
+        None,
+    ),
+    (
+        "ollama-api-chat-stream-midstream-error.ndjson",
+        "/api/chat",
+        {"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
+        None,
+    ),
+    (
+        "ollama-api-error-model-not-found.json",
+        "/api/chat",
+        {"model": "llama9", "messages": [{"role": "user", "content": "q"}]},
+        None,
+    ),
+    (
+        "ollama-api-error-queue-full.json",
+        "/api/generate",
+        {"model": "llama3.2", "prompt": "q"},
+        None,
+    ),
+    (
+        "ollama-v1-chat-stream.sse",
+        "/v1/chat/completions",
+        {"model": "llama3.2", "stream": True, "messages": [{"role": "user", "content": "q"}]},
+        "ollama-v1-chat-stream-usage.sse",
+    ),
+    (
+        "ollama-v1-chat-stream-usage.sse",
+        "/v1/chat/completions",
+        {
+            "model": "llama3.2",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "q"}],
+        },
+        None,
+    ),
+    (
+        "ollama-v1-chat-stream-legacy.sse",
+        "/v1/chat/completions",
+        {"model": "llama3.2", "stream": True, "messages": [{"role": "user", "content": "q"}]},
+        "ollama-v1-chat-stream-usage-legacy.sse",
+    ),
+    (
+        "ollama-v1-completions-stream.sse",
+        "/v1/completions",
+        {"model": "llama3.2", "prompt": "q", "stream": True},
+        "ollama-v1-completions-stream-usage.sse",
+    ),
+    (
+        "ollama-v1-completions-stream-usage.sse",
+        "/v1/completions",
+        {
+            "model": "llama3.2",
+            "prompt": "q",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        None,
+    ),
+    (
+        "ollama-v1-chat-nonstream.json",
+        "/v1/chat/completions",
+        {"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
+        None,
+    ),
+    (
+        "ollama-v1-error-model-not-found.json",
+        "/v1/chat/completions",
+        {"model": "llama9", "messages": [{"role": "user", "content": "q"}]},
+        None,
+    ),
     ("ollama-tags.json", "/api/tags", None, None),
     ("ollama-show.json", "/api/show", {"model": "llama3.2"}, None),
     ("ollama-ps.json", "/api/ps", None, None),
@@ -206,36 +303,67 @@ def test_fixture_bytes_equal_direct(wire, name, path, body, served):
 def test_fixture_figures_are_the_done_line(wire):
     app, server, proxy = wire
     before = metric_samples(proxy.url)
-    httpx.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
-               headers={"x-fixture": "ollama-api-chat-stream.ndjson"})
+    httpx.post(
+        proxy.url + "/api/chat",
+        json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
+        headers={"x-fixture": "ollama-api-chat-stream.ndjson"},
+    )
     time.sleep(0.2)
     after = metric_samples(proxy.url)
 
     def delta(metric, **labels):
         return sample(after, metric, **labels) - sample(before, metric, **labels)
 
-    assert delta("phasewatch_requests_total", outcome="ok", endpoint="ollama_chat", model="llama3.2:latest",
-                 precision="int4") == 1
-    assert delta("phasewatch_prefill_seconds_sum", source="engine") == pytest.approx(DONE["prompt_eval_duration"] / 1e9, rel=1e-9)
-    assert delta("phasewatch_decode_seconds_sum", source="engine") == pytest.approx(DONE["eval_duration"] / 1e9, rel=1e-9)
+    assert (
+        delta(
+            "phasewatch_requests_total",
+            outcome="ok",
+            endpoint="ollama_chat",
+            model="llama3.2:latest",
+            precision="int4",
+        )
+        == 1
+    )
+    assert delta("phasewatch_prefill_seconds_sum", source="engine") == pytest.approx(
+        DONE["prompt_eval_duration"] / 1e9, rel=1e-9
+    )
+    assert delta("phasewatch_decode_seconds_sum", source="engine") == pytest.approx(
+        DONE["eval_duration"] / 1e9, rel=1e-9
+    )
     assert delta("phasewatch_decode_tokens_per_second_sum", source="engine") == pytest.approx(
-        DONE["eval_count"] / (DONE["eval_duration"] / 1e9), rel=1e-12)
-    assert delta("phasewatch_load_seconds_sum") == pytest.approx(DONE["load_duration"] / 1e9, rel=1e-9)
-    wait = (DONE["total_duration"] - DONE["load_duration"] - DONE["prompt_eval_duration"]
-            - DONE["eval_duration"]) / 1e9
+        DONE["eval_count"] / (DONE["eval_duration"] / 1e9), rel=1e-12
+    )
+    assert delta("phasewatch_load_seconds_sum") == pytest.approx(
+        DONE["load_duration"] / 1e9, rel=1e-9
+    )
+    wait = (
+        DONE["total_duration"]
+        - DONE["load_duration"]
+        - DONE["prompt_eval_duration"]
+        - DONE["eval_duration"]
+    ) / 1e9
     assert delta("phasewatch_queue_seconds_sum", where="upstream") == pytest.approx(wait, rel=1e-12)
     assert delta("phasewatch_tokens_total", phase="decode") == 16
     assert delta("phasewatch_tokens_total", phase="prefill") == 37
     # the injected usage of a /v1 stream feeds the counters too, though stripped
-    httpx.post(proxy.url + "/v1/completions", json={"model": "llama3.2", "prompt": "q", "stream": True},
-               headers={"x-fixture": "ollama-v1-completions-stream.sse"})
+    httpx.post(
+        proxy.url + "/v1/completions",
+        json={"model": "llama3.2", "prompt": "q", "stream": True},
+        headers={"x-fixture": "ollama-v1-completions-stream.sse"},
+    )
     time.sleep(0.2)
-    assert sample(metric_samples(proxy.url), "phasewatch_tokens_total", phase="prefill") - \
-        sample(after, "phasewatch_tokens_total", phase="prefill") == 31
+    assert (
+        sample(metric_samples(proxy.url), "phasewatch_tokens_total", phase="prefill")
+        - sample(after, "phasewatch_tokens_total", phase="prefill")
+        == 31
+    )
     # errors: the mid-stream error line is counted, the stream is not extended
     s0 = sample(after, "phasewatch_errors_total", kind="midstream")
-    r = httpx.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
-                   headers={"x-fixture": "ollama-api-chat-stream-midstream-error.ndjson"})
+    r = httpx.post(
+        proxy.url + "/api/chat",
+        json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
+        headers={"x-fixture": "ollama-api-chat-stream-midstream-error.ndjson"},
+    )
     time.sleep(0.2)
     assert r.content == (WIRE / "ollama-api-chat-stream-midstream-error.ndjson").read_bytes()
     assert sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="midstream") == s0 + 1
@@ -245,10 +373,19 @@ def test_proxy_errors_in_ollamas_shape():
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = start_proxy(f"dead={dead}", args=["--engine", "dead=ollama"])
     try:
-        r = httpx.post(proxy.url + "/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 502 and set(r.json()) == {"error"} and "unreachable" in r.json()["error"]
+        r = httpx.post(
+            proxy.url + "/api/chat",
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert (
+            r.status_code == 502
+            and set(r.json()) == {"error"}
+            and "unreachable" in r.json()["error"]
+        )
         with pytest.raises(ollama.ResponseError) as info:
-            ollama.Client(host=proxy.url).chat(model="m", messages=[{"role": "user", "content": "x"}])
+            ollama.Client(host=proxy.url).chat(
+                model="m", messages=[{"role": "user", "content": "x"}]
+            )
         assert info.value.status_code == 502 and "unreachable" in info.value.error
         assert set(httpx.get(proxy.url + "/api/tags").json()) == {"error"}
         r = httpx.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": []})
@@ -273,7 +410,13 @@ def stack():
 
 def _strip(resp) -> dict:
     d = resp.model_dump() if hasattr(resp, "model_dump") else dict(resp)
-    for k in ("created_at", "total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+    for k in (
+        "created_at",
+        "total_duration",
+        "load_duration",
+        "prompt_eval_duration",
+        "eval_duration",
+    ):
         d.pop(k, None)
     return d
 
@@ -288,9 +431,19 @@ def test_sdk_results_equal_direct(stack):
             for c in client_pair:
                 r = [
                     _strip(c.chat(model=model, messages=msgs, options={"num_predict": 24})),
-                    [_strip(x) for x in c.chat(model=model, messages=msgs, stream=True, options={"num_predict": 24})],
+                    [
+                        _strip(x)
+                        for x in c.chat(
+                            model=model, messages=msgs, stream=True, options={"num_predict": 24}
+                        )
+                    ],
                     _strip(c.generate(model=model, prompt="tell me about prefill")),
-                    [_strip(x) for x in c.generate(model=model, prompt="tell me about prefill", stream=True)],
+                    [
+                        _strip(x)
+                        for x in c.generate(
+                            model=model, prompt="tell me about prefill", stream=True
+                        )
+                    ],
                 ]
                 got.append(r)
             assert got[0] == got[1]
@@ -301,13 +454,26 @@ def test_sdk_results_equal_direct(stack):
     oa_direct = openai.OpenAI(base_url=sim.url + "/v1", api_key="k", max_retries=0)
     oa_via = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
     for kw in ({}, {"stream_options": {"include_usage": True}}):
-        a = [c.model_dump() for c in oa_direct.chat.completions.create(model=MODELS[2], messages=msgs, stream=True, max_tokens=9, **kw)]
-        b = [c.model_dump() for c in oa_via.chat.completions.create(model=MODELS[2], messages=msgs, stream=True, max_tokens=9, **kw)]
+        a = [
+            c.model_dump()
+            for c in oa_direct.chat.completions.create(
+                model=MODELS[2], messages=msgs, stream=True, max_tokens=9, **kw
+            )
+        ]
+        b = [
+            c.model_dump()
+            for c in oa_via.chat.completions.create(
+                model=MODELS[2], messages=msgs, stream=True, max_tokens=9, **kw
+            )
+        ]
         assert a == b
         assert (a[-1]["usage"] is not None) == bool(kw)
     s = metric_samples(proxy.url)
     for model, precision, n in zip(MODELS, ("fp16", "int8", "int4"), (4, 4, 6)):
-        assert sample(s, "phasewatch_requests_total", model=model, precision=precision, outcome="ok") == n
+        assert (
+            sample(s, "phasewatch_requests_total", model=model, precision=precision, outcome="ok")
+            == n
+        )
 
 
 def test_engine_and_proxy_figures(stack):
@@ -317,9 +483,18 @@ def test_engine_and_proxy_figures(stack):
     done_lines = []
 
     def chat(i):
-        r = httpx.post(proxy.url + "/api/chat", timeout=60, headers={"x-request-id": f"ollama-{i}"}, json={
-            "model": MODELS[2], "options": {"num_predict": 300},
-            "messages": [{"role": "user", "content": " ".join(f"t{i}w{j}" for j in range(300))}]})
+        r = httpx.post(
+            proxy.url + "/api/chat",
+            timeout=60,
+            headers={"x-request-id": f"ollama-{i}"},
+            json={
+                "model": MODELS[2],
+                "options": {"num_predict": 300},
+                "messages": [
+                    {"role": "user", "content": " ".join(f"t{i}w{j}" for j in range(300))}
+                ],
+            },
+        )
         done_lines.append(json.loads(r.content.splitlines()[-1]))
 
     # num_parallel is 1: the second request waits for the runner inside the engine
@@ -332,19 +507,37 @@ def test_engine_and_proxy_figures(stack):
         return sample(after, metric, **labels) - sample(before, metric, **labels)
 
     ns = lambda key: sum(d.get(key, 0) for d in done_lines)  # noqa: E731
-    assert delta("phasewatch_prefill_seconds_sum", source="engine") == pytest.approx(ns("prompt_eval_duration") / 1e9, rel=1e-9)
-    assert delta("phasewatch_decode_seconds_sum", source="engine") == pytest.approx(ns("eval_duration") / 1e9, rel=1e-9)
-    assert delta("phasewatch_load_seconds_sum") == pytest.approx(ns("load_duration") / 1e9, rel=1e-9)
-    waits = sorted((d["total_duration"] - d.get("load_duration", 0) - d.get("prompt_eval_duration", 0)
-                    - d["eval_duration"]) / 1e9 for d in done_lines)
-    assert delta("phasewatch_queue_seconds_sum", where="upstream") == pytest.approx(sum(waits), rel=1e-9)
+    assert delta("phasewatch_prefill_seconds_sum", source="engine") == pytest.approx(
+        ns("prompt_eval_duration") / 1e9, rel=1e-9
+    )
+    assert delta("phasewatch_decode_seconds_sum", source="engine") == pytest.approx(
+        ns("eval_duration") / 1e9, rel=1e-9
+    )
+    assert delta("phasewatch_load_seconds_sum") == pytest.approx(
+        ns("load_duration") / 1e9, rel=1e-9
+    )
+    waits = sorted(
+        (
+            d["total_duration"]
+            - d.get("load_duration", 0)
+            - d.get("prompt_eval_duration", 0)
+            - d["eval_duration"]
+        )
+        / 1e9
+        for d in done_lines
+    )
+    assert delta("phasewatch_queue_seconds_sum", where="upstream") == pytest.approx(
+        sum(waits), rel=1e-9
+    )
     truth = {t["request_id"]: t for t in sim.truth()}
     lines = proxy.request_lines()[n0:]
     assert len(lines) == 2
     for line in lines:
         t = truth[line["request_id"]]
         engine_tps = t["reported"]["eval_count"] / (t["reported"]["eval_duration"] / 1e9)
-        assert float(line["engine_decode_tps"]) == pytest.approx(engine_tps, rel=1e-4)  # logged rounded
+        assert float(line["engine_decode_tps"]) == pytest.approx(
+            engine_tps, rel=1e-4
+        )  # logged rounded
         # proxy: (n-1)/(t_last-t_first); engine: n/eval_duration -> 299/300 apart, plus noise
         assert float(line["decode_tps"]) == pytest.approx(engine_tps * 299 / 300, rel=0.05)
         assert float(line["upstream_queue_s"]) == pytest.approx(t["engine_wait_seconds"], abs=0.02)
@@ -363,7 +556,9 @@ def test_load_request_passes_unmeasured(stack):
 
 def test_engine_gauges_from_api_ps(stack):
     sim, proxy = stack
-    httpx.post(proxy.url + "/api/generate", json={"model": MODELS[1], "prompt": "hello", "stream": False})
+    httpx.post(
+        proxy.url + "/api/generate", json={"model": MODELS[1], "prompt": "hello", "stream": False}
+    )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         s = metric_samples(proxy.url)
@@ -385,8 +580,13 @@ def test_native_stream_cut_without_done_line_gets_an_error_line():
             if scope["type"] == "http" and scope["path"] == "/api/chat":
                 while (await receive()).get("more_body"):
                     pass
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/x-ndjson")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"application/x-ndjson")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": cut, "more_body": False})
                 return
             await super().__call__(scope, receive, send)
@@ -394,13 +594,17 @@ def test_native_stream_cut_without_done_line_gets_an_error_line():
     server = ThreadServer(Cut("ollama"), free_port()).start()
     proxy = start_proxy(f"cut={server.url}")
     try:
-        r = httpx.post(proxy.url + "/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]})
+        r = httpx.post(
+            proxy.url + "/api/chat",
+            json={"model": "llama3.2", "messages": [{"role": "user", "content": "q"}]},
+        )
         assert r.content.startswith(cut)
-        tail = json.loads(r.content[len(cut):])
+        tail = json.loads(r.content[len(cut) :])
         assert set(tail) == {"error"} and "without its terminator" in tail["error"]
         with pytest.raises(ollama.ResponseError):
-            for _ in ollama.Client(host=proxy.url).chat(model="llama3.2", stream=True,
-                                                        messages=[{"role": "user", "content": "q"}]):
+            for _ in ollama.Client(host=proxy.url).chat(
+                model="llama3.2", stream=True, messages=[{"role": "user", "content": "q"}]
+            ):
                 pass
         time.sleep(0.2)
         assert sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated") == 2
@@ -412,8 +616,11 @@ def test_native_stream_cut_without_done_line_gets_an_error_line():
 def test_client_hangup_stops_the_engine(stack):
     sim, proxy = stack
     n = len(sim.truth())
-    body = {"model": MODELS[2], "options": {"num_predict": 3000},
-            "messages": [{"role": "user", "content": "a long answer please"}]}
+    body = {
+        "model": MODELS[2],
+        "options": {"num_predict": 3000},
+        "messages": [{"role": "user", "content": "a long answer please"}],
+    }
     with httpx.stream("POST", proxy.url + "/api/chat", json=body, timeout=30) as r:
         for _ in r.iter_lines():
             break  # hang up after the first line
@@ -434,8 +641,14 @@ def test_v1_stream_that_loses_its_error(stack):
     before = sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated")
     with pytest.raises(openai.APIError):
         for _ in client.chat.completions.create(
-                model=MODELS[2], messages=[{"role": "user", "content": "x"}], stream=True,
-                max_tokens=40, extra_body={"options": {"sim_error_after": 3}}):
+            model=MODELS[2],
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            max_tokens=40,
+            extra_body={"options": {"sim_error_after": 3}},
+        ):
             pass
     time.sleep(0.2)
-    assert sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated") == before + 1
+    assert (
+        sample(metric_samples(proxy.url), "phasewatch_errors_total", kind="truncated") == before + 1
+    )

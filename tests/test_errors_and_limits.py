@@ -21,8 +21,9 @@ def test_unreachable_upstream_is_a_clear_502():
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = start_proxy(f"dead={dead}")
     try:
-        resp = httpx.post(proxy.url + "/v1/chat/completions",
-                          json={"model": "m", "messages": [], "stream": True})
+        resp = httpx.post(
+            proxy.url + "/v1/chat/completions", json={"model": "m", "messages": [], "stream": True}
+        )
         assert resp.status_code == 502
         err = resp.json()["error"]
         assert "unreachable" in err["message"] and dead in err["message"]
@@ -56,17 +57,37 @@ class DyingEngine:
             pass
         if scope["path"] == "/v1/models":
             body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
         for i in range(3):
-            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                     "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode()
-                        + b"\n\n", "more_body": True})
+            chunk = {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
+            }
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                    "more_body": True,
+                }
+            )
             await asyncio.sleep(0.01)
         raise RuntimeError("engine crashed")  # uvicorn drops the connection mid-body
 
@@ -75,11 +96,12 @@ def test_engine_dying_midstream_ends_with_an_error_event():
     engine = ThreadServer(DyingEngine(), free_port()).start()
     proxy = start_proxy(f"dying={engine.url}")
     try:
-        resp = httpx.post(proxy.url + "/v1/chat/completions",
-                          json={"model": "m", "messages": [], "stream": True})
+        resp = httpx.post(
+            proxy.url + "/v1/chat/completions", json={"model": "m", "messages": [], "stream": True}
+        )
         events = [e for e in resp.content.split(b"\n\n") if e]
         assert len(events) == 4
-        last = json.loads(events[-1][len(b"data: "):])
+        last = json.loads(events[-1][len(b"data: ") :])
         assert "failed mid-response" in last["error"]["message"]
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
         with pytest.raises(openai.APIError):
@@ -98,9 +120,15 @@ def test_admission_gate_queues_then_rejects():
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--max-concurrency", "1", "--max-queue", "1"])
     # ~1.3 s streams: the first is surely still running when the third arrives
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
     try:
+
         def go(delay):
             time.sleep(delay)
             t0 = time.monotonic()
@@ -130,15 +158,23 @@ def test_model_label_is_bounded(sim, proxy):
     """1,000 made-up model names add one label value ('other'), not 1,000 series."""
     with httpx.Client(base_url=proxy.url) as c:
         for i in range(1000):
-            r = c.post("/v1/chat/completions", json={"model": f"made-up-{i}-\u2603\"{{x}}",
-                                                     "messages": [{"role": "user", "content": "x"}]},
-                       headers={"x-random": f"{i}", "user-agent": f"ua-{i}"})
+            r = c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": f'made-up-{i}-\u2603"{{x}}',
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+                headers={"x-random": f"{i}", "user-agent": f"ua-{i}"},
+            )
             assert r.status_code == 404
     s = metric_samples(proxy.url)
     models = {dict(items).get("model") for (name, items) in s if name.startswith("phasewatch_")}
     models.discard(None)
-    assert models <= {"other", "meta-llama/Llama-3.1-8B-Instruct",
-                      "RedHatAI/Llama-3.1-8B-Instruct-FP8",
-                      "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"}
+    assert models <= {
+        "other",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "RedHatAI/Llama-3.1-8B-Instruct-FP8",
+        "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4",
+    }
     assert sample(s, "phasewatch_requests_total", model="other", outcome="error") >= 1000
     assert len(s) < 2000

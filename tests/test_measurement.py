@@ -18,8 +18,11 @@ from .servers import metric_samples, sample, start_proxy, start_sim
 
 _IDS = itertools.count()
 
-MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-FP8",
-          "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4")
+MODELS = (
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "RedHatAI/Llama-3.1-8B-Instruct-FP8",
+    "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4",
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +39,14 @@ def _stream(client: openai.OpenAI, model: str, prompt: str, max_tokens: int):
     t0 = time.monotonic()
     ttft = None
     text = []
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=max_tokens, stream=True,
-                                            extra_body={"ignore_eos": True},
-                                            extra_headers={"x-request-id": f"m-{next(_IDS)}"})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-request-id": f"m-{next(_IDS)}"},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             if ttft is None:
@@ -79,9 +86,19 @@ def test_figures_match_simulator_truth(stack):
     # the histograms say the same
     s = metric_samples(proxy.url)
     for model, precision in zip(MODELS, ("bf16", "fp8", "int4")):
-        assert sample(s, "phasewatch_requests_total", model=model, outcome="ok", endpoint="chat") == 2
-        assert sample(s, "phasewatch_decode_tokens_per_second_count", model=model, precision=precision,
-                      source="proxy") == 2
+        assert (
+            sample(s, "phasewatch_requests_total", model=model, outcome="ok", endpoint="chat") == 2
+        )
+        assert (
+            sample(
+                s,
+                "phasewatch_decode_tokens_per_second_count",
+                model=model,
+                precision=precision,
+                source="proxy",
+            )
+            == 2
+        )
         assert sample(s, "phasewatch_tokens_total", model=model, phase="decode") == 120
     assert sample(s, "phasewatch_inter_token_seconds_count") == 6 * 59
 
@@ -116,15 +133,24 @@ def test_sdk_results_equal_direct():
     sim = start_sim("vllm", speed=8.0, deterministic=True)
     proxy = start_proxy(f"sim={sim.url}")
     try:
-        kw = dict(model=MODELS[2], messages=[{"role": "user", "content": "tell me about decode"}],
-                  max_tokens=20)
+        kw = dict(
+            model=MODELS[2],
+            messages=[{"role": "user", "content": "tell me about decode"}],
+            max_tokens=20,
+        )
 
         def collect(base, **extra):
             c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
             whole = c.chat.completions.create(**kw, **extra).model_dump()
-            chunks = [ch.model_dump() for ch in c.chat.completions.create(**kw, stream=True, **extra)]
-            chunks_usage = [ch.model_dump() for ch in c.chat.completions.create(
-                **kw, stream=True, stream_options={"include_usage": True}, **extra)]
+            chunks = [
+                ch.model_dump() for ch in c.chat.completions.create(**kw, stream=True, **extra)
+            ]
+            chunks_usage = [
+                ch.model_dump()
+                for ch in c.chat.completions.create(
+                    **kw, stream=True, stream_options={"include_usage": True}, **extra
+                )
+            ]
             comp = c.completions.create(model=MODELS[0], prompt="hello", max_tokens=5).model_dump()
             return whole, chunks, chunks_usage, comp
 
@@ -146,13 +172,15 @@ def test_hangup_reaches_the_engine_and_counts_aborted(stack):
     sim, proxy = stack
     import httpx
 
-    body = {"model": MODELS[0], "messages": [{"role": "user", "content": "long answer"}],
-            "max_tokens": 400, "stream": True}
+    body = {
+        "model": MODELS[0],
+        "messages": [{"role": "user", "content": "long answer"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
     before_sim = sample(metric_samples(sim.url), "phasewatch_sim_aborted_requests_total")
     with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body) as resp:
-        n = 0
-        for _ in resp.iter_raw():
-            n += 1
+        for n, _ in enumerate(resp.iter_raw(), 1):
             if n >= 3:
                 break
     t0 = time.monotonic()
@@ -160,7 +188,9 @@ def test_hangup_reaches_the_engine_and_counts_aborted(stack):
         if sample(metric_samples(sim.url), "phasewatch_sim_aborted_requests_total") > before_sim:
             break
         time.sleep(0.02)
-    assert sample(metric_samples(sim.url), "phasewatch_sim_aborted_requests_total") == before_sim + 1
+    assert (
+        sample(metric_samples(sim.url), "phasewatch_sim_aborted_requests_total") == before_sim + 1
+    )
     stopped = time.monotonic() - t0
     assert stopped < 1.0
     s = metric_samples(proxy.url)

@@ -13,10 +13,16 @@ import pytest
 
 from .servers import Server, _spawn, free_port, metric_samples, sample, start_proxy, start_sim
 
-VLLM = {"meta-llama/Llama-3.1-8B-Instruct": "bf16", "RedHatAI/Llama-3.1-8B-Instruct-FP8": "fp8",
-        "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4": "int4"}
-OLLAMA = {"llama3.1:8b-instruct-fp16": "fp16", "llama3.1:8b-instruct-q8_0": "int8",
-          "llama3.1:8b-instruct-q4_K_M": "int4"}
+VLLM = {
+    "meta-llama/Llama-3.1-8B-Instruct": "bf16",
+    "RedHatAI/Llama-3.1-8B-Instruct-FP8": "fp8",
+    "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4": "int4",
+}
+OLLAMA = {
+    "llama3.1:8b-instruct-fp16": "fp16",
+    "llama3.1:8b-instruct-q8_0": "int8",
+    "llama3.1:8b-instruct-q4_K_M": "int4",
+}
 LLAMA = {"qwen2.5-7b-instruct": "int4"}
 
 
@@ -37,35 +43,63 @@ def test_engines_detected_without_configuration(three):
         assert sample(s, "phasewatch_upstream_up", upstream=engine, engine=engine) == 1
     for models, upstream in ((VLLM, "vllm"), (OLLAMA, "ollama"), (LLAMA, "llamacpp")):
         for model, precision in models.items():
-            assert sample(s, "phasewatch_model_info", upstream=upstream, model=model,
-                          precision=precision) == 1, (model, precision)
+            assert (
+                sample(
+                    s, "phasewatch_model_info", upstream=upstream, model=model, precision=precision
+                )
+                == 1
+            ), (model, precision)
 
 
 def test_requests_routed_by_model(three):
     sims, proxy = three
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
-    for models, upstream in ((VLLM, "vllm"), (OLLAMA, "ollama"), (LLAMA, "llamacpp")):
-        for model, precision in models.items():
+    for models in (VLLM, OLLAMA, LLAMA):
+        for model in models:
             stream = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "compare precisions"}],
-                max_tokens=20, stream=True)
+                model=model,
+                messages=[{"role": "user", "content": "compare precisions"}],
+                max_tokens=20,
+                stream=True,
+            )
             chunks = list(stream)
             assert chunks[0].model == model
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     # Ollama's own API and short names reach the Ollama upstream too
-    r = ollama.Client(host=proxy.url).chat(model="llama3.1:8b-instruct-q8_0",
-                                           messages=[{"role": "user", "content": "hi"}])
+    r = ollama.Client(host=proxy.url).chat(
+        model="llama3.1:8b-instruct-q8_0", messages=[{"role": "user", "content": "hi"}]
+    )
     assert r.eval_count and r.done_reason
     time.sleep(0.3)
     s = metric_samples(proxy.url)
     for models, upstream in ((VLLM, "vllm"), (OLLAMA, "ollama"), (LLAMA, "llamacpp")):
         for model, precision in models.items():
-            assert sample(s, "phasewatch_requests_total", upstream=upstream, model=model,
-                          precision=precision, outcome="ok") >= 1
-            assert sample(s, "phasewatch_decode_tokens_per_second_count", upstream=upstream,
-                          model=model, source="proxy") >= 1
+            assert (
+                sample(
+                    s,
+                    "phasewatch_requests_total",
+                    upstream=upstream,
+                    model=model,
+                    precision=precision,
+                    outcome="ok",
+                )
+                >= 1
+            )
+            assert (
+                sample(
+                    s,
+                    "phasewatch_decode_tokens_per_second_count",
+                    upstream=upstream,
+                    model=model,
+                    source="proxy",
+                )
+                >= 1
+            )
     # the engines that report their own phases have source="engine" figures beside ours
-    assert sample(s, "phasewatch_decode_tokens_per_second_count", upstream="llamacpp", source="engine") >= 1
+    assert (
+        sample(s, "phasewatch_decode_tokens_per_second_count", upstream="llamacpp", source="engine")
+        >= 1
+    )
     assert sample(s, "phasewatch_prefill_seconds_count", upstream="ollama", source="engine") >= 1
     assert sample(s, "phasewatch_prefill_seconds_count", upstream="vllm", source="engine") == 0
 
@@ -90,26 +124,52 @@ def test_model_lists_are_merged(three):
 def test_engine_gauges(three):
     sims, proxy = three
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
-    client.chat.completions.create(model="llama3.1:8b-instruct-q4_K_M", max_tokens=3,
-                                   messages=[{"role": "user", "content": "x"}])
+    client.chat.completions.create(
+        model="llama3.1:8b-instruct-q4_K_M",
+        max_tokens=3,
+        messages=[{"role": "user", "content": "x"}],
+    )
     deadline = time.monotonic() + 10
     while True:
         s = metric_samples(proxy.url)
-        ok = (sample(s, "phasewatch_engine_model_loaded", upstream="ollama", precision="int4") >= 1
-              and any(n == "phasewatch_engine_requests_running" and dict(k).get("upstream") == "vllm"
-                      for n, k in s)
-              and any(n == "phasewatch_engine_kv_cache_usage_ratio" and dict(k).get("upstream") == "llamacpp"
-                      for n, k in s))
+        ok = (
+            sample(s, "phasewatch_engine_model_loaded", upstream="ollama", precision="int4") >= 1
+            and any(
+                n == "phasewatch_engine_requests_running" and dict(k).get("upstream") == "vllm"
+                for n, k in s
+            )
+            and any(
+                n == "phasewatch_engine_kv_cache_usage_ratio"
+                and dict(k).get("upstream") == "llamacpp"
+                for n, k in s
+            )
+        )
         if ok or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert ok
     for engine in ("vllm", "ollama", "llamacpp"):
         assert sample(s, "phasewatch_engine_scrape_up", upstream=engine, engine=engine) == 1
-    assert sample(s, "phasewatch_engine_requests_waiting", upstream="vllm",
-                  model="meta-llama/Llama-3.1-8B-Instruct", precision="bf16") == 0
-    assert sample(s, "phasewatch_engine_requests_running", upstream="llamacpp",
-                  model="qwen2.5-7b-instruct", precision="int4") == 0
+    assert (
+        sample(
+            s,
+            "phasewatch_engine_requests_waiting",
+            upstream="vllm",
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            precision="bf16",
+        )
+        == 0
+    )
+    assert (
+        sample(
+            s,
+            "phasewatch_engine_requests_running",
+            upstream="llamacpp",
+            model="qwen2.5-7b-instruct",
+            precision="int4",
+        )
+        == 0
+    )
 
 
 def test_engine_redetected_when_the_upstream_comes_back():
@@ -117,6 +177,7 @@ def test_engine_redetected_when_the_upstream_comes_back():
     proxy = start_proxy(f"late=http://127.0.0.1:{port}", args=["--model-refresh", "0.3"])
     sim = None
     try:
+
         def wait_engine(engine: str) -> None:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -126,8 +187,9 @@ def test_engine_redetected_when_the_upstream_comes_back():
             raise AssertionError(f"not detected as {engine}: {metric_samples(proxy.url)}")
 
         for engine, ready in (("ollama", "/api/version"), ("llamacpp", "/health")):
-            proc, log = _spawn(["simulate", "--engine", engine, "--port", str(port), "--speed", "8"],
-                               port, ready)
+            proc, log = _spawn(
+                ["simulate", "--engine", engine, "--port", str(port), "--speed", "8"], port, ready
+            )
             sim = Server(proc, f"http://127.0.0.1:{port}", log)
             wait_engine(engine)
             s = metric_samples(proxy.url)
@@ -146,8 +208,11 @@ def test_one_model_name_at_two_precisions_on_two_upstreams():
     from proxy.measure.precision import Precision
     from proxy.settings import Settings
 
-    app = ProxyApp(Settings(upstream=["gguf=http://127.0.0.1:9", "hf=http://127.0.0.1:10"],
-                            precision=["pinned=fp8"]))
+    app = ProxyApp(
+        Settings(
+            upstream=["gguf=http://127.0.0.1:9", "hf=http://127.0.0.1:10"], precision=["pinned=fp8"]
+        )
+    )
     gguf, hf = app.upstreams.all
     gguf.precision.set_engine("qwen2.5-7b", Precision("int4", "Q4_K_M", "engine"))
     hf.precision.set_engine("qwen2.5-7b", Precision("bf16", "BF16", "engine"))

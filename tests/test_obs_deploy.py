@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.tools.cli import build_parser
 from proxy.settings import Settings
+from proxy.tools.cli import build_parser
 
 from .servers import ROOT
 
@@ -42,7 +42,9 @@ def settings_env() -> set[str]:
 
 
 def promtool() -> str:
-    path = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
+    path = shutil.which("promtool") or (
+        "/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None
+    )
     if path is None:
         pytest.fail("promtool is not installed: apt-get install -y prometheus")
     return path
@@ -91,8 +93,9 @@ def test_compose_commands_are_phasewatch_cli():
         argv = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in services[name]["command"]]
         args = parser.parse_args(argv)  # exits (fails the test) on an unknown flag
         assert args.command == {"phasewatch": "serve", "simulator": "simulate"}[name]
-    sim = parser.parse_args([re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a)
-                             for a in services["simulator"]["command"]])
+    sim = parser.parse_args(
+        [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in services["simulator"]["command"]]
+    )
     assert sim.host == "0.0.0.0"
     # the load generator's inline program compiles and calls the real traffic generator
     code = services["loadgen"]["command"][0]
@@ -111,11 +114,16 @@ def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
     services = compose()["services"]
     env = services["phasewatch"]["environment"]
     assert set(env) <= settings_env(), set(env) - settings_env()
-    settings = Settings(**{k.removeprefix("PHASEWATCH_").lower(): _default(str(v)) for k, v in env.items()
-                           if k not in ("PHASEWATCH_UPSTREAM", "PHASEWATCH_POWER_GPU")},
-                        upstream=_default(env["PHASEWATCH_UPSTREAM"]),
-                        power_gpu=_default(env["PHASEWATCH_POWER_GPU"]))
-    (name, url), = [(u.name, u.url) for u in settings.upstreams]
+    settings = Settings(
+        **{
+            k.removeprefix("PHASEWATCH_").lower(): _default(str(v))
+            for k, v in env.items()
+            if k not in ("PHASEWATCH_UPSTREAM", "PHASEWATCH_POWER_GPU")
+        },
+        upstream=_default(env["PHASEWATCH_UPSTREAM"]),
+        power_gpu=_default(env["PHASEWATCH_POWER_GPU"]),
+    )
+    ((name, url),) = [(u.name, u.url) for u in settings.upstreams]
     host, port = urlsplit(url).hostname, urlsplit(url).port
     assert host == "simulator" and str(port) in services["simulator"]["command"]
     assert urlsplit(settings.power_dcgm_url).hostname == "simulator"
@@ -134,7 +142,9 @@ def test_compose_prometheus_grafana_alertmanager_wiring():
     retention = next(a for a in prom["command"] if "retention.time" in a)
     assert int(retention.split("=")[1].rstrip("d")) > 7
     config = load(ROOT / "deploy" / "prometheus" / "prometheus.yml")
-    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {
+        t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
     for target in targets:
         host, port = target.split(":")
         if host == "localhost":
@@ -143,20 +153,30 @@ def test_compose_prometheus_grafana_alertmanager_wiring():
     assert "phasewatch:8090" in targets and "simulator:8000" in targets
     am = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
     assert am == ["alertmanager:9093"] and "9093:9093" in services["alertmanager"]["ports"]
-    assert _mount(services["alertmanager"], "./deploy/alertmanager/alertmanager.yml") in \
-        " ".join(services["alertmanager"]["command"])
+    assert _mount(services["alertmanager"], "./deploy/alertmanager/alertmanager.yml") in " ".join(
+        services["alertmanager"]["command"]
+    )
 
     grafana = services["grafana"]
     env = grafana["environment"]
-    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert (
+        env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    )
     provisioning = _mount(grafana, "./grafana/provisioning")
     dashboards = _mount(grafana, "./grafana/dashboards")
     assert provisioning == "/etc/grafana/provisioning"
-    provider = load(ROOT / "grafana" / "provisioning" / "dashboards" / "phasewatch.yml")["providers"][0]
+    provider = load(ROOT / "grafana" / "provisioning" / "dashboards" / "phasewatch.yml")[
+        "providers"
+    ][0]
     assert provider["options"]["path"] == dashboards
     home = env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
-    assert home.startswith(dashboards + "/") and (ROOT / "grafana" / "dashboards" / Path(home).name).is_file()
-    ds = load(ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml")["datasources"][0]
+    assert (
+        home.startswith(dashboards + "/")
+        and (ROOT / "grafana" / "dashboards" / Path(home).name).is_file()
+    )
+    ds = load(ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml")["datasources"][
+        0
+    ]
     assert ds["type"] == "prometheus" and urlsplit(ds["url"]).hostname == "prometheus"
     assert f"{urlsplit(ds['url']).port}:9090" in prom["ports"]
 
@@ -169,8 +189,12 @@ def test_alertmanager_config():
         assert route["receiver"] in receivers
     assert "upstream" in config["route"]["group_by"]
     # the labels it matches on are the ones the alert rules set
-    severities = {r["labels"]["severity"] for p in RULES.glob("phasewatch-alerts.yml")
-                  for g in load(p)["groups"] for r in g["rules"]}
+    severities = {
+        r["labels"]["severity"]
+        for p in RULES.glob("phasewatch-alerts.yml")
+        for g in load(p)["groups"]
+        for r in g["rules"]
+    }
     for rule in config["inhibit_rules"]:
         for m in rule["source_matchers"] + rule["target_matchers"]:
             assert m.split("=")[1].strip('"') in severities
@@ -200,8 +224,10 @@ def test_dockerfile_small_nonroot_with_healthcheck():
 
 
 def manifests() -> dict[str, list[dict]]:
-    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
-            for p in sorted(K8S.glob("*.yaml"))}
+    return {
+        p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
+        for p in sorted(K8S.glob("*.yaml"))
+    }
 
 
 def by_kind() -> dict[str, dict]:
@@ -223,8 +249,12 @@ def test_k8s_manifests_parse_and_kustomization_lists_them_all():
 
 
 def test_k8s_generated_manifests_are_up_to_date():
-    res = subprocess.run([sys.executable, str(K8S / "generate.py"), "--check"], capture_output=True,
-                         text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(K8S / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -234,7 +264,10 @@ def test_k8s_prometheusrule_is_the_rule_files():
     for path in sorted(p for p in RULES.glob("*.yml") if not p.name.endswith("_test.yml")):
         groups += load(path)["groups"]
     assert rule["spec"]["groups"] == groups
-    assert {r.get("alert") for g in groups for r in g["rules"]} >= {"DecodeRateRegression", "TTFTSLOBreach"}
+    assert {r.get("alert") for g in groups for r in g["rules"]} >= {
+        "DecodeRateRegression",
+        "TTFTSLOBreach",
+    }
     # and the embedded groups are valid rules for promtool
     with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
         yaml.safe_dump({"groups": rule["spec"]["groups"]}, f)
@@ -245,10 +278,15 @@ def test_k8s_prometheusrule_is_the_rule_files():
 
 def test_k8s_dashboards_configmap_is_the_dashboards():
     cm = next(
-        d for docs in manifests().values() for d in docs
-        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "phasewatch-dashboards")
+        d
+        for docs in manifests().values()
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "phasewatch-dashboards"
+    )
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    files = {p.name: p.read_text() for p in sorted((ROOT / "grafana" / "dashboards").glob("*.json"))}
+    files = {
+        p.name: p.read_text() for p in sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
+    }
     assert cm["data"] == files
     for text in cm["data"].values():
         json.loads(text)
@@ -283,10 +321,17 @@ def test_k8s_deployment_service_servicemonitor_agree():
     assert pod_sec["runAsNonRoot"] and pod_sec["runAsUser"] != 0
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     # graceful drain fits in the pod's termination grace period
-    assert float(env["PHASEWATCH_SHUTDOWN_GRACE"]) < spec["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert (
+        float(env["PHASEWATCH_SHUTDOWN_GRACE"])
+        < spec["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
     # its config map holds real settings that parse
-    config = next(d for docs in manifests().values() for d in docs
-                  if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "phasewatch")
+    config = next(
+        d
+        for docs in manifests().values()
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "phasewatch"
+    )
     ref = container["envFrom"][0]["configMapRef"]["name"]
     assert ref == config["metadata"]["name"]
     assert set(config["data"]) <= settings_env()

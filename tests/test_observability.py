@@ -37,8 +37,10 @@ RULE_TESTS = sorted(RULES_DIR.glob("*_test.yml"))
 def tool(name: str) -> str:
     path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
     if path is None:
-        pytest.fail(f"{name} is not installed: apt-get install -y prometheus "
-                    f"(Debian's package ships promtool and the prometheus server)")
+        pytest.fail(
+            f"{name} is not installed: apt-get install -y prometheus "
+            f"(Debian's package ships promtool and the prometheus server)"
+        )
     return path
 
 
@@ -52,7 +54,10 @@ def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 def test_rule_files_and_tests_exist():
     names = {p.name for p in RULE_FILES}
     assert {"phasewatch-recording.yml", "phasewatch-alerts.yml"} <= names
-    assert {p.name for p in RULE_TESTS} >= {"phasewatch-alerts_test.yml", "phasewatch-recording_test.yml"}
+    assert {p.name for p in RULE_TESTS} >= {
+        "phasewatch-alerts_test.yml",
+        "phasewatch-recording_test.yml",
+    }
 
 
 def test_promtool_check_config():
@@ -87,8 +92,13 @@ def _alert_rules() -> list[dict]:
 def test_every_alert_has_runbook_and_a_unit_test():
     alerts = _alert_rules()
     names = {r["alert"] for r in alerts}
-    assert {"DecodeRateRegression", "TTFTSLOBreach", "UpstreamErrorRatioHigh",
-            "ProxyQueueSaturation", "PowerSamplingDown"} <= names
+    assert {
+        "DecodeRateRegression",
+        "TTFTSLOBreach",
+        "UpstreamErrorRatioHigh",
+        "ProxyQueueSaturation",
+        "PowerSamplingDown",
+    } <= names
     for r in alerts:
         ann = r.get("annotations", {})
         assert ann.get("summary") and ann.get("description"), r["alert"]
@@ -142,8 +152,11 @@ def test_dashboards_are_built_from_the_builder():
 def test_three_dashboards_with_variables():
     dash = dashboards()
     titles = {d["title"] for d in dash.values()}
-    assert titles == {"phasewatch / Overview", "phasewatch / Precision comparison",
-                      "phasewatch / Power & energy"}
+    assert titles == {
+        "phasewatch / Overview",
+        "phasewatch / Precision comparison",
+        "phasewatch / Power & energy",
+    }
     uids = [d["uid"] for d in dash.values()]
     assert len(set(uids)) == len(uids)
     for name, d in dash.items():
@@ -182,16 +195,20 @@ def test_panels_have_unique_ids_units_descriptions_thresholds():
                     continue
                 assert "$upstream" in t["expr"], f"{where}: query ignores $upstream"
             g = p["gridPos"]
-            assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, where
+            assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, where
 
 
 def test_no_panel_overlaps():
     for name, d in dashboards().items():
         boxes = [(p["gridPos"], p["title"]) for p in d["panels"]]
         for i, (a, ta) in enumerate(boxes):
-            for b, tb in boxes[i + 1:]:
-                overlap = (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
-                           and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
+            for b, tb in boxes[i + 1 :]:
+                overlap = (
+                    a["x"] < b["x"] + b["w"]
+                    and b["x"] < a["x"] + a["w"]
+                    and a["y"] < b["y"] + b["h"]
+                    and b["y"] < a["y"] + a["h"]
+                )
                 assert not overlap, f"{name}: {ta!r} overlaps {tb!r}"
 
 
@@ -264,8 +281,10 @@ def test_every_metric_named_in_dashboards_and_rules_exists(proxy):
 
 POWER = re.compile(r"gpu_power|gpu_energy|joules|power_sampling")
 
-SHORT = ("the quick brown fox jumps over the lazy dog while the GPU reads every weight once per "
-         "decode step ").split()
+SHORT = (
+    "the quick brown fox jumps over the lazy dog while the GPU reads every weight once per "
+    "decode step "
+).split()
 
 
 def words(n: int, seed: int) -> str:
@@ -300,10 +319,21 @@ class Traffic:
             if key == "failed":
                 self.failures.append(why)
 
-    def chat(self, client: httpx.Client, model: str, prompt_words: int, max_tokens: int,
-             stream: bool = True, seed: int = 0) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": words(prompt_words, seed)}],
-                "max_tokens": max_tokens, "stream": stream}
+    def chat(
+        self,
+        client: httpx.Client,
+        model: str,
+        prompt_words: int,
+        max_tokens: int,
+        stream: bool = True,
+        seed: int = 0,
+    ) -> None:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": words(prompt_words, seed)}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
         why = ""
         try:
             if stream:
@@ -315,19 +345,31 @@ class Traffic:
                 status = client.post("/v1/chat/completions", json=body).status_code
         except httpx.HTTPError as exc:
             status, why = 0, repr(exc)
-        self._count("ok" if status == 200 else "failed", f"{model} stream={stream} -> {status} {why}")
+        self._count(
+            "ok" if status == 200 else "failed", f"{model} stream={stream} -> {status} {why}"
+        )
 
     def bad(self, client: httpx.Client, model: str) -> None:
         """A request vLLM refuses (400): an upstream_status error."""
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5,
-                "stream": True}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": -5,
+            "stream": True,
+        }
         r = client.post("/v1/chat/completions", json=body)
-        self._count("error" if r.status_code >= 400 else "failed",
-                    f"{model} max_tokens=-5 -> {r.status_code}")
+        self._count(
+            "error" if r.status_code >= 400 else "failed",
+            f"{model} max_tokens=-5 -> {r.status_code}",
+        )
 
     def abort(self, client: httpx.Client, model: str) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": words(50, 3)}],
-                "max_tokens": 2000, "stream": True}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": words(50, 3)}],
+            "max_tokens": 2000,
+            "stream": True,
+        }
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
             for _ in r.iter_raw():
                 break  # hang up after the first bytes
@@ -414,8 +456,8 @@ def proxy_flags() -> set[str]:
     from proxy.tools.cli import build_parser
 
     parser = build_parser()
-    serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001
-    return {opt for a in serve._actions for opt in a.option_strings}  # noqa: SLF001
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return {opt for a in serve._actions for opt in a.option_strings}
 
 
 class PromServer:
@@ -426,10 +468,18 @@ class PromServer:
         cfg.write_text(yaml.safe_dump(config))
         self.log_path = tmp / "prometheus.log"
         self.proc = subprocess.Popen(
-            [tool("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h",
-             "--log.level=warn"],
-            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, cwd=tmp)
+            [
+                tool("prometheus"),
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=self.log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+            cwd=tmp,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -482,11 +532,15 @@ def stack():
             args += ["--power-dcgm-url", sims[0].url + "/metrics", "--power-interval", "0.1"]
             for gpu, spec in enumerate(DEFAULT_MODELS):
                 args += ["--power-gpu", f"{gpu}={spec.id}"]
-        proxy = start_proxy(*(f"sim-{e}={s.url}" for s, e in zip(sims, engines_simulated())),
-                            args=args)
+        proxy = start_proxy(
+            *(f"sim-{e}={s.url}" for s, e in zip(sims, engines_simulated())), args=args
+        )
         servers.append(proxy)
-        models = {m["id"]: engine for s, engine in zip(sims, engines_simulated())
-                  for m in httpx.get(s.url + "/v1/models", timeout=10).json()["data"]}
+        models = {
+            m["id"]: engine
+            for s, engine in zip(sims, engines_simulated())
+            for m in httpx.get(s.url + "/v1/models", timeout=10).json()["data"]
+        }
         listed = {m["id"] for m in httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"]}
         assert set(models) <= listed
 
@@ -496,7 +550,9 @@ def stack():
         config.pop("alerting", None)
         jobs = {j["job_name"]: j for j in config["scrape_configs"]}
         jobs["phasewatch"]["static_configs"] = [{"targets": [proxy.url.removeprefix("http://")]}]
-        jobs["engine"]["static_configs"] = [{"targets": [s.url.removeprefix("http://") for s in sims]}]
+        jobs["engine"]["static_configs"] = [
+            {"targets": [s.url.removeprefix("http://") for s in sims]}
+        ]
         jobs["prometheus"]["static_configs"] = [{"targets": ["127.0.0.1:1"]}]  # not needed here
         config["scrape_configs"] = [jobs["phasewatch"], jobs["engine"]]
         prom = PromServer(config, tmp)
@@ -512,7 +568,9 @@ def stack():
                 if got and float(got[0]["value"][1]) >= n:
                     return
                 time.sleep(0.3)
-            raise AssertionError(f"Prometheus did not see {n} requests:\n" + prom.log_path.read_text())
+            raise AssertionError(
+                f"Prometheus did not see {n} requests:\n" + prom.log_path.read_text()
+            )
 
         assert traffic.round1_done.wait(120), "first round of traffic did not finish"
         scraped(len(traffic.round(True)))
@@ -522,11 +580,19 @@ def stack():
         if "--power-dcgm-url" in flags:  # give a slow machine time for its first power samples
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not prom.query(
-                    "phasewatch:joules_per_decode_token:rate5m"):
+                "phasewatch:joules_per_decode_token:rate5m"
+            ):
                 time.sleep(0.5)
         time.sleep(3)  # a few more scrapes and rule evaluations of the trickle
-        yield {"prom": prom, "proxy": proxy, "sims": sims, "models": models, "traffic": traffic,
-               "started": started, "engines": engines_simulated()}
+        yield {
+            "prom": prom,
+            "proxy": proxy,
+            "sims": sims,
+            "models": models,
+            "traffic": traffic,
+            "started": started,
+            "engines": engines_simulated(),
+        }
     finally:
         if traffic is not None:
             traffic.stop.set()
@@ -541,9 +607,19 @@ def stack():
 
 def substitute(expr: str, seconds_of_data: float) -> str:
     rng = f"{max(30, int(seconds_of_data) + 30)}s"
-    values = {"upstream": ".*", "model": ".*", "precision": ".*", "gpu": ".*", "source": "proxy",
-              "baseline": "bf16", "__rate_interval": "1m", "__range": rng, "__interval": "15s",
-              "__range_s": rng[:-1], "datasource": "prometheus"}
+    values = {
+        "upstream": ".*",
+        "model": ".*",
+        "precision": ".*",
+        "gpu": ".*",
+        "source": "proxy",
+        "baseline": "bf16",
+        "__rate_interval": "1m",
+        "__range": rng,
+        "__interval": "15s",
+        "__range_s": rng[:-1],
+        "datasource": "prometheus",
+    }
     for key in sorted(values, key=len, reverse=True):
         expr = expr.replace("${" + key + "}", values[key]).replace("$" + key, values[key])
     assert "$" not in expr, f"unsubstituted variable in {expr}"
@@ -580,7 +656,9 @@ def test_recording_rules_are_loaded_and_healthy(stack):
     groups = stack["prom"].api("/api/v1/rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
     assert {r["name"] for r in rules if r["type"] == "recording"} == recorded_names()
-    assert {r["name"] for r in rules if r["type"] == "alerting"} == {r["alert"] for r in _alert_rules()}
+    assert {r["name"] for r in rules if r["type"] == "alerting"} == {
+        r["alert"] for r in _alert_rules()
+    }
     bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert not bad, bad
 
@@ -591,8 +669,10 @@ def test_every_dashboard_panel_returns_data(stack):
     power_present = bool(prom.query("phasewatch_gpu_power_sample_watts_count"))
     if "--power-dcgm-url" in proxy_flags():  # the proxy can sample the simulator's GPUs
         power_log = [line for line in stack["proxy"].log().splitlines() if "power" in line.lower()]
-        assert power_present, ("the stack was started with power sampling but has no power "
-                               "series; the proxy said:\n" + "\n".join(power_log[-20:]))
+        assert power_present, (
+            "the stack was started with power sampling but has no power "
+            "series; the proxy said:\n" + "\n".join(power_log[-20:])
+        )
     empty, checked = [], 0
     for name, title, expr in dashboard_exprs():
         if title.startswith("variable "):
@@ -632,7 +712,9 @@ def test_precision_table_orders_precisions_by_physics(stack):
     seconds = time.monotonic() - stack["started"]
     d = dashboards()["phasewatch-precision.json"]
     by_title = {p["title"]: p for p in all_panels(d)}
-    speedup = prom.query(substitute(by_title["Decode speed-up vs baseline"]["targets"][0]["expr"], seconds))
+    speedup = prom.query(
+        substitute(by_title["Decode speed-up vs baseline"]["targets"][0]["expr"], seconds)
+    )
     got = {s["metric"]["precision"]: float(s["value"][1]) for s in speedup}
     assert got["bf16"] == pytest.approx(1.0)
     assert got["int4"] > 1.5 and got["fp8"] > 1.2 and got["int4"] > got["fp8"], got

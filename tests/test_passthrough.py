@@ -62,7 +62,9 @@ def test_bytes_equal_direct(replay, source, served):
     app, server, proxy = replay
     cap = _request_of(app, source)
     headers = {"content-type": "application/json"} if cap.request_body else {}
-    direct = httpx.request(cap.method, server.url + cap.path, content=cap.request_body, headers=headers)
+    direct = httpx.request(
+        cap.method, server.url + cap.path, content=cap.request_body, headers=headers
+    )
     served_before = len(app.served)
     via = httpx.request(cap.method, proxy.url + cap.path, content=cap.request_body, headers=headers)
     assert app.served[served_before:] == [served]
@@ -80,8 +82,9 @@ def test_usage_is_read_even_though_stripped(replay):
     app, server, proxy = replay
     cap = _request_of(app, "chat_stream")
     before = sample(metric_samples(proxy.url), "phasewatch_tokens_total", phase="decode")
-    resp = httpx.post(proxy.url + cap.path, content=cap.request_body,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        proxy.url + cap.path, content=cap.request_body, headers={"content-type": "application/json"}
+    )
     assert b'"usage"' not in resp.content
     after = sample(metric_samples(proxy.url), "phasewatch_tokens_total", phase="decode")
     assert after - before == 8  # the usage event said completion_tokens 8
@@ -90,8 +93,15 @@ def test_usage_is_read_even_though_stripped(replay):
 def test_hop_by_hop_headers_not_forwarded(replay):
     app, server, proxy = replay
     cap = _request_of(app, "chat_nonstream")
-    resp = httpx.post(proxy.url + cap.path, content=cap.request_body,
-                      headers={"content-type": "application/json", "connection": "keep-alive, x-hop",
-                               "x-hop": "secret-hop", "te": "trailers"})
+    resp = httpx.post(
+        proxy.url + cap.path,
+        content=cap.request_body,
+        headers={
+            "content-type": "application/json",
+            "connection": "keep-alive, x-hop",
+            "x-hop": "secret-hop",
+            "te": "trailers",
+        },
+    )
     assert resp.status_code == 200
     assert resp.content == cap.body

@@ -19,12 +19,19 @@ from types import SimpleNamespace
 import pytest
 
 from proxy.measure.metrics import Metrics
-from proxy.services.power import (EnergyMeter, GpuMap, NvmlSource, PowerSampler, PowerService, Reading,
-                         integrate, parse_dcgm)
 from proxy.measure.precision import Precision
-from proxy.settings import Settings
 from proxy.measure.timeline import Marks
-
+from proxy.services.power import (
+    EnergyMeter,
+    GpuMap,
+    NvmlSource,
+    PowerSampler,
+    PowerService,
+    Reading,
+    integrate,
+    parse_dcgm,
+)
+from proxy.settings import Settings
 
 # --- a scripted NVML -----------------------------------------------------------------------
 
@@ -32,8 +39,14 @@ from proxy.measure.timeline import Marks
 class Trace:
     """Power of one GPU over (fake) time, its exact energy, and scripted failures."""
 
-    def __init__(self, power, *, counter_offset_mj: int = 0, reset_at: float | None = None,
-                 counter: bool = True) -> None:
+    def __init__(
+        self,
+        power,
+        *,
+        counter_offset_mj: int = 0,
+        reset_at: float | None = None,
+        counter: bool = True,
+    ) -> None:
         self.power = power  # t -> watts
         self.now = 0.0
         self.offset = counter_offset_mj
@@ -46,7 +59,7 @@ class Trace:
 
     def energy(self, a: float, b: float, step: float = 0.001) -> float:
         """Exact-enough energy (J) over [a, b]: midpoint rule at 1 ms."""
-        n = max(1, int(round((b - a) / step)))
+        n = max(1, round((b - a) / step))
         h = (b - a) / n
         return sum(self.power(a + (i + 0.5) * h) for i in range(n)) * h
 
@@ -67,10 +80,10 @@ def fake_pynvml(traces: list[Trace]) -> types.ModuleType:
     class NVMLError(Exception):
         pass
 
-    class NVMLError_NotSupported(NVMLError):  # noqa: N801 - pynvml's name
+    class NVMLError_NotSupported(NVMLError):
         pass
 
-    class NVMLError_GpuIsLost(NVMLError):  # noqa: N801
+    class NVMLError_GpuIsLost(NVMLError):
         pass
 
     mod.NVMLError = NVMLError
@@ -85,12 +98,15 @@ def fake_pynvml(traces: list[Trace]) -> types.ModuleType:
             tr.release.wait(30)
         if tr.fail_between and tr.fail_between[0] <= tr.now < tr.fail_between[1]:
             raise NVMLError_GpuIsLost("GPU is lost")
-        return int(round(tr.power(tr.now) * 1000))
+        return round(tr.power(tr.now) * 1000)
 
     def energy(tr: Trace) -> int:
         if not tr.counter:
             raise NVMLError_NotSupported("Not Supported")
-        if tr.energy_fail_between and tr.energy_fail_between[0] <= tr.now < tr.energy_fail_between[1]:
+        if (
+            tr.energy_fail_between
+            and tr.energy_fail_between[0] <= tr.now < tr.energy_fail_between[1]
+        ):
             raise NVMLError("Unknown Error")
         return tr.counter_mj()
 
@@ -101,18 +117,30 @@ def fake_pynvml(traces: list[Trace]) -> types.ModuleType:
 
 def fake_upstream(name: str = "gpu0", models=("m-bf16",)) -> SimpleNamespace:
     precisions = {"m-bf16": "bf16", "m-int4": "int4", "m-fp8": "fp8"}
-    return SimpleNamespace(name=name, active=set(), models=set(models), configured_models=set(),
-                           precision_of=lambda m: Precision(precisions.get(m, "unknown")))
+    return SimpleNamespace(
+        name=name,
+        active=set(),
+        models=set(models),
+        configured_models=set(),
+        precision_of=lambda m: Precision(precisions.get(m, "unknown")),
+    )
 
 
-def make_sampler(monkeypatch, traces, upstreams=None, pairs=None, interval=0.2, timeout=1.0,
-                 clock=None):
+def make_sampler(
+    monkeypatch, traces, upstreams=None, pairs=None, interval=0.2, timeout=1.0, clock=None
+):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(traces))
     ups = upstreams or [fake_upstream()]
     gpus = GpuMap(pairs or {}, ups, lambda model: ups[0])
     metrics = Metrics()
-    sampler = PowerSampler(NvmlSource(), metrics, gpus, interval=interval, timeout=timeout,
-                           clock=clock or (lambda: traces[0].now))
+    sampler = PowerSampler(
+        NvmlSource(),
+        metrics,
+        gpus,
+        interval=interval,
+        timeout=timeout,
+        clock=clock or (lambda: traces[0].now),
+    )
     assert sampler.open()
     return sampler, metrics, ups
 
@@ -130,8 +158,9 @@ def total(metrics: Metrics, name: str, **labels) -> float:
     return out
 
 
-def run_ticks(sampler, traces, t_end: float, step=lambda rng: rng.uniform(0.15, 0.25), seed=1,
-              each=None) -> float:
+def run_ticks(
+    sampler, traces, t_end: float, step=lambda rng: rng.uniform(0.15, 0.25), seed=1, each=None
+) -> float:
     """Ticks until t_end; returns the time of the last one."""
     rng = random.Random(seed)
     t = traces[0].now
@@ -241,14 +270,22 @@ class Scenario:
     def __init__(self, upstream, spans):
         self.upstream = upstream
         self.spans = spans  # (sent, first, last, stream)
-        self.exchanges = [FakeExchange(upstream=upstream, model_label="m-bf16",
-                                          prepared=SimpleNamespace(stream=stream),
-                                          marks=Marks(t_recv=sent))
-                          for sent, first, last, stream in spans]
+        self.exchanges = [
+            FakeExchange(
+                upstream=upstream,
+                model_label="m-bf16",
+                prepared=SimpleNamespace(stream=stream),
+                marks=Marks(t_recv=sent),
+            )
+            for sent, first, last, stream in spans
+        ]
 
     def power(self, t: float) -> float:
-        states = [("prefill" if t < first else "decode") for sent, first, last, _ in self.spans
-                  if sent <= t < last]
+        states = [
+            ("prefill" if t < first else "decode")
+            for sent, first, last, _ in self.spans
+            if sent <= t < last
+        ]
         if "prefill" in states:
             return self.PREFILL
         return self.DECODE if states else self.IDLE
@@ -277,8 +314,10 @@ def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
     sampler.tick()
     run_ticks(sampler, [tr], 30.0, step=lambda rng: 0.1, each=sc.advance)  # to 29.95
 
-    counts = {s: total(metrics, "phasewatch_gpu_power_sample_watts_count", state=s)
-              for s in ("idle", "prefill", "decode")}
+    counts = {
+        s: total(metrics, "phasewatch_gpu_power_sample_watts_count", state=s)
+        for s in ("idle", "prefill", "decode")
+    }
     assert counts == {"idle": 200, "prefill": 20, "decode": 80}
     sums = {s: total(metrics, "phasewatch_gpu_power_sample_watts_sum", state=s) for s in counts}
     assert sums["idle"] / counts["idle"] == pytest.approx(50.0)
@@ -297,16 +336,21 @@ def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
     assert fields["joules_per_token"] == pytest.approx(exact / 100, rel=0.01)
     hist = dict(upstream="gpu0", model="m-bf16", precision="bf16")
     assert value(metrics, "phasewatch_gpu_power_watts_count", phase="prefill", **hist) == 1.0
-    assert value(metrics, "phasewatch_gpu_power_watts_sum", phase="decode", **hist) == \
-        pytest.approx(300.0, rel=0.01)
+    assert value(
+        metrics, "phasewatch_gpu_power_watts_sum", phase="decode", **hist
+    ) == pytest.approx(300.0, rel=0.01)
 
 
 def test_energy_is_shared_among_requests_in_flight(monkeypatch):
     up = fake_upstream()
     # B overlaps A's second half; a non-streamed C alone later (no phases, energy only);
     # D's windows fall between two samples: no phase means of its own.
-    spans = [(10.0, 10.5, 20.0, True), (15.0, 15.5, 20.0, True), (30.0, 30.0, 40.0, False),
-             (50.0, 50.01, 50.05, True)]
+    spans = [
+        (10.0, 10.5, 20.0, True),
+        (15.0, 15.5, 20.0, True),
+        (30.0, 30.0, 40.0, False),
+        (50.0, 50.01, 50.05, True),
+    ]
     sc = Scenario(up, spans)
     tr = Trace(sc.power)
     sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
@@ -347,8 +391,17 @@ def test_unmapped_gpus_are_not_sampled(monkeypatch):
     sampler, metrics, _ = make_sampler(monkeypatch, traces, upstreams=[up], pairs={"1": "a"})
     sampler.tick()
     assert total(metrics, "phasewatch_gpu_power_sample_watts_count", gpu="0") == 0
-    assert value(metrics, "phasewatch_gpu_power_current_watts", upstream="a", model="m-int4",
-                 precision="int4", gpu="1") == 200.0
+    assert (
+        value(
+            metrics,
+            "phasewatch_gpu_power_current_watts",
+            upstream="a",
+            model="m-int4",
+            precision="int4",
+            gpu="1",
+        )
+        == 200.0
+    )
 
 
 # --- failure ----------------------------------------------------------------------------------------
@@ -386,8 +439,9 @@ def test_sampler_thread_starts_and_stops_and_never_blocks_the_caller(monkeypatch
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([tr]))
     up = fake_upstream()
     metrics = Metrics()
-    sampler = PowerSampler(NvmlSource(), metrics, GpuMap({}, [up], lambda m: up),
-                           interval=0.02, timeout=0.2)
+    sampler = PowerSampler(
+        NvmlSource(), metrics, GpuMap({}, [up], lambda m: up), interval=0.02, timeout=0.2
+    )
     tr.hang.set()  # every read hangs; start() and stop() still return promptly
     t0 = time.monotonic()
     sampler.start()
@@ -412,8 +466,9 @@ def test_no_nvml_says_so_once_and_exports_no_power(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="proxy")
     up = fake_upstream()
     metrics = Metrics()
-    sampler = PowerSampler(NvmlSource(), metrics, GpuMap({}, [up], lambda m: up),
-                           interval=0.2, timeout=1.0)
+    sampler = PowerSampler(
+        NvmlSource(), metrics, GpuMap({}, [up], lambda m: up), interval=0.2, timeout=1.0
+    )
     assert sampler.open() is False
     said = [r.getMessage() for r in caplog.records if "not sampled" in r.getMessage()]
     assert len(said) == 1 and "NVML Shared Library Not Found" in said[0]
@@ -432,8 +487,11 @@ def test_settings_for_power():
     with pytest.raises(ValueError):
         Settings(power_dcgm_url="gpu-host:9400")
     with pytest.raises(ValueError, match="power-dcgm-url"):
-        PowerService(Settings(upstream=["a=http://h:1"], power_source="dcgm").power_options(), Metrics(),
-                     SimpleNamespace(all=[], route=None))
+        PowerService(
+            Settings(upstream=["a=http://h:1"], power_source="dcgm").power_options(),
+            Metrics(),
+            SimpleNamespace(all=[], route=None),
+        )
 
 
 # --- DCGM-exporter format -------------------------------------------------------------------------

@@ -14,8 +14,13 @@ import pytest
 from proxy.engines.llamacpp import llamacpp_precision
 from proxy.engines.ollama import ollama_precision
 from proxy.engines.openai import openai_precision, read_model_config
-from proxy.measure.precision import (PrecisionTable, from_bits_per_weight, from_hf_config, from_llama_ftype,
-                             from_name)
+from proxy.measure.precision import (
+    PrecisionTable,
+    from_bits_per_weight,
+    from_hf_config,
+    from_llama_ftype,
+    from_name,
+)
 
 from .replay_wire import LLAMA, WIRE
 
@@ -37,7 +42,11 @@ NAMES = [
     ("RedHatAI/Llama-3.3-70B-Instruct-NVFP4", "fp4", "NVFP4"),
     ("unsloth/Llama-3.2-3B-Instruct-bnb-4bit", "int4", "BNB-4bit"),
     ("/models/Llama-3.1-8B-Instruct-BF16", "bf16", "BF16"),  # the simulator's vLLM root
-    ("bartowski/Meta-Llama-3.1-8B-Instruct-GGUF/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "int4", "Q4_K_M"),
+    (
+        "bartowski/Meta-Llama-3.1-8B-Instruct-GGUF/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+        "int4",
+        "Q4_K_M",
+    ),
     ("qwen2.5-7b-instruct-q8_0.gguf", "int8", "Q8_0"),
     ("Meta-Llama-3.1-8B-Instruct-IQ3_XS.gguf", "int3", "IQ3_XS"),
 ]
@@ -49,8 +58,16 @@ def test_names(name, precision, quant):
     assert (p.precision, p.quant, p.source) == (precision, quant, "name")
 
 
-@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3",
-                                  "microsoft/Phi-3-mini-4k-instruct", "Qwen/Qwen2.5-7B-Instruct", "tiny"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "mistralai/Mistral-7B-Instruct-v0.3",
+        "microsoft/Phi-3-mini-4k-instruct",
+        "Qwen/Qwen2.5-7B-Instruct",
+        "tiny",
+    ],
+)
 def test_names_that_say_nothing(name):
     assert from_name(name) is None  # no guessing: these need config.json or an override
 
@@ -61,35 +78,148 @@ CONFIGS = [
     ("google/gemma-2-9b-it", {"torch_dtype": "float32"}, "fp32", "FLOAT32"),
     ("mistralai/Mistral-7B-Instruct-v0.3", {"dtype": "bfloat16"}, "bf16", "BFLOAT16"),
     ("Qwen/Qwen2.5-VL-7B-Instruct", {"text_config": {"torch_dtype": "float16"}}, "fp16", "FLOAT16"),
-    ("deepseek-ai/DeepSeek-R1", {"torch_dtype": "bfloat16", "quantization_config": {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-        "weight_block_size": [128, 128]}}, "fp8", "FP8"),
-    ("openai/gpt-oss-20b", {"torch_dtype": "bfloat16", "quantization_config": {
-        "modules_to_not_convert": ["model.layers.*.self_attn"], "quant_method": "mxfp4"}}, "fp4", "MXFP4"),
-    ("Qwen/Qwen2.5-7B-Instruct-AWQ", {"torch_dtype": "float16", "quantization_config": {
-        "bits": 4, "group_size": 128, "quant_method": "awq", "version": "gemm", "zero_point": True}},
-     "int4", "AWQ"),
-    ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int8", {"quantization_config": {
-        "bits": 8, "group_size": 128, "desc_act": False, "quant_method": "gptq"}}, "int8", "GPTQ"),
-    ("RedHatAI/Qwen2.5-7B-Instruct-quantized.w8a8", {"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-            "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}}, "int8", "W8A8"),
-    ("neuralmagic/Meta-Llama-3.1-8B-Instruct-quantized.w4a16", {"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
-            "weights": {"num_bits": 4, "type": "int", "group_size": 128}, "input_activations": None}}}},
-     "int4", "W4A16"),
-    ("RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8-dynamic", {"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
-            "weights": {"num_bits": 8, "type": "float"}, "input_activations": {"num_bits": 8, "type": "float"}}}}},
-     "fp8", "FP8"),
-    ("RedHatAI/Llama-3.3-70B-Instruct-NVFP4", {"quantization_config": {
-        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
-            "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}}, "fp4", "NVFP4"),
-    ("nvidia/Llama-3.1-8B-Instruct-FP4", {"quantization_config": {"quant_method": "modelopt",
-                                                                 "quant_algo": "NVFP4"}}, "fp4", "NVFP4"),
-    ("unsloth/Llama-3.2-3B-Instruct-bnb-4bit", {"quantization_config": {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}}, "int4", "BNB-4bit"),
+    (
+        "deepseek-ai/DeepSeek-R1",
+        {
+            "torch_dtype": "bfloat16",
+            "quantization_config": {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+            },
+        },
+        "fp8",
+        "FP8",
+    ),
+    (
+        "openai/gpt-oss-20b",
+        {
+            "torch_dtype": "bfloat16",
+            "quantization_config": {
+                "modules_to_not_convert": ["model.layers.*.self_attn"],
+                "quant_method": "mxfp4",
+            },
+        },
+        "fp4",
+        "MXFP4",
+    ),
+    (
+        "Qwen/Qwen2.5-7B-Instruct-AWQ",
+        {
+            "torch_dtype": "float16",
+            "quantization_config": {
+                "bits": 4,
+                "group_size": 128,
+                "quant_method": "awq",
+                "version": "gemm",
+                "zero_point": True,
+            },
+        },
+        "int4",
+        "AWQ",
+    ),
+    (
+        "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int8",
+        {
+            "quantization_config": {
+                "bits": 8,
+                "group_size": 128,
+                "desc_act": False,
+                "quant_method": "gptq",
+            }
+        },
+        "int8",
+        "GPTQ",
+    ),
+    (
+        "RedHatAI/Qwen2.5-7B-Instruct-quantized.w8a8",
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "int",
+                            "symmetric": True,
+                            "strategy": "channel",
+                        },
+                        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True},
+                    }
+                },
+            }
+        },
+        "int8",
+        "W8A8",
+    ),
+    (
+        "neuralmagic/Meta-Llama-3.1-8B-Instruct-quantized.w4a16",
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {"num_bits": 4, "type": "int", "group_size": 128},
+                        "input_activations": None,
+                    }
+                },
+            }
+        },
+        "int4",
+        "W4A16",
+    ),
+    (
+        "RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8-dynamic",
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "group_0": {
+                        "weights": {"num_bits": 8, "type": "float"},
+                        "input_activations": {"num_bits": 8, "type": "float"},
+                    }
+                },
+            }
+        },
+        "fp8",
+        "FP8",
+    ),
+    (
+        "RedHatAI/Llama-3.3-70B-Instruct-NVFP4",
+        {
+            "quantization_config": {
+                "quant_method": "compressed-tensors",
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {
+                    "group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}
+                },
+            }
+        },
+        "fp4",
+        "NVFP4",
+    ),
+    (
+        "nvidia/Llama-3.1-8B-Instruct-FP4",
+        {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}},
+        "fp4",
+        "NVFP4",
+    ),
+    (
+        "unsloth/Llama-3.2-3B-Instruct-bnb-4bit",
+        {
+            "quantization_config": {
+                "quant_method": "bitsandbytes",
+                "load_in_4bit": True,
+                "bnb_4bit_quant_type": "nf4",
+            }
+        },
+        "int4",
+        "BNB-4bit",
+    ),
 ]
 
 
@@ -128,7 +258,13 @@ OLLAMA = [
     ("llama3.1:70b-instruct-q2_K", {"quantization_level": "Q2_K"}, None, "int2", "Q2_K"),
     ("qwen3:30b-a3b-instruct-2507-fp16", {"quantization_level": "F16"}, None, "fp16", "F16"),
     ("nemotron:nvfp4", {"quantization_level": "NVFP4"}, None, "fp4", "NVFP4"),
-    ("llama3.2-vision:11b", {"quantization_level": "unknown"}, {"general.file_type": 15}, "int4", "Q4_K_M"),
+    (
+        "llama3.2-vision:11b",
+        {"quantization_level": "unknown"},
+        {"general.file_type": 15},
+        "int4",
+        "Q4_K_M",
+    ),
     ("my-import:latest", {"quantization_level": ""}, {"general.file_type": 7}, "int8", "Q8_0"),
     ("mlx-community/llama:bf16", {"quantization_level": "bfloat16"}, None, "bf16", "BFLOAT16"),
 ]
@@ -189,14 +325,22 @@ def test_llama_real_captures():
     assert p.quant == "Q4_K_M"
     # without either: bits per weight from meta (this tiny model keeps its big embedding
     # table at higher precision, so it reads as ~7.4 bits: a last resort, labelled as such)
-    p = llamacpp_precision({}, {"id": "gemma-3-270m", "meta": {k: v for k, v in entry["meta"].items()
-                                                               if k != "ftype"}})
+    p = llamacpp_precision(
+        {}, {"id": "gemma-3-270m", "meta": {k: v for k, v in entry["meta"].items() if k != "ftype"}}
+    )
     assert p.quant == "7.36bpw" and p.precision == "int8"
 
 
-@pytest.mark.parametrize("size,params,precision", [
-    (16.06e9, 8.03e9, "fp16"), (8.54e9, 8.03e9, "int8"), (4.92e9, 8.03e9, "int4"),
-    (3.18e9, 8.03e9, "int3"), (32.1e9, 8.03e9, "fp32")])
+@pytest.mark.parametrize(
+    "size,params,precision",
+    [
+        (16.06e9, 8.03e9, "fp16"),
+        (8.54e9, 8.03e9, "int8"),
+        (4.92e9, 8.03e9, "int4"),
+        (3.18e9, 8.03e9, "int3"),
+        (32.1e9, 8.03e9, "fp32"),
+    ],
+)
 def test_bits_per_weight(size, params, precision):
     assert from_bits_per_weight(size, params).precision == precision
 

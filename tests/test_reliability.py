@@ -68,8 +68,13 @@ class ScriptedEngine:
         if scope["method"] != "POST":  # probes (engine detection, /metrics scrapes)
             await self._send(send, 404, b'{"detail":"Not Found"}')
             return
-        self.seen.append({"headers": {k.decode(): v.decode() for k, v in scope["headers"]},
-                          "body": body, "path": scope["path"]})
+        self.seen.append(
+            {
+                "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
+                "body": body,
+                "path": scope["path"],
+            }
+        )
         mode = self.mode
         if mode == "echo":
             await self._send(send, 200, json.dumps(self.seen[-1]["headers"]).encode())
@@ -78,9 +83,16 @@ class ScriptedEngine:
         elif mode == "garbage":
             await self._send(send, 200, b"<html>not json \xff\xfe</html>")
         elif mode == "firehose":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
-            event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
+            event = (
+                b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
+            )
             for _ in range(8192):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
                 self.sent += len(event)
@@ -88,16 +100,40 @@ class ScriptedEngine:
         elif mode == "silent":
             await asyncio.sleep(30)
         elif mode in ("truncated", "usage_pause", "done_linger"):
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
             for i in range(3):
-                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                         "choices": [{"index": 0, "delta": {"content": f"t{i}"},
-                                      "finish_reason": "stop" if i == 2 else None}]}
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"})
+                chunk = {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": "m",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": f"t{i}"},
+                            "finish_reason": "stop" if i == 2 else None,
+                        }
+                    ],
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": b"data: "
+                        + json.dumps(chunk, separators=(",", ":")).encode()
+                        + b"\n\n",
+                    }
+                )
             if mode == "done_linger":  # [DONE] is out, the connection lingers a moment
-                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
+                )
                 await asyncio.sleep(1.0)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
@@ -112,9 +148,16 @@ class ScriptedEngine:
 
     @staticmethod
     async def _send(send, status, body):
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -136,9 +179,13 @@ def _hang_up_after(url: str, body: dict, events: int) -> float:
         host, port = url.rsplit("/", 1)[1].split(":")
         payload = json.dumps(body).encode()
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                      b"application/json\r\ncontent-length: " + str(len(payload)).encode()
-                      + b"\r\n\r\n" + payload)
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                b"application/json\r\ncontent-length: "
+                + str(len(payload)).encode()
+                + b"\r\n\r\n"
+                + payload
+            )
             time.sleep(0.3)
             t = time.monotonic()
         return t
@@ -157,23 +204,34 @@ def test_hang_up_in_prefill_and_decode_cancels_the_engine():
     proxy = start_proxy(f"sim={sim.url}")
     try:
         # prefill: a 12K-token prompt takes ~2.6 s to prefill on the simulated GPU
-        body = {"model": BF16, "messages": [{"role": "user", "content": "w " * 12000}],
-                "max_tokens": 50, "stream": True}
+        body = {
+            "model": BF16,
+            "messages": [{"role": "user", "content": "w " * 12000}],
+            "max_tokens": 50,
+            "stream": True,
+        }
         t_hang = _hang_up_after(proxy.url, body, 0)
         _wait(lambda: len(sim.truth()) == 1)
         truth = sim.truth()[-1]
         assert truth["aborted"] and truth["t_first"] is None
         prefill_cancel = truth["t_end"] - t_hang
         # decode
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2000,
+            "stream": True,
+            "ignore_eos": True,
+        }
         t_hang = _hang_up_after(proxy.url, body, 5)
         _wait(lambda: len(sim.truth()) == 2)
         truth = sim.truth()[-1]
         assert truth["aborted"] and 0 < truth["completion_tokens"] < 100
         decode_cancel = truth["t_end"] - t_hang
-        print(f"engine cancelled {prefill_cancel * 1e3:.1f} ms after a hang-up in prefill, "
-              f"{decode_cancel * 1e3:.1f} ms in decode")
+        print(
+            f"engine cancelled {prefill_cancel * 1e3:.1f} ms after a hang-up in prefill, "
+            f"{decode_cancel * 1e3:.1f} ms in decode"
+        )
         assert prefill_cancel < 0.5 and decode_cancel < 0.5  # target 100 ms; generous on a busy box
         time.sleep(0.2)
         s = metric_samples(proxy.url)
@@ -191,15 +249,23 @@ def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--max-concurrency", "1"])
     try:
-        long = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 300,
-                "stream": True, "ignore_eos": True}
-        holder = threading.Thread(target=lambda: httpx.post(proxy.url + "/v1/chat/completions",
-                                                            json=long, timeout=30))
+        long = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 300,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        holder = threading.Thread(
+            target=lambda: httpx.post(proxy.url + "/v1/chat/completions", json=long, timeout=30)
+        )
         holder.start()
         time.sleep(0.3)
         _hang_up_after(proxy.url, long, 0)  # waits in the proxy's queue, then hangs up
         holder.join()
-        _wait(lambda: sample(metric_samples(proxy.url), "phasewatch_aborts_total", phase="queue") == 1)
+        _wait(
+            lambda: sample(metric_samples(proxy.url), "phasewatch_aborts_total", phase="queue") == 1
+        )
         assert sample(metric_samples(proxy.url), "phasewatch_queued_requests") == 0
     finally:
         proxy.stop()
@@ -218,7 +284,9 @@ def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
                     break
             time.sleep(0.2)
         assert engine.closed.wait(2.0), "the engine never saw the hang-up"
-        _wait(lambda: sample(metric_samples(proxy.url), "phasewatch_aborts_total", phase="usage") == 1)
+        _wait(
+            lambda: sample(metric_samples(proxy.url), "phasewatch_aborts_total", phase="usage") == 1
+        )
     finally:
         proxy.stop()
         engine.mode = "echo"
@@ -229,8 +297,11 @@ def test_leaving_after_done_is_not_an_abort(scripted):
     engine.mode = "done_linger"
     proxy = start_proxy(f"scripted={server.url}")
     try:
-        with httpx.stream("POST", proxy.url + "/v1/chat/completions",
-                          json={"model": "m", "messages": [], "stream": True}) as resp:
+        with httpx.stream(
+            "POST",
+            proxy.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [], "stream": True},
+        ) as resp:
             got = b""
             for chunk in resp.iter_raw():
                 got += chunk
@@ -249,8 +320,13 @@ def test_a_thousand_aborted_streams_leak_nothing():
     sim = start_sim("vllm", speed=50.0, max_num_seqs=64)
     proxy = start_proxy(f"sim={sim.url}", args=["--log-format", "none"])
     try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30000,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 30000,
+            "stream": True,
+            "ignore_eos": True,
+        }
 
         async def abort_one(client):
             async with client.stream("POST", proxy.url + "/v1/chat/completions", json=body) as resp:
@@ -263,10 +339,15 @@ def test_a_thousand_aborted_streams_leak_nothing():
                 async with httpx.AsyncClient(timeout=30) as client:
                     await asyncio.gather(*(abort_one(client) for _ in range(50)))
 
-        httpx.post(proxy.url + "/v1/chat/completions", json={**body, "max_tokens": 3}).raise_for_status()
+        httpx.post(
+            proxy.url + "/v1/chat/completions", json={**body, "max_tokens": 3}
+        ).raise_for_status()
         fds_before = _fds(proxy.proc.pid)
         asyncio.run(main())
-        _wait(lambda: sample(metric_samples(proxy.url), "phasewatch_in_flight_requests") == 0, timeout=10)
+        _wait(
+            lambda: sample(metric_samples(proxy.url), "phasewatch_in_flight_requests") == 0,
+            timeout=10,
+        )
         _wait(lambda: sample(metric_samples(sim.url), "vllm:num_requests_running") == 0, timeout=10)
         s = metric_samples(proxy.url)
         assert sample(s, "phasewatch_requests_total", outcome="aborted") == 1000
@@ -293,7 +374,10 @@ def test_engine_faults_give_clear_errors_and_the_proxy_keeps_serving(scripted):
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         engine.mode = "status500"  # the engine's own error bytes pass through
         r = httpx.post(url, json=body)
-        assert r.status_code == 500 and r.content == b'{"error":{"message":"CUDA out of memory","code":500}}'
+        assert (
+            r.status_code == 500
+            and r.content == b'{"error":{"message":"CUDA out of memory","code":500}}'
+        )
         engine.mode = "garbage"
         r = httpx.post(url, json=body)
         assert r.status_code == 200 and r.content == b"<html>not json \xff\xfe</html>"
@@ -302,7 +386,7 @@ def test_engine_faults_give_clear_errors_and_the_proxy_keeps_serving(scripted):
         assert r.status_code == 504 and "did not answer in time" in r.json()["error"]["message"]
         engine.mode = "truncated"
         r = httpx.post(url, json={**body, "stream": True})
-        last = json.loads(r.content.split(b"\n\n")[-2][len(b"data: "):])
+        last = json.loads(r.content.split(b"\n\n")[-2][len(b"data: ") :])
         assert "without its terminator" in last["error"]["message"]
         r = httpx.post(dns.url + "/v1/chat/completions", json=body)
         assert r.status_code == 502 and "phasewatch-test.invalid" in r.json()["error"]["message"]
@@ -323,23 +407,29 @@ def test_engine_faults_give_clear_errors_and_the_proxy_keeps_serving(scripted):
 # --- hostile input -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body", [
-    b"not json at all",
-    b"[" * 100000 + b"]" * 100000,  # deeper than any JSON parser recurses
-    b'{"model": 5, "stream": "yes", "stream_options": [1], "messages": {}}',
-    b'{"model": null, "stream": true, "stream_options": "x"}',
-    b'{"model": "m", "stream": 1}',
-    b'{"model": "m", "stream": true, "stream_options": null}',
-    "{\"model\": \"m\u0000\ud83d\ude00\", \"stream\": false}".encode("utf-8", "surrogatepass"),
-    b"\xff\xfe\x00garbage",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json at all",
+        b"[" * 100000 + b"]" * 100000,  # deeper than any JSON parser recurses
+        b'{"model": 5, "stream": "yes", "stream_options": [1], "messages": {}}',
+        b'{"model": null, "stream": true, "stream_options": "x"}',
+        b'{"model": "m", "stream": 1}',
+        b'{"model": "m", "stream": true, "stream_options": null}',
+        '{"model": "m\u0000\ud83d\ude00", "stream": false}'.encode("utf-8", "surrogatepass"),
+        b"\xff\xfe\x00garbage",
+    ],
+)
 def test_odd_bodies_reach_the_engine_unaltered(scripted, body):
     engine, server = scripted
     proxy = start_proxy(f"scripted={server.url}")
     try:
         engine.mode = "echo"
-        r = httpx.post(proxy.url + "/v1/chat/completions", content=body,
-                       headers={"content-type": "application/json"})
+        r = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 200
         assert engine.seen[-1]["body"] == body
         assert proxy.proc.poll() is None
@@ -372,7 +462,10 @@ def test_body_limit_is_a_413(scripted):
 def test_proxy_keys_and_engine_keys(scripted):
     engine, server = scripted
     engine.mode = "echo"
-    env = {"PHASEWATCH_API_KEY": "pw-key-1,pw-key-2", "PHASEWATCH_UPSTREAM_KEY": "eng=sk-engine-secret"}
+    env = {
+        "PHASEWATCH_API_KEY": "pw-key-1,pw-key-2",
+        "PHASEWATCH_UPSTREAM_KEY": "eng=sk-engine-secret",
+    }
     proxy = start_proxy(f"eng={server.url}", env=env)
     open_proxy = start_proxy(f"eng={server.url}")
     try:
@@ -380,20 +473,27 @@ def test_proxy_keys_and_engine_keys(scripted):
         body = {"model": "m", "messages": []}
         r = httpx.post(url, json=body)
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
-        assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert (
+            httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}).status_code == 401
+        )
         r = httpx.post(url, json=body, headers={"authorization": "Bearer pw-key-2"})
         assert r.status_code == 200
         assert r.json()["authorization"] == "Bearer sk-engine-secret"  # engine key, not ours
         r = httpx.post(url, json=body, headers={"x-api-key": "pw-key-1"})
-        assert r.json()["authorization"] == "Bearer sk-engine-secret" and "x-api-key" not in r.json()
+        assert (
+            r.json()["authorization"] == "Bearer sk-engine-secret" and "x-api-key" not in r.json()
+        )
         # the openai SDK sends its api_key as a Bearer token: a phasewatch key works as is
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="pw-key-1", max_retries=0)
         client.models.list()
         # the proxy's own calls to the engine (model lists) carry the engine key too
         assert any(p.get("authorization") == "Bearer sk-engine-secret" for p in engine.probes)
         # with no keys configured, the client's own Authorization reaches the engine
-        r = httpx.post(open_proxy.url + "/v1/chat/completions", json=body,
-                       headers={"authorization": "Bearer client-own"})
+        r = httpx.post(
+            open_proxy.url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": "Bearer client-own"},
+        )
         assert r.json()["authorization"] == "Bearer client-own"
         # secrets appear in no log line and no metric
         exported = httpx.get(proxy.url + "/metrics", headers={"x-api-key": "pw-key-1"}).text
@@ -409,11 +509,21 @@ def test_no_prompt_or_completion_text_in_logs_or_metrics():
     proxy = start_proxy(f"sim={sim.url}", args=["--log-level", "debug"])
     try:
         secret_prompt = "zebra-quartz-prompt-marker"
-        r = httpx.post(proxy.url + "/v1/chat/completions",
-                       json={"model": MODEL, "messages": [{"role": "user", "content": secret_prompt}],
-                             "max_tokens": 12, "stream": True}, headers={"x-request-id": "req-42"})
-        words = [json.loads(e[6:])["choices"][0]["delta"].get("content", "")
-                 for e in r.content.split(b"\n\n") if e.startswith(b"data: {")]
+        r = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": secret_prompt}],
+                "max_tokens": 12,
+                "stream": True,
+            },
+            headers={"x-request-id": "req-42"},
+        )
+        words = [
+            json.loads(e[6:])["choices"][0]["delta"].get("content", "")
+            for e in r.content.split(b"\n\n")
+            if e.startswith(b"data: {")
+        ]
         completion = "".join(words).strip()
         text = proxy.log() + httpx.get(proxy.url + "/metrics").text
         assert secret_prompt not in text
@@ -447,8 +557,13 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones():
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--shutdown-grace", "20"])
     try:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
         result = {}
 
         def stream():
@@ -505,8 +620,10 @@ def test_stalled_readers_push_back_to_the_engine(scripted):
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", port))
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                      b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+            )
             socks.append(s)  # and never read
 
         def stalled():
@@ -516,8 +633,10 @@ def test_stalled_readers_push_back_to_the_engine(scripted):
 
         _wait(stalled, timeout=60, step=0.1)
         growth = _rss_mib(proxy.proc.pid) - rss_before
-        print(f"engine held back after {engine.sent / 2**20:.1f} MiB of 1024 MiB; "
-              f"proxy RSS grew {growth:.1f} MiB")
+        print(
+            f"engine held back after {engine.sent / 2**20:.1f} MiB of 1024 MiB; "
+            f"proxy RSS grew {growth:.1f} MiB"
+        )
         assert engine.sent < 128 * 2**20  # kernel socket buffers, not the whole stream
         assert growth < 32
     finally:
@@ -538,13 +657,22 @@ class HugeMetricsEngine:
                 if msg["type"] == "lifespan.shutdown":
                     return
         if scope["path"] == "/v1/models":
-            await ScriptedEngine._send(send, 200, b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}')
+            await ScriptedEngine._send(
+                send,
+                200,
+                b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}',
+            )
             return
         if scope["path"] != "/metrics":
             await ScriptedEngine._send(send, 404, b'{"detail":"Not Found"}')
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
         line = b'vllm:num_requests_running{model_name="m"} 1.0\n' * 20000
         for _ in range(512):  # ~450 MiB
             await send({"type": "http.response.body", "body": line, "more_body": True})
@@ -553,7 +681,9 @@ class HugeMetricsEngine:
 
 def test_a_huge_engine_metrics_page_is_not_read_whole():
     server = ThreadServer(HugeMetricsEngine(), free_port()).start()
-    proxy = start_proxy(f"huge={server.url}", args=["--engine", "huge=vllm", "--engine-scrape", "0.5"])
+    proxy = start_proxy(
+        f"huge={server.url}", args=["--engine", "huge=vllm", "--engine-scrape", "0.5"]
+    )
     try:
         time.sleep(3)
         s = metric_samples(proxy.url)

@@ -16,8 +16,11 @@ import pytest
 
 from .servers import ROOT, free_port, start_proxy, start_sim
 
-MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-FP8",
-          "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4")
+MODELS = (
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "RedHatAI/Llama-3.1-8B-Instruct-FP8",
+    "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +43,20 @@ def prometheus(proxy):
     (work / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
-        f"  - job_name: phasewatch\n    static_configs: [{{targets: ['{target}']}}]\n")
+        f"  - job_name: phasewatch\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
     port = free_port()
     log = (work / "prometheus.log").open("wb")
-    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -56,7 +66,9 @@ def prometheus(proxy):
                     break
             except httpx.HTTPError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, (work / "prometheus.log").read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                work / "prometheus.log"
+            ).read_text()
             time.sleep(0.2)
         yield url
     finally:
@@ -69,8 +81,13 @@ def prometheus(proxy):
 
 
 def _report(source: str, *extra: str) -> dict:
-    res = subprocess.run([sys.executable, "-m", "proxy", "report", "--from", source, "--format", "json",
-                          *extra], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy", "report", "--from", source, "--format", "json", *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -84,8 +101,13 @@ def _traffic(proxy_url: str, tag: str) -> None:
         for i, model in enumerate(MODELS):
             for n, words in ((3, 60), (1, 3000)):
                 for _ in range(n):
-                    body = {"model": model, "stream": True, "max_tokens": 40, "ignore_eos": True,
-                            "messages": [{"role": "user", "content": f"{tag}{i} " + "token " * words}]}
+                    body = {
+                        "model": model,
+                        "stream": True,
+                        "max_tokens": 40,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"{tag}{i} " + "token " * words}],
+                    }
                     assert client.post("/v1/chat/completions", json=body).status_code == 200
 
 
@@ -94,7 +116,9 @@ def _scraped(proxy_url: str, prometheus: str) -> None:
     want = sum(r["requests"] for r in _report(proxy_url)["rows"])
     deadline = time.monotonic() + 20
     while True:
-        data = httpx.get(prometheus + "/api/v1/query", params={"query": "sum(phasewatch_requests_total)"}).json()
+        data = httpx.get(
+            prometheus + "/api/v1/query", params={"query": "sum(phasewatch_requests_total)"}
+        ).json()
         got = float(data["data"]["result"][0]["value"][1]) if data["data"]["result"] else 0
         if got == want or time.monotonic() > deadline:
             break
@@ -114,8 +138,17 @@ def test_report_from_prometheus_equals_report_from_metrics(proxy, prometheus):
     assert _rows(direct).keys() == _rows(via).keys() and len(_rows(via)) >= 3
     for key, d in _rows(direct).items():
         v = _rows(via)[key]
-        for field in ("requests", "decode_tok_s", "ttft_all_s", "share_prefill", "decode_speedup", "quant"):
-            assert v[field] == (pytest.approx(d[field]) if isinstance(d[field], float) else d[field]), (key, field)
+        for field in (
+            "requests",
+            "decode_tok_s",
+            "ttft_all_s",
+            "share_prefill",
+            "decode_speedup",
+            "quant",
+        ):
+            assert v[field] == (
+                pytest.approx(d[field]) if isinstance(d[field], float) else d[field]
+            ), (key, field)
         assert v["prefill_ms_per_token"] == pytest.approx(d["prefill_ms_per_token"])
         assert "2k-6k" in v["prefill_ms_per_token"]
 
@@ -127,6 +160,11 @@ def test_report_from_prometheus_equals_report_from_metrics(proxy, prometheus):
 
 
 def test_window_needs_prometheus(proxy):
-    res = subprocess.run([sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--window", "5m"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--window", "5m"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1 and "--window needs a Prometheus server" in res.stderr

@@ -40,14 +40,20 @@ def test_model_family_pairs_precisions_of_one_model():
     fam = {model_family(m) for m in (BF16[1], FP8[1], INT4[1])}
     assert fam == {"llama-3.1-8b-instruct"}
     assert model_family("llama3.1:8b-instruct-q4_K_M") == model_family("llama3.1:8b-instruct-fp16")
-    assert model_family("x/qwen2.5-7b-instruct-q4_k_m.gguf") == model_family("x/qwen2.5-7b-instruct-f16.gguf")
-    assert model_family("TheBloke/Llama-2-7B-GPTQ") != model_family("meta-llama/Llama-3.1-8B-Instruct")
+    assert model_family("x/qwen2.5-7b-instruct-q4_k_m.gguf") == model_family(
+        "x/qwen2.5-7b-instruct-f16.gguf"
+    )
+    assert model_family("TheBloke/Llama-2-7B-GPTQ") != model_family(
+        "meta-llama/Llama-3.1-8B-Instruct"
+    )
 
 
 def _traffic(m: Metrics, key, decode, prefill_tps, ttft_8k, n=5) -> None:
     for i in range(n):
         m.requests_total.labels(*key, "chat", "ok").inc()
-        m.decode_tokens_per_second.labels(*key, "proxy", "0-2k").observe(decode * (1 + 0.01 * (i - 2)))
+        m.decode_tokens_per_second.labels(*key, "proxy", "0-2k").observe(
+            decode * (1 + 0.01 * (i - 2))
+        )
         m.prefill_tokens_per_second.labels(*key, "proxy", "2k-6k").observe(prefill_tps)
         m.prefill_tokens_per_second.labels(*key, "proxy", "12k-24k").observe(prefill_tps * 0.85)
         m.ttft_seconds.labels(*key, "6k-12k").observe(ttft_8k)
@@ -73,7 +79,11 @@ def test_table_without_power_says_na():
     assert bf16.decode_speedup == 1.0 and int4.baseline.endswith("(bf16)")
     assert not rep.power and bf16.decode_watts is None and bf16.joules_per_token is None
     text = markdown(rep)
-    assert "n/a" in text and "3.00×" in text and "| sim | meta-llama/Llama-3.1-8B-Instruct | bf16 |" in text
+    assert (
+        "n/a" in text
+        and "3.00×" in text
+        and "| sim | meta-llama/Llama-3.1-8B-Instruct | bf16 |" in text
+    )
 
 
 def test_power_per_model_gpu_and_joules_per_token():
@@ -95,7 +105,9 @@ def test_power_per_model_gpu_and_joules_per_token():
     assert bf16.idle_watts == 22.0 and int4.idle_watts == 22.0  # its own GPU, not both
     assert math.isclose(bf16.joules_per_token, 360.0 / bf16.decode_tok_s)
     assert math.isclose(int4.power_saving, 1 - 240.0 / 360.0)
-    assert math.isclose(int4.energy_saving, 1 - (240.0 / int4.decode_tok_s) / (360.0 / bf16.decode_tok_s))
+    assert math.isclose(
+        int4.energy_saving, 1 - (240.0 / int4.decode_tok_s) / (360.0 / bf16.decode_tok_s)
+    )
     assert math.isclose(int4.joules_per_token_energy, 2400.0 / 1000)  # 5 requests x 200 tokens
     text = markdown(rep)
     assert "| 360 | 22 | 7.2" in text and "33%" in text

@@ -8,10 +8,17 @@ from .servers import ROOT
 
 
 def test_soak_smoke():
-    res = subprocess.run([sys.executable, "tests/bench/soak.py", "--smoke"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "tests/bench/soak.py", "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert re.search(r"200 concurrent streams x 16 tokens through phasewatch: 0 lost, 0 corrupted", res.stdout)
+    assert re.search(
+        r"200 concurrent streams x 16 tokens through phasewatch: 0 lost, 0 corrupted", res.stdout
+    )
     m = re.search(r"proxy RSS start (\d+) MiB, max (\d+) MiB", res.stdout)
     assert m and int(m.group(2)) < 200, res.stdout
     assert "stalled readers: 20 clients" in res.stdout

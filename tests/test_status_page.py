@@ -28,9 +28,14 @@ def test_root_is_the_engines_for_api_clients_and_the_page_for_browsers(sim, prox
         assert (via.status_code, via.content) == (direct.status_code, direct.content), accept
     page = httpx.get(proxy.url + "/", headers={"accept": BROWSER_ACCEPT})
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert page.headers["vary"] == "Accept" and "default-src 'none'" in page.headers["content-security-policy"]
+    assert (
+        page.headers["vary"] == "Accept"
+        and "default-src 'none'" in page.headers["content-security-policy"]
+    )
     assert b"<title>phasewatch" in page.content
-    assert b"src=\"http" not in page.content and b"href=\"http" not in page.content  # no external assets
+    assert (
+        b'src="http' not in page.content and b'href="http' not in page.content
+    )  # no external assets
     # other methods at / are the engine's, whatever they accept
     post = httpx.post(proxy.url + "/", headers={"accept": BROWSER_ACCEPT}, content=b"{}")
     assert post.content == httpx.post(sim.url + "/", content=b"{}").content
@@ -38,14 +43,24 @@ def test_root_is_the_engines_for_api_clients_and_the_page_for_browsers(sim, prox
         r = httpx.get(proxy.url + path)
         assert r.status_code == 200 and b"<title>phasewatch" in r.content, path
     head = httpx.head(proxy.url + "/phasewatch/")
-    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 1000
+    assert (
+        head.status_code == 200
+        and head.content == b""
+        and int(head.headers["content-length"]) > 1000
+    )
 
 
 def test_summary_json_counts_requests(proxy):
-    body = {"model": "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4", "stream": True,
-            "messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 24}
+    body = {
+        "model": "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4",
+        "stream": True,
+        "messages": [{"role": "user", "content": "word " * 40}],
+        "max_tokens": 24,
+    }
     for _ in range(3):
-        assert httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        assert (
+            httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        )
     data = httpx.get(proxy.url + "/phasewatch/api/summary").json()
     assert data["upstreams"][0]["name"] == "sim" and data["upstreams"][0]["up"] is True
     rows = {r["precision"]: r for r in data["rows"]}
@@ -74,11 +89,26 @@ def _browse(url: str, *extra: str) -> subprocess.CompletedProcess:
     profile = tempfile.mkdtemp(prefix="pw-chromium-")
     try:
         return subprocess.run(
-            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-             "--virtual-time-budget=4000", *extra, url],
-            capture_output=True, text=True, timeout=90)
+            [
+                _chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=4000",
+                *extra,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     finally:
         shutil.rmtree(profile, ignore_errors=True)
 
@@ -122,15 +152,20 @@ class _Rows(html.parser.HTMLParser):
 @pytest.fixture(scope="module")
 def demo():
     port = free_port()
-    proc, log = _spawn(["demo", "--port", str(port), "--speed", "10", "--rate", "4", "--seed", "3"],
-                       port, "/phasewatch/health")
+    proc, log = _spawn(
+        ["demo", "--port", str(port), "--speed", "10", "--rate", "4", "--seed", "3"],
+        port,
+        "/phasewatch/health",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         # wait for decode rates and a long-prompt band for every precision
         deadline = time.monotonic() + 45
         while True:
             rows = httpx.get(url + "/phasewatch/api/summary", timeout=10).json()["rows"]
-            ready = [r for r in rows if r["decode_tok_s"] and set(r["ttft_s"]) - {"0-2k", "unknown"}]
+            ready = [
+                r for r in rows if r["decode_tok_s"] and set(r["ttft_s"]) - {"0-2k", "unknown"}
+            ]
             if len(ready) >= 3 or time.monotonic() > deadline:
                 break
             time.sleep(1)
@@ -181,5 +216,7 @@ def test_status_page_renders_live_numbers_in_chromium(demo):
     res = _browse(demo + "/phasewatch/", f"--screenshot={png}", "--window-size=1600,1000")
     assert res.returncode == 0 and png.exists(), res.stderr[-2000:]
     data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000  # a page with charts, not a blank
+    assert (
+        data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
+    )  # a page with charts, not a blank
     print(f"status page screenshot: {png}")

@@ -72,8 +72,10 @@ def test_missing_done_is_truncated():
 
 
 def test_midstream_error_event():
-    err = (b'data: {"error": {"object": "error", "message": "engine died", "type": '
-           b'"InternalServerError", "param": null, "code": 500}}\n\ndata: [DONE]\n\n')
+    err = (
+        b'data: {"error": {"object": "error", "message": "engine died", "type": '
+        b'"InternalServerError", "param": null, "code": 500}}\n\ndata: [DONE]\n\n'
+    )
     data = body(WORDS, "chat_stream").split(b"data: [DONE]")[0] + err
     tap = SSETap(Marks(t_recv=0.0))
     run(tap, [data])
@@ -98,10 +100,18 @@ def test_crlf_framing():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=10**6), max_size=40),
-       st.sampled_from([("raw-words", "chat_stream"), ("raw", "chat_stream"),
-                        ("raw-words", "completions_stream"), ("raw", "completions_stream"),
-                        ("raw", "chat_stream_long_ignore_eos")]))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**6), max_size=40),
+    st.sampled_from(
+        [
+            ("raw-words", "chat_stream"),
+            ("raw", "chat_stream"),
+            ("raw-words", "completions_stream"),
+            ("raw", "completions_stream"),
+            ("raw", "chat_stream_long_ignore_eos"),
+        ]
+    ),
+)
 def test_strip_is_exact_for_any_split(cuts, case):
     """Stripping the injected usage event gives the plain capture, however TCP splits it."""
     folder = VLLM_REAL / case[0]
@@ -112,9 +122,11 @@ def test_strip_is_exact_for_any_split(cuts, case):
     out = run(tap, splits(with_usage, cuts))
     if usage_name == case[1]:  # this capture already had usage: compare by dropping it
         plain = b"".join(e for e in events(with_usage) if b'"choices":[]' not in e)
-        plain = plain.replace(b'"finish_reason":"length","stop_reason":null,"token_ids":null}]}',
-                              b'"finish_reason":"length","stop_reason":null,"token_ids":null}],'
-                              b'"system_fingerprint":"vllm-0.32.0-94c9243e"}')
+        plain = plain.replace(
+            b'"finish_reason":"length","stop_reason":null,"token_ids":null}]}',
+            b'"finish_reason":"length","stop_reason":null,"token_ids":null}],'
+            b'"system_fingerprint":"vllm-0.32.0-94c9243e"}',
+        )
     assert out == plain
     assert VLLMDialect().outcome(tap, None, 200).usage.completion_tokens is not None
 
@@ -135,7 +147,7 @@ def _expected_outputs(data: bytes) -> int:
 
     n = 0
     for ev in events(data):
-        payload = ev[len(b"data: "):].strip()
+        payload = ev[len(b"data: ") :].strip()
         if payload == b"[DONE]":
             continue
         for choice in json.loads(payload)["choices"]:
@@ -145,8 +157,11 @@ def _expected_outputs(data: bytes) -> int:
     return n
 
 
-@given(st.binary(max_size=2000), st.lists(st.integers(min_value=0, max_value=4000), max_size=20),
-       st.booleans())
+@given(
+    st.binary(max_size=2000),
+    st.lists(st.integers(min_value=0, max_value=4000), max_size=20),
+    st.booleans(),
+)
 @settings(max_examples=300, deadline=None)
 def test_garbage_never_crashes_and_inspect_is_lossless(data, cuts, strip):
     tap = SSETap(Marks(t_recv=0.0), strip=strip)

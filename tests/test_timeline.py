@@ -37,8 +37,13 @@ def test_cached_prompt_tokens_are_not_processed():
 
 
 def test_engine_figures_and_upstream_queue():
-    engine = EngineTimings(prefill_seconds=0.25, prefill_tokens=500, decode_seconds=1.9,
-                           decode_tokens=100, decode_tokens_per_second=52.6)
+    engine = EngineTimings(
+        prefill_seconds=0.25,
+        prefill_tokens=500,
+        decode_seconds=1.9,
+        decode_tokens=100,
+        decode_tokens_per_second=52.6,
+    )
     f = figures(marks(), Usage(prompt_tokens=600, completion_tokens=101, cached_tokens=100), engine)
     assert f.prefill_tps == {"engine": pytest.approx(2000.0), "proxy": pytest.approx(500.0)}
     assert f.decode_tps["engine"] == pytest.approx(52.6)
@@ -52,8 +57,11 @@ def test_engine_queue_figure_wins():
 
 
 def test_non_streamed_never_fakes_a_decode_rate():
-    f = figures(Marks(t_recv=1.0, t_admit=1.0, t_sent=1.0, t_end=3.0),
-                Usage(prompt_tokens=10, completion_tokens=100), streamed=False)
+    f = figures(
+        Marks(t_recv=1.0, t_admit=1.0, t_sent=1.0, t_end=3.0),
+        Usage(prompt_tokens=10, completion_tokens=100),
+        streamed=False,
+    )
     assert f.ttft is None and f.decode_tps == {} and f.prefill_tps == {}
     assert f.request_seconds == pytest.approx(2.0)
     assert f.completion_tokens == 100
@@ -64,8 +72,19 @@ def test_aborted_before_first_token():
     assert f.ttft is None and f.request_seconds == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("tokens,band", [(None, "unknown"), (0, "0-2k"), (2047, "0-2k"),
-                                         (2048, "2k-6k"), (4096, "2k-6k"), (8192, "6k-12k"),
-                                         (16384, "12k-24k"), (32768, "24k-64k"), (10**6, "64k+")])
+@pytest.mark.parametrize(
+    "tokens,band",
+    [
+        (None, "unknown"),
+        (0, "0-2k"),
+        (2047, "0-2k"),
+        (2048, "2k-6k"),
+        (4096, "2k-6k"),
+        (8192, "6k-12k"),
+        (16384, "12k-24k"),
+        (32768, "24k-64k"),
+        (10**6, "64k+"),
+    ],
+)
 def test_prompt_bands(tokens, band):
     assert prompt_band(tokens) == band

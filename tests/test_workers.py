@@ -26,12 +26,18 @@ def stack():
 
 
 def _stream(url: str, model: str) -> int:
-    body = {"model": model, "stream": True, "max_tokens": 12,
-            "messages": [{"role": "user", "content": "hello there"}]}
-    with httpx.Client(timeout=30) as client:  # a fresh connection per request
-        with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-            assert resp.status_code == 200
-            return sum(1 for line in resp.iter_lines() if line.startswith("data: "))
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": 12,
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
+    with (
+        httpx.Client(timeout=30) as client,  # a fresh connection per request
+        client.stream("POST", url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        return sum(1 for line in resp.iter_lines() if line.startswith("data: "))
 
 
 def _models(url: str) -> str:
@@ -48,8 +54,11 @@ def test_requests_spread_and_metrics_sum(stack):
     lines = proxy.request_lines()
     assert len(lines) == N
     # every request line names the worker that served it (worker=i pid=P)
-    pids = {line.split(" pid=", 1)[1].split(" ", 1)[0]
-            for line in proxy.log().splitlines() if "msg=request " in line}
+    pids = {
+        line.split(" pid=", 1)[1].split(" ", 1)[0]
+        for line in proxy.log().splitlines()
+        if "msg=request " in line
+    }
     assert len(pids) == 2, f"all requests went to one worker: {pids}"
 
     # whichever worker answers /metrics, the totals are both workers' together
@@ -75,11 +84,18 @@ def test_sigterm_stops_every_worker_and_cleans_up():
     sim = start_sim("vllm", speed=10.0, deterministic=False)
     proxy = start_proxy(f"sim={sim.url}", args=["--workers", "2"])
     try:
-        pids = [int(p) for p in Path(f"/proc/{proxy.proc.pid}/task/{proxy.proc.pid}/children")
-                .read_text().split()]
+        pids = [
+            int(p)
+            for p in Path(f"/proc/{proxy.proc.pid}/task/{proxy.proc.pid}/children")
+            .read_text()
+            .split()
+        ]
         assert len(pids) >= 2
-        folder = next(line.split("metrics_dir=", 1)[1].split()[0]
-                      for line in proxy.log().splitlines() if "metrics_dir=" in line)
+        folder = next(
+            line.split("metrics_dir=", 1)[1].split()[0]
+            for line in proxy.log().splitlines()
+            if "metrics_dir=" in line
+        )
         assert os.path.isdir(folder)
         proxy.proc.send_signal(signal.SIGTERM)
         assert proxy.proc.wait(timeout=20) == 0

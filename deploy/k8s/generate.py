@@ -50,31 +50,45 @@ def prometheus_rule() -> str:
     groups = []
     for path in rule_files():
         groups += yaml.safe_load(path.read_text())["groups"]
-    doc = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-           "metadata": {"name": "phasewatch", "labels": dict(LABELS)},
-           "spec": {"groups": groups}}
-    return (HEADER.format(src="deploy/prometheus/rules/*.yml")
-            + "# kube-prometheus-stack selects rules by label (ruleSelector, by default\n"
-              "# `release: <helm release name>`): add that label to metadata.labels.\n"
-            + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True))
+    doc = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "phasewatch", "labels": dict(LABELS)},
+        "spec": {"groups": groups},
+    }
+    return (
+        HEADER.format(src="deploy/prometheus/rules/*.yml")
+        + "# kube-prometheus-stack selects rules by label (ruleSelector, by default\n"
+        "# `release: <helm release name>`): add that label to metadata.labels.\n"
+        + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True)
+    )
 
 
 def dashboards_configmap() -> str:
     data = {p.name: p.read_text() for p in sorted(DASHBOARDS.glob("*.json"))}
-    doc = {"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"name": "phasewatch-dashboards",
-                        "labels": {**LABELS, "grafana_dashboard": "1"},
-                        "annotations": {"grafana_folder": "phasewatch"}},
-           "data": data}
-    return (HEADER.format(src="grafana/dashboards/*.json")
-            + "# Grafana's sidecar (kube-prometheus-stack: grafana.sidecar.dashboards.enabled) loads\n"
-              "# ConfigMaps labelled grafana_dashboard=1; the folder annotation needs\n"
-              "# grafana.sidecar.dashboards.folderAnnotation=grafana_folder.\n"
-            + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True))
+    doc = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "phasewatch-dashboards",
+            "labels": {**LABELS, "grafana_dashboard": "1"},
+            "annotations": {"grafana_folder": "phasewatch"},
+        },
+        "data": data,
+    }
+    return (
+        HEADER.format(src="grafana/dashboards/*.json")
+        + "# Grafana's sidecar (kube-prometheus-stack: grafana.sidecar.dashboards.enabled) loads\n"
+        "# ConfigMaps labelled grafana_dashboard=1; the folder annotation needs\n"
+        "# grafana.sidecar.dashboards.folderAnnotation=grafana_folder.\n"
+        + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True)
+    )
 
 
-OUTPUTS = {"prometheusrule.yaml": prometheus_rule,
-           "grafana-dashboards-configmap.yaml": dashboards_configmap}
+OUTPUTS = {
+    "prometheusrule.yaml": prometheus_rule,
+    "grafana-dashboards-configmap.yaml": dashboards_configmap,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -12,5 +12,17 @@ from .gate import AdmissionGate, QueueFull, QueueTimeout
 from .relay import Relay
 from .upstreams import OTHER, UNKNOWN, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 
-__all__ = ["OTHER", "UNKNOWN", "Access", "AdmissionGate", "Exchange", "QueueFull", "QueueTimeout",
-           "Relay", "Upstream", "UpstreamOptions", "UpstreamSpec", "Upstreams"]
+__all__ = [
+    "OTHER",
+    "UNKNOWN",
+    "Access",
+    "AdmissionGate",
+    "Exchange",
+    "QueueFull",
+    "QueueTimeout",
+    "Relay",
+    "Upstream",
+    "UpstreamOptions",
+    "UpstreamSpec",
+    "Upstreams",
+]

@@ -9,11 +9,10 @@ compared in constant time and never logged or exported.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import base64
 import binascii
 import hmac
+from collections.abc import Iterable
 
 
 class Access:
@@ -52,8 +51,9 @@ class Access:
             ok |= hmac.compare_digest(presented, key)
         return ok
 
-    def upstream_headers(self, headers: list[tuple[bytes, bytes]],
-                         upstream: str) -> list[tuple[bytes, bytes]]:
+    def upstream_headers(
+        self, headers: list[tuple[bytes, bytes]], upstream: str
+    ) -> list[tuple[bytes, bytes]]:
         """The request headers as the engine should see them."""
         key = self._upstream.get(upstream)
         if key is None and not self._keys:
@@ -62,8 +62,9 @@ class Access:
         for k, v in headers:
             if k == b"x-api-key" and self._keys and self._match(v.strip()):
                 continue  # the phasewatch key: not the engine's business
-            if k == b"authorization" and (key is not None or
-                                          (v[:7].lower() == b"bearer " and self._match(v[7:].strip()))):
+            if k == b"authorization" and (
+                key is not None or (v[:7].lower() == b"bearer " and self._match(v[7:].strip()))
+            ):
                 continue
             out.append((k, v))
         if key is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import httpx
@@ -30,11 +30,11 @@ def model_in_path(path: str) -> str | None:
     """The model named by a ``/v1/models/{model}`` path (routed to the upstream serving it)."""
     for prefix in ("/v1/models/", "/models/"):
         if path.startswith(prefix) and len(path) > len(prefix):
-            return path[len(prefix):]
+            return path[len(prefix) :]
     return None
 
 
-async def _get(u: "Upstream", path: str) -> object:
+async def _get(u: Upstream, path: str) -> object:
     """The upstream's JSON answer (read at most MAX_PROBE_BYTES), or None."""
     try:
         status, obj = await get_json(u.client, "GET", path)
@@ -43,15 +43,27 @@ async def _get(u: "Upstream", path: str) -> object:
     return obj if status == 200 else None
 
 
-def _ollama_entry(u: "Upstream", model: str) -> dict:
+def _ollama_entry(u: Upstream, model: str) -> dict:
     p = u.precision.get(model)
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return {"name": model, "model": model, "modified_at": now, "size": 0, "digest": "",
-            "details": {"parent_model": "", "format": "", "family": "", "families": None,
-                        "parameter_size": "", "quantization_level": p.quant or p.precision}}
+    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return {
+        "name": model,
+        "model": model,
+        "modified_at": now,
+        "size": 0,
+        "digest": "",
+        "details": {
+            "parent_model": "",
+            "format": "",
+            "family": "",
+            "families": None,
+            "parameter_size": "",
+            "quantization_level": p.quant or p.precision,
+        },
+    }
 
 
-async def union(upstreams: "Upstreams", path: str) -> bytes | None:
+async def union(upstreams: Upstreams, path: str) -> bytes | None:
     """The merged listing for `path`, or None when no upstream answered."""
     ups = upstreams.all
     if path in ("/v1/models", "/models"):
@@ -67,8 +79,9 @@ async def union(upstreams: "Upstreams", path: str) -> bytes | None:
                 if key not in seen:
                     seen.add(key)
                     data.append(item)
-        return json.dumps({"object": "list", "data": data}, ensure_ascii=False,
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {"object": "list", "data": data}, ensure_ascii=False, separators=(",", ":")
+        ).encode()
     # Ollama's /api/tags and /api/ps
     ollama = [u for u in ups if u.engine == "ollama"]
     answers = await asyncio.gather(*(_get(u, path) for u in ollama))
@@ -92,15 +105,27 @@ async def union(upstreams: "Upstreams", path: str) -> bytes | None:
     return json.dumps({"models": models}, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def send_union(send: Send, upstreams: "Upstreams", path: str) -> None:
+async def send_union(send: Send, upstreams: Upstreams, path: str) -> None:
     body = await union(upstreams, path)
     status, ctype = 200, b"application/json; charset=utf-8"
     if body is None:
         status = 502
-        body = json.dumps({"error": {"message": "no upstream answered its model list",
-                                     "type": "connect", "param": None, "code": 502}}).encode()
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "no upstream answered its model list",
+                    "type": "connect",
+                    "param": None,
+                    "code": 502,
+                }
+            }
+        ).encode()
         ctype = b"application/json"
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

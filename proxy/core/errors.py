@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from .asgi import Send
 
@@ -22,18 +22,28 @@ class UpstreamFailure(Exception):
 
 def json_error(status: int, message: str, kind: str) -> bytes:
     """An OpenAI-style error body, as every OpenAI SDK parses it."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": status}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    ).encode()
 
 
-async def send_error(send: Send, status: int, message: str, kind: str,
-                     extra_headers: list[tuple[bytes, bytes]] | None = None,
-                     shape: ErrorShape | None = None) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    kind: str,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+    shape: ErrorShape | None = None,
+) -> None:
     """Answer with an error: OpenAI's shape unless `shape` gives the engine's own."""
-    ctype, body = shape(status, message, kind) if shape else (b"application/json",
-                                                               json_error(status, message, kind))
-    headers = [(b"content-type", ctype),
-               (b"content-length", str(len(body)).encode())] + (extra_headers or [])
+    ctype, body = (
+        shape(status, message, kind)
+        if shape
+        else (b"application/json", json_error(status, message, kind))
+    )
+    headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())] + (
+        extra_headers or []
+    )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -45,7 +45,7 @@ class AdmissionGate:
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout)
             else:
                 await fut
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             if fut.done() and not fut.cancelled():  # admitted while giving up: pass it on
                 self._release_slot()
             else:

@@ -8,10 +8,19 @@ from collections.abc import Iterable
 Headers = list[tuple[bytes, bytes]]
 
 #: RFC 9110 §7.6.1 connection-specific fields: they describe one hop, never forwarded.
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"proxy-authorization", b"proxy-authenticate",
-})
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+    }
+)
 #: The proxy sets the framing and the host itself on the upstream side.
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}
 

@@ -57,8 +57,15 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
 class Relay:
     """ASGI app forwarding everything to the upstreams (measuring generation)."""
 
-    def __init__(self, upstreams: Upstreams, recorder: Recorder, *, inject_usage: bool,
-                 max_body_bytes: int, access: Access | None = None) -> None:
+    def __init__(
+        self,
+        upstreams: Upstreams,
+        recorder: Recorder,
+        *,
+        inject_usage: bool,
+        max_body_bytes: int,
+        access: Access | None = None,
+    ) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
         self.inject_usage = inject_usage
@@ -74,22 +81,29 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
         if not self.access.allowed(headers):
-            await send_error(send, 401, "missing or invalid phasewatch API key (send "
-                             "Authorization: Bearer KEY or x-api-key: KEY)", "authentication_error",
-                             [(b"www-authenticate", b'Bearer realm="phasewatch"')])
+            await send_error(
+                send,
+                401,
+                "missing or invalid phasewatch API key (send "
+                "Authorization: Bearer KEY or x-api-key: KEY)",
+                "authentication_error",
+                [(b"www-authenticate", b'Bearer realm="phasewatch"')],
+            )
             return
         for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
-                await send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
-                                 "request_too_large")
+                await send_error(
+                    send, 413, f"request body over {self.max_body_bytes} bytes", "request_too_large"
+                )
                 return
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
             return
         if body is None:
-            await send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
-                             "request_too_large")
+            await send_error(
+                send, 413, f"request body over {self.max_body_bytes} bytes", "request_too_large"
+            )
             return
         t_recv = time.monotonic()
         method = scope["method"]
@@ -112,14 +126,21 @@ class Relay:
             await self._passthrough(scope, receive, send, upstream, body)
             return
         label = upstream.model_label(prepared.model)
-        ex = Exchange(request_id(headers), upstream, prepared, Marks(t_recv=t_recv), label,
-                      upstream.precision_of(label).precision)
+        ex = Exchange(
+            request_id(headers),
+            upstream,
+            prepared,
+            Marks(t_recv=t_recv),
+            label,
+            upstream.precision_of(label).precision,
+        )
         await self._measured(scope, receive, send, ex)
 
     # --- unmeasured paths -----------------------------------------------------------
 
-    async def _passthrough(self, scope: Scope, receive: Receive, send: Send,
-                           upstream: Upstream, body: bytes) -> None:
+    async def _passthrough(
+        self, scope: Scope, receive: Receive, send: Send, upstream: Upstream, body: bytes
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         state = _Watch()
@@ -127,19 +148,29 @@ class Relay:
         resp = None
         try:
             resp = await self._open(upstream, scope, body)
-            await send({"type": "http.response.start", "status": resp.status_code,
-                        "headers": response_headers(resp.headers.raw)})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": resp.status_code,
+                    "headers": response_headers(resp.headers.raw),
+                }
+            )
             async for chunk in resp.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             state.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamFailure as exc:
             state.finished = True
-            await send_error(send, exc.status, exc.message, exc.kind,
-                             shape=_shape(upstream, scope["path"]))
+            await send_error(
+                send, exc.status, exc.message, exc.kind, shape=_shape(upstream, scope["path"])
+            )
         except httpx.HTTPError as exc:  # mid-body: end the connection, the client sees it cut
-            log.warning("upstream %s failed mid-response on %s: %s", upstream.name,
-                        scope["path"][:200], describe(exc))
+            log.warning(
+                "upstream %s failed mid-response on %s: %s",
+                upstream.name,
+                scope["path"][:200],
+                describe(exc),
+            )
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -175,16 +206,25 @@ class Relay:
             except QueueFull:
                 state.finished = True
                 ex.outcome, ex.status = "rejected", 429
-                await send_error(send, 429, f"upstream {upstream.name} queue is full "
-                                 f"({upstream.gate.max_queue} waiting); retry later",
-                                 "rate_limit_exceeded", [(b"retry-after", b"1")])
+                await send_error(
+                    send,
+                    429,
+                    f"upstream {upstream.name} queue is full "
+                    f"({upstream.gate.max_queue} waiting); retry later",
+                    "rate_limit_exceeded",
+                    [(b"retry-after", b"1")],
+                )
                 return
             except QueueTimeout:
                 state.finished = True
                 ex.outcome, ex.status = "rejected", 503
-                await send_error(send, 503, f"waited {upstream.gate.timeout:g}s in the queue "
-                                 f"for upstream {upstream.name}", "queue_timeout",
-                                 [(b"retry-after", b"1")])
+                await send_error(
+                    send,
+                    503,
+                    f"waited {upstream.gate.timeout:g}s in the queue for upstream {upstream.name}",
+                    "queue_timeout",
+                    [(b"retry-after", b"1")],
+                )
                 return
             finally:
                 queued.dec()
@@ -197,8 +237,9 @@ class Relay:
         except UpstreamFailure as exc:
             state.finished = True
             ex.fail(exc.kind, exc.message, exc.status)
-            await send_error(send, exc.status, exc.message, exc.kind,
-                             shape=_shape(upstream, scope["path"]))
+            await send_error(
+                send, exc.status, exc.message, exc.kind, shape=_shape(upstream, scope["path"])
+            )
         except asyncio.CancelledError:
             if not state.disconnected:
                 raise
@@ -221,19 +262,20 @@ class Relay:
             ex.marks.t_end = time.monotonic()
             self.recorder.record(ex)
 
-    async def _respond(self, send: Send, resp: httpx.Response, ex: Exchange,
-                       state: "_Watch") -> None:
+    async def _respond(self, send: Send, resp: httpx.Response, ex: Exchange, state: _Watch) -> None:
         """Forward the response head, then its body (tapped when it is a stream)."""
         ex.status = resp.status_code
         ex.marks.t_headers = time.monotonic()
         raw = resp.headers.raw
         tap = None
         if ex.status < 400 and not encoded(raw):
-            tap = ex.upstream.dialect.tap(resp.headers.get("content-type", ""), ex.marks,
-                                          ex.prepared)
+            tap = ex.upstream.dialect.tap(
+                resp.headers.get("content-type", ""), ex.marks, ex.prepared
+            )
         ex.tap = tap
-        await send({"type": "http.response.start", "status": ex.status,
-                    "headers": response_headers(raw)})
+        await send(
+            {"type": "http.response.start", "status": ex.status, "headers": response_headers(raw)}
+        )
         try:
             if tap is not None:
                 tail = await self._stream(send, resp, tap, ex)
@@ -242,13 +284,17 @@ class Relay:
                 kept = await self._forward_kept(send, resp)
                 tail = b""
         except httpx.HTTPError as exc:
-            ex.fail("timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
-                    f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}", 502)
+            ex.fail(
+                "timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
+                f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}",
+                502,
+            )
             log.warning("%s (request %s)", ex.error_message, ex.request_id)
             if tap is not None:
                 assert ex.error_message is not None
-                tail = tap.flush() + ex.upstream.dialect.stream_error(ex.error_message,
-                                                                      ex.prepared.endpoint)
+                tail = tap.flush() + ex.upstream.dialect.stream_error(
+                    ex.error_message, ex.prepared.endpoint
+                )
                 state.finished = True
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             return  # a plain body is left cut short: the client sees the connection end
@@ -270,7 +316,8 @@ class Relay:
             # stream's own framing so clients do not take a cut answer as whole
             tail += ex.upstream.dialect.stream_error(
                 f"upstream {ex.upstream.name} ended the stream without its terminator",
-                ex.prepared.endpoint)
+                ex.prepared.endpoint,
+            )
         return tail
 
     async def _forward_kept(self, send: Send, resp: httpx.Response) -> bytes:
@@ -291,8 +338,9 @@ class Relay:
         if result.error_kind is not None:
             ex.fail(result.error_kind, result.error_message or result.error_kind)
 
-    async def _open(self, upstream: Upstream, scope: Scope, body: bytes,
-                    marks: Marks | None = None) -> httpx.Response:
+    async def _open(
+        self, upstream: Upstream, scope: Scope, body: bytes, marks: Marks | None = None
+    ) -> httpx.Response:
         """Send the request upstream and return the response with its body unread."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
@@ -305,13 +353,17 @@ class Relay:
         try:
             return await upstream.client.send(req, stream=True)
         except httpx.ConnectTimeout as exc:
-            raise UpstreamFailure(504, "timeout", f"{where} did not accept a connection in "
-                                  f"time: {describe(exc)}") from None
+            raise UpstreamFailure(
+                504, "timeout", f"{where} did not accept a connection in time: {describe(exc)}"
+            ) from None
         except httpx.ConnectError as exc:
-            raise UpstreamFailure(502, "connect", f"{where} is unreachable: {describe(exc)}") from None
+            raise UpstreamFailure(
+                502, "connect", f"{where} is unreachable: {describe(exc)}"
+            ) from None
         except httpx.TimeoutException as exc:
-            raise UpstreamFailure(504, "timeout", f"{where} did not answer in time: "
-                                  f"{describe(exc)}") from None
+            raise UpstreamFailure(
+                504, "timeout", f"{where} did not answer in time: {describe(exc)}"
+            ) from None
         except httpx.HTTPError as exc:
             raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
 

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable
 log = logging.getLogger(__name__)
 
 
-async def every(interval: float, step: Callable[[], Awaitable[object]], what: str,
-                first_delay: float = 0.0) -> None:
+async def every(
+    interval: float, step: Callable[[], Awaitable[object]], what: str, first_delay: float = 0.0
+) -> None:
     """Run `step` every `interval` seconds until cancelled; `what` names it in the log."""
     failing = False
     await asyncio.sleep(first_delay)
@@ -25,7 +26,7 @@ async def every(interval: float, step: Callable[[], Awaitable[object]], what: st
             await step()
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - the loop must outlive its bugs
+        except Exception:
             if not failing:
                 log.exception("%s failed; trying again every %gs", what, interval)
             failing = True

@@ -47,7 +47,7 @@ class UpstreamSpec:
 class UpstreamOptions:
     """What every upstream shares: its client, its gate, how its models are listed."""
 
-    client: ClientOptions = ClientOptions()
+    client: ClientOptions = field(default_factory=ClientOptions)
     max_concurrency: int = 0
     max_queue: int = 256
     queue_timeout: float = 0.0
@@ -72,8 +72,9 @@ class Upstream:
         self.dialect: Dialect = get_dialect(spec.engine or "openai")
         # a precision table per upstream: one model name can be served at different
         # precisions by different engines (the side-by-side comparison the tool is for)
-        self.precision = PrecisionTable(dict(options.precision_overrides),
-                                        model_dir=options.model_dir)
+        self.precision = PrecisionTable(
+            dict(options.precision_overrides), model_dir=options.model_dir
+        )
         self.precision_read: set[str] = set()  # models whose precision the engine was asked
         self.configured_models = set(options.extra_models)
         self.models: set[str] = set()
@@ -82,8 +83,7 @@ class Upstream:
         #: Set once the first probe answered or failed (requests that come before it wait
         #: for it, briefly: they are then read in the right engine's dialect).
         self.probed = asyncio.Event()
-        self.gate = AdmissionGate(options.max_concurrency, options.max_queue,
-                                  options.queue_timeout)
+        self.gate = AdmissionGate(options.max_concurrency, options.max_queue, options.queue_timeout)
         self.client = make_client(spec.url, options.client, spec.api_key)
         self._label_cache: dict[str, str] = {}
         #: Exchanges admitted and not finished. Side services (the power sampler) read it
@@ -137,20 +137,23 @@ class Upstream:
     async def refresh(self) -> None:
         """Read the engine's model list; keeps the old list when the engine is down. The
         engine is (re)detected when the upstream was down (or at start)."""
-        if self.spec.engine is None and not self.up:
-            try:
-                engine = await detect_engine(self.client)
-            except BaseException:
-                self.probed.set()
-                raise
-            if engine is not None:
-                self.set_engine(engine)
-        query = ModelQuery(self.client, self.options.max_models, self.precision_read,
-                           self.options.model_dir)
         try:
-            listed = await self.dialect.list_models(query)
+            await self._refresh()
+        except Exception:
+            self._set_up(False)  # an answer that broke a probe: down until one works
+            raise
         finally:
             self.probed.set()
+
+    async def _refresh(self) -> None:
+        if self.spec.engine is None and not self.up:
+            engine = await detect_engine(self.client)
+            if engine is not None:
+                self.set_engine(engine)
+        query = ModelQuery(
+            self.client, self.options.max_models, self.precision_read, self.options.model_dir
+        )
+        listed = await self.dialect.list_models(query)
         if listed is None:
             self._set_up(False)
             return
@@ -166,13 +169,23 @@ class Upstream:
             self.publish_models()
         self._set_up(True)
         if came_up:
-            log.info("upstream %s (%s) is up: engine %s, models %s", self.name, self.url,
-                     self.engine, ",".join(sorted(new)) or "-")
+            log.info(
+                "upstream %s (%s) is up: engine %s, models %s",
+                self.name,
+                self.url,
+                self.engine,
+                ",".join(sorted(new)) or "-",
+            )
 
     def _set_up(self, up: bool) -> None:
         if not up and self.up is not False:
-            log.warning("upstream %s (%s) is not answering its model list; requests to it "
-                        "get 502 until it does (engine %s)", self.name, self.url, self.engine)
+            log.warning(
+                "upstream %s (%s) is not answering its model list; requests to it "
+                "get 502 until it does (engine %s)",
+                self.name,
+                self.url,
+                self.engine,
+            )
         self.up = up
         self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
 
@@ -206,7 +219,7 @@ class Upstreams:
         requests after start are routed by model and read in the right dialect."""
         try:
             await asyncio.wait_for(asyncio.gather(*(u.probed.wait() for u in self.all)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self.probed = True
 
@@ -223,9 +236,11 @@ class Upstreams:
         in the background: the proxy serves from the first moment."""
         for u in self.all:
             u.publish_models()
-            self.spawn(every(refresh_interval, u.refresh, f"model-list refresh of upstream {u.name}"))
+            self.spawn(
+                every(refresh_interval, u.refresh, f"model-list refresh of upstream {u.name}")
+            )
 
-    def spawn(self, coro) -> None:  # noqa: ANN001 - any background loop of the upstreams
+    def spawn(self, coro) -> None:
         self._tasks.append(asyncio.create_task(coro))
 
     async def stop(self) -> None:

@@ -27,7 +27,11 @@ ENGINES: dict[str, type[OpenAIDialect]] = {
 #: The order engines are tried in: the most specific signs first, the generic OpenAI
 #: server (anything listing /v1/models) last.
 DETECTION_ORDER: tuple[type[OpenAIDialect], ...] = (
-    OllamaDialect, LlamaCppDialect, VLLMDialect, OpenAIDialect)
+    OllamaDialect,
+    LlamaCppDialect,
+    VLLMDialect,
+    OpenAIDialect,
+)
 
 
 def get_dialect(name: str) -> Dialect:
@@ -50,5 +54,16 @@ async def detect_engine(client: httpx.AsyncClient) -> str | None:
     return None
 
 
-__all__ = ["DETECTION_ORDER", "ENGINES", "Dialect", "EngineState", "ModelList", "ModelQuery",
-           "Outcome", "Prepared", "Tap", "detect_engine", "get_dialect"]
+__all__ = [
+    "DETECTION_ORDER",
+    "ENGINES",
+    "Dialect",
+    "EngineState",
+    "ModelList",
+    "ModelQuery",
+    "Outcome",
+    "Prepared",
+    "Tap",
+    "detect_engine",
+    "get_dialect",
+]

@@ -28,8 +28,6 @@ from ..measure.timeline import EngineTimings, Marks, Usage
 if TYPE_CHECKING:
     import httpx
 
-    from .probe import Prober
-
 
 @dataclass(slots=True)
 class Prepared:
@@ -60,8 +58,18 @@ class Tap:
     counts into a bucket array handed to the metrics once per request.
     """
 
-    __slots__ = ("marks", "gap_counts", "gap_sum", "_last_out", "done", "error_payload",
-                 "usage_payload", "timings_payload", "finish_seen", "_buf")
+    __slots__ = (
+        "_buf",
+        "_last_out",
+        "done",
+        "error_payload",
+        "finish_seen",
+        "gap_counts",
+        "gap_sum",
+        "marks",
+        "timings_payload",
+        "usage_payload",
+    )
 
     def __init__(self, marks: Marks) -> None:
         self.marks = marks
@@ -147,7 +155,8 @@ def as_int(value) -> int | None:
 #: a finish reason (the finish event carries the last token). Tolerates spaced JSON.
 OUTPUT_RE = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning)":\s*"(?!")|"tool_calls":\s*\[\s*\{'
-    rb'|"finish_reason":\s*"')
+    rb'|"finish_reason":\s*"'
+)
 FINISH_RE = re.compile(rb'"finish_reason":\s*"')
 USAGE_RE = re.compile(rb'"usage":\s*\{')
 EMPTY_CHOICES_RE = re.compile(rb'"choices":\s*\[\s*\]')
@@ -157,16 +166,21 @@ EMPTY_CHOICES_RE = re.compile(rb'"choices":\s*\[\s*\]')
 # that dominate a stream (a token delta, "finish_reason":null, no usage): a substring
 # find decides those, the pattern runs only on the few events it cannot decide.
 
-_CONTENT, _TEXT, _FINISH_KEY, _USAGE_KEY = b'"content":"', b'"text":"', b'"finish_reason":', b'"usage":'
+_CONTENT, _TEXT, _FINISH_KEY, _USAGE_KEY = (
+    b'"content":"',
+    b'"text":"',
+    b'"finish_reason":',
+    b'"usage":',
+)
 
 
 def is_output(payload: bytes) -> bool:
     """``OUTPUT_RE.search(payload) is not None``, fast for compact token deltas."""
     i = payload.find(_CONTENT)
-    if i >= 0 and payload[i + 11:i + 12] != b'"':
+    if i >= 0 and payload[i + 11 : i + 12] != b'"':
         return True
     i = payload.find(_TEXT)
-    if i >= 0 and payload[i + 8:i + 9] != b'"':
+    if i >= 0 and payload[i + 8 : i + 9] != b'"':
         return True
     return OUTPUT_RE.search(payload) is not None
 
@@ -176,7 +190,7 @@ def is_finish(payload: bytes) -> bool:
     i = payload.find(_FINISH_KEY)
     if i < 0:
         return False
-    if payload[i + 16:i + 20] == b"null" and payload.find(_FINISH_KEY, i + 16) < 0:
+    if payload[i + 16 : i + 20] == b"null" and payload.find(_FINISH_KEY, i + 16) < 0:
         return False
     return FINISH_RE.search(payload) is not None
 
@@ -194,7 +208,7 @@ class ModelQuery:
     """What listing an engine's models needs: the client, how many names to take, and
     the models whose precision was read already (read only new ones)."""
 
-    client: "httpx.AsyncClient"
+    client: httpx.AsyncClient
     max_models: int
     known: set[str]
     model_dir: str | None = None
@@ -224,24 +238,32 @@ class Dialect(Protocol):
     # --- the request path -------------------------------------------------------------
     def endpoint(self, method: str, path: str) -> str | None:
         """The bounded endpoint label when (method, path) generates, else None."""
+
     def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
         """What to send upstream; None when this request is not measured after all."""
+
     def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
         """A tap for a streamed answer of this content type, or None (a whole body)."""
+
     def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
         """What the finished answer said: usage, the engine's timings, errors."""
+
     def stream_error(self, message: str, endpoint: str = "") -> bytes:
         """A well-formed error event, in the stream's framing, to end a broken stream."""
-    def error_body(self, status: int, message: str, kind: str,
-                   path: str = "") -> tuple[bytes, bytes]:
+
+    def error_body(
+        self, status: int, message: str, kind: str, path: str = ""
+    ) -> tuple[bytes, bytes]:
         """(content type, body) of an error the proxy itself answers on `path` with."""
+
     def canonical(self, model: str, listed: set[str]) -> str | None:
         """The listed name a request's model means, or None."""
 
     # --- off the request path -----------------------------------------------------------
     async def list_models(self, query: ModelQuery) -> ModelList | None:
         """The engine's models (None when it does not answer)."""
-    async def read_state(self, client: "httpx.AsyncClient", models: set[str]) -> EngineState | None:
+
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
         """The engine's own gauges (None when it does not answer or has none)."""
 
 

@@ -33,8 +33,19 @@ import httpx
 
 from ..measure.precision import Precision, from_bits_per_weight, from_gguf_type, from_llama_ftype
 from ..measure.timeline import EngineTimings, Marks
-from .base import (OUTPUT_RE, USAGE_RE, EngineState, ModelList, ModelQuery, Outcome, Prepared,
-                   Tap, as_int, loads, settle)
+from .base import (
+    OUTPUT_RE,
+    USAGE_RE,
+    EngineState,
+    ModelList,
+    ModelQuery,
+    Outcome,
+    Prepared,
+    Tap,
+    as_int,
+    loads,
+    settle,
+)
 from .openai import OpenAIDialect
 from .probe import get_json, read_bounded
 from .prometheus import parse_prometheus
@@ -52,15 +63,19 @@ GAUGES = {
 _TIMINGS_RE = re.compile(rb'"timings":\s*\{')
 _STOP_RE = re.compile(rb'"stop":\s*true')
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
-             "/v1/completions": "completions", "/completions": "completions",
-             "/completion": "llamacpp_completion"}
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/completions": "completions",
+    "/completion": "llamacpp_completion",
+}
 
 
 class LlamaTap(Tap):
     """llama-server's SSE, inspected and forwarded untouched."""
 
-    __slots__ = ("native", "_sep")
+    __slots__ = ("_sep", "native")
 
     def __init__(self, marks: Marks, native: bool) -> None:
         super().__init__(marks)
@@ -75,7 +90,7 @@ class LlamaTap(Tap):
             if ev[:6] == b"error:":  # older builds' non-standard error field
                 self.error_payload = ev[6:].strip()
             return
-        payload = ev[p + 5:].lstrip(b" ")
+        payload = ev[p + 5 :].lstrip(b" ")
         if payload[:6] == b"[DONE]":
             self.done = True
             return
@@ -123,15 +138,18 @@ class LlamaCppDialect(OpenAIDialect):
     # --- recognising it, its model and its precision, its state --------------------------
 
     @staticmethod
-    async def detect(probe: "Prober") -> bool:
+    async def detect(probe: Prober) -> bool:
         props = await probe.get_dict("/props")
-        if props is not None and ("default_generation_settings" in props or "build_info" in props
-                                  or "model_path" in props):
+        if props is not None and (
+            "default_generation_settings" in props or "build_info" in props or "model_path" in props
+        ):
             return True
         models = await probe.get_dict("/v1/models")
         data = models.get("data") if models else None
-        return any(isinstance(item, dict) and item.get("owned_by") == "llamacpp"
-                   for item in (data if isinstance(data, list) else ()))
+        return any(
+            isinstance(item, dict) and item.get("owned_by") == "llamacpp"
+            for item in (data if isinstance(data, list) else ())
+        )
 
     async def list_models(self, query: ModelQuery) -> ModelList | None:
         try:
@@ -139,8 +157,11 @@ class LlamaCppDialect(OpenAIDialect):
             if status != 200 or not isinstance(obj, dict):
                 return None
             data = obj.get("data")
-            entries = [e for e in (data if isinstance(data, list) else ())
-                       if isinstance(e, dict) and isinstance(e.get("id"), str)]
+            entries = [
+                e
+                for e in (data if isinstance(data, list) else ())
+                if isinstance(e, dict) and isinstance(e.get("id"), str)
+            ]
             props = None
             if any(e["id"] not in query.known for e in entries):
                 p_status, props = await get_json(query.client, "GET", "/props")
@@ -152,8 +173,7 @@ class LlamaCppDialect(OpenAIDialect):
             out.names.append(e["id"])
             if e["id"] not in query.known:
                 # /props describes the loaded model; with one model it is this one
-                out.precision[e["id"]] = llamacpp_precision(
-                    props if len(entries) == 1 else None, e)
+                out.precision[e["id"]] = llamacpp_precision(props if len(entries) == 1 else None, e)
         return out
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
@@ -177,8 +197,9 @@ class LlamaCppDialect(OpenAIDialect):
         if not isinstance(obj, dict):
             return Prepared(endpoint, None, False, raw)
         model = obj.get("model")
-        return Prepared(endpoint, model if isinstance(model, str) else None,
-                        obj.get("stream") is True, raw)
+        return Prepared(
+            endpoint, model if isinstance(model, str) else None, obj.get("stream") is True, raw
+        )
 
     def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
         if content_type.startswith("text/event-stream"):

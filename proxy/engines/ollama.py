@@ -26,16 +26,31 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
-from ..measure.precision import (Precision, from_gguf_file_type, from_gguf_type, from_hf_config,
-                                 from_llama_ftype)
+from ..measure.precision import (
+    Precision,
+    from_gguf_file_type,
+    from_gguf_type,
+    from_hf_config,
+    from_llama_ftype,
+)
 from ..measure.timeline import EngineTimings, Marks, Usage
-from .base import (EngineState, ModelList, ModelQuery, Outcome, Prepared, Tap, as_int,
-                   error_message, loads, settle)
+from .base import (
+    EngineState,
+    ModelList,
+    ModelQuery,
+    Outcome,
+    Prepared,
+    Tap,
+    as_int,
+    error_message,
+    loads,
+    settle,
+)
 from .openai import OpenAIDialect
 from .probe import get_json, read_bounded
 from .sse import SSETap
@@ -45,7 +60,8 @@ if TYPE_CHECKING:
 
 #: A native line carrying generated output: non-empty text, thinking or tool calls.
 _NATIVE_OUTPUT_RE = re.compile(
-    rb'"(?:content|response|thinking)":\s*"(?!")|"tool_calls":\s*\[\s*\{')
+    rb'"(?:content|response|thinking)":\s*"(?!")|"tool_calls":\s*\[\s*\{'
+)
 _DONE_RE = re.compile(rb'"done":\s*true')
 _NOT_GENERATION_RE = re.compile(rb'"done_reason":\s*"(?:load|unload)"')
 
@@ -136,7 +152,7 @@ class OllamaDialect(OpenAIDialect):
     # --- recognising it, its models and their precision, its state ----------------------
 
     @staticmethod
-    async def detect(probe: "Prober") -> bool:
+    async def detect(probe: Prober) -> bool:
         version = await probe.get_dict("/api/version")
         return version is not None and isinstance(version.get("version"), str)
 
@@ -162,8 +178,9 @@ class OllamaDialect(OpenAIDialect):
                 if name not in query.known:
                     p = ollama_precision(item.get("details"))
                     if p is None:  # ask /api/show (it fills an unknown level from the GGUF)
-                        s_status, show = await get_json(query.client, "POST", "/api/show",
-                                                        {"model": name})
+                        s_status, show = await get_json(
+                            query.client, "POST", "/api/show", {"model": name}
+                        )
                         if s_status == 200 and isinstance(show, dict):
                             p = ollama_precision(show.get("details"), show.get("model_info"))
                     out.precision[name] = p
@@ -208,8 +225,9 @@ class OllamaDialect(OpenAIDialect):
             return OllamaSSETap(marks, prepared.strip_usage, zero)
         return None
 
-    def error_body(self, status: int, message: str, kind: str,
-                   path: str = "") -> tuple[bytes, bytes]:
+    def error_body(
+        self, status: int, message: str, kind: str, path: str = ""
+    ) -> tuple[bytes, bytes]:
         if path.startswith("/api/"):
             return b"application/json; charset=utf-8", json.dumps({"error": message}).encode()
         return super().error_body(status, message, kind, path)
@@ -287,14 +305,17 @@ def ollama_precision(details: object, model_info: object = None) -> Precision | 
 
 def ollama_ps(obj: object, now: datetime | None = None) -> EngineState:
     """{model: {loaded, vram, size, expiry}} from Ollama's /api/ps."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     out: EngineState = {}
     items = obj.get("models") if isinstance(obj, dict) else None
     for item in items if isinstance(items, list) else ():
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             continue
-        state = {"loaded": 1.0, "vram": _number(item.get("size_vram")),
-                 "size": _number(item.get("size"))}
+        state = {
+            "loaded": 1.0,
+            "vram": _number(item.get("size_vram")),
+            "size": _number(item.get("size")),
+        }
         expires = _parse_time(item.get("expires_at"))
         if expires is not None:
             state["expiry"] = max(0.0, (expires - now).total_seconds())
@@ -322,4 +343,4 @@ def _parse_time(text: object) -> datetime | None:
         parsed = datetime.fromisoformat(t)
     except ValueError:
         return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

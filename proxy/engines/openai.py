@@ -22,13 +22,25 @@ import httpx
 
 from ..measure.precision import Precision, from_hf_config, from_name
 from ..measure.timeline import Marks, Usage
-from .base import (EngineState, ModelList, ModelQuery, Outcome, Prepared, Tap, as_int,
-                   canonical_name, error_message, loads, settle)
+from .base import (
+    EngineState,
+    ModelList,
+    ModelQuery,
+    Outcome,
+    Prepared,
+    Tap,
+    as_int,
+    canonical_name,
+    error_message,
+    loads,
+    settle,
+)
 from .probe import get_json
 from .sse import SSETap
 
 if TYPE_CHECKING:
     from .probe import Prober
+
 
 class OpenAIDialect:
     """Chat and text completions over OpenAI's wire format."""
@@ -37,13 +49,15 @@ class OpenAIDialect:
     answers_any_model: ClassVar[bool] = False
     #: Whether ``"stream_options":{}`` means include_usage=true (vLLM) or false (OpenAI).
     empty_stream_options_is_usage: ClassVar[bool] = False
-    endpoints: ClassVar[dict[str, str]] = {"/v1/chat/completions": "chat",
-                                           "/v1/completions": "completions"}
+    endpoints: ClassVar[dict[str, str]] = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completions",
+    }
 
     # --- recognising it, its models and their precision (off the request path) ---------
 
     @staticmethod
-    async def detect(probe: "Prober") -> bool:
+    async def detect(probe: Prober) -> bool:
         return await probe.get_dict("/v1/models") is not None
 
     def canonical(self, model: str, listed: set[str]) -> str | None:
@@ -114,8 +128,11 @@ class OpenAIDialect:
                 sep = b"," if body[:-1].rstrip() not in (b"{",) else b""
                 prepared.body = body[:-1] + sep + b'"stream_options":{"include_usage":true}}'
                 prepared.strip_usage = True
-        elif (isinstance(options, dict) and options.get("include_usage") is False
-              and not options.get("continuous_usage_stats")):
+        elif (
+            isinstance(options, dict)
+            and options.get("include_usage") is False
+            and not options.get("continuous_usage_stats")
+        ):
             obj["stream_options"] = {**options, "include_usage": True}
             prepared.body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
             prepared.strip_usage = True
@@ -126,8 +143,9 @@ class OpenAIDialect:
         err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
         return b"data: " + json.dumps(err).encode() + b"\n\n"
 
-    def error_body(self, status: int, message: str, kind: str,
-                   path: str = "") -> tuple[bytes, bytes]:
+    def error_body(
+        self, status: int, message: str, kind: str, path: str = ""
+    ) -> tuple[bytes, bytes]:
         """(content type, body) of an error the proxy itself answers on `path` with."""
         err = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         return b"application/json", json.dumps(err).encode()
@@ -182,7 +200,9 @@ def read_model_config(model_dir: str | None, model_id: str, root: str | None) ->
         if name:
             candidates.append(os.path.join(model_dir, name))
             candidates.append(os.path.join(model_dir, os.path.basename(name.rstrip("/"))))
-            hub = os.path.join(model_dir, "models--" + name.strip("/").replace("/", "--"), "snapshots")
+            hub = os.path.join(
+                model_dir, "models--" + name.strip("/").replace("/", "--"), "snapshots"
+            )
             candidates.extend(sorted(glob.glob(os.path.join(hub, "*")), reverse=True))
     for folder in candidates:
         path = os.path.join(folder, "config.json")

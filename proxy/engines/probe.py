@@ -20,8 +20,13 @@ class TooLarge(ValueError):
     """An engine's answer to a probe was longer than MAX_PROBE_BYTES."""
 
 
-async def read_bounded(client: httpx.AsyncClient, method: str, path: str, body: Any = None,
-                       limit: int = MAX_PROBE_BYTES) -> tuple[int, bytes]:
+async def read_bounded(
+    client: httpx.AsyncClient,
+    method: str,
+    path: str,
+    body: Any = None,
+    limit: int = MAX_PROBE_BYTES,
+) -> tuple[int, bytes]:
     """(status, body) of a probe, reading at most `limit` bytes (TooLarge beyond).
 
     `path` is relative to the upstream's base URL (``/v1/models`` on an upstream
@@ -36,8 +41,9 @@ async def read_bounded(client: httpx.AsyncClient, method: str, path: str, body: 
         return resp.status_code, b"".join(chunks)
 
 
-async def get_json(client: httpx.AsyncClient, method: str, path: str,
-                   body: Any = None) -> tuple[int, Any]:
+async def get_json(
+    client: httpx.AsyncClient, method: str, path: str, body: Any = None
+) -> tuple[int, Any]:
     """(status, parsed JSON or None); raises httpx.HTTPError when nothing answers."""
     try:
         status, raw = await read_bounded(client, method, path, body)

@@ -7,7 +7,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from .base import EngineState
 
 
-def parse_prometheus(text: str, names: dict[str, str], model_label: str | None = None) -> EngineState:
+def parse_prometheus(
+    text: str, names: dict[str, str], model_label: str | None = None
+) -> EngineState:
     """{model_name: {running|waiting|kv: value}} from an engine's /metrics text; `names`
     maps the engine's metric names to those keys."""
     out: EngineState = {}

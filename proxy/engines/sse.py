@@ -24,7 +24,7 @@ class SSETap(Tap):
     event the proxy asked for, and holds finish events until it knows whether their
     fingerprint went to that usage event."""
 
-    __slots__ = ("strip", "_sep", "_held")
+    __slots__ = ("_held", "_sep", "strip")
 
     def __init__(self, marks: Marks, strip: bool = False) -> None:
         super().__init__(marks)
@@ -38,7 +38,7 @@ class SSETap(Tap):
         p = ev.find(b"data:")
         if p < 0:
             return _KEEP
-        payload = ev[p + 5:].lstrip(b" ")
+        payload = ev[p + 5 :].lstrip(b" ")
         if payload[:6] == b"[DONE]":
             self.done = True
             return _KEEP

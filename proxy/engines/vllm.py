@@ -37,7 +37,7 @@ class VLLMDialect(OpenAIDialect):
     empty_stream_options_is_usage: ClassVar[bool] = True
 
     @staticmethod
-    async def detect(probe: "Prober") -> bool:
+    async def detect(probe: Prober) -> bool:
         models = await probe.get_dict("/v1/models")
         data = models.get("data") if models else None
         for item in data if isinstance(data, list) else ():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import os
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -39,35 +40,122 @@ PREFIX = "phasewatch_"
 #: Latencies (queue, TTFT, prefill, request): 5 ms .. 120 s. Fine below 1 s where
 #: interactive TTFT lives, coarse above where long prompts and cold loads live.
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
 )
 
 #: Whole-phase durations (decode of a long answer, whole request): 10 ms .. 30 min.
 DURATION_BUCKETS = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0,
-    30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0, 1800.0,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
 )
 
 #: Token rates: 1 .. 100,000 tok/s, ten log-spaced steps per decade (the E10 series,
 #: ratio ~1.26 between bounds) so quantiles interpolate within a few percent: decode
 #: lives in 5..500 tok/s, prefill in 100..50,000 tok/s.
 _E10 = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
-RATE_BUCKETS = tuple(round(m * 10**d, 4) for d in range(0, 5) for m in _E10) + (100000.0,)
+RATE_BUCKETS = tuple(round(m * 10**d, 4) for d in range(5) for m in _E10) + (100000.0,)
 
 #: Gaps between output events: 1 ms .. 5 s. vLLM's 10 ms floor is too coarse for fast
 #: decoders (a 300 tok/s int4 model emits every ~3 ms).
 GAP_BUCKETS = (
-    0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03,
-    0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+    0.001,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.0075,
+    0.01,
+    0.0125,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
 )
 
 #: Token counts: powers of two, 1 .. 256K.
-TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 19))
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(19))
 
 #: Per-request mean GPU power: 10 W .. 1.5 kW.
-WATT_BUCKETS = (10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 250.0, 300.0, 350.0, 400.0,
-                450.0, 500.0, 600.0, 700.0, 800.0, 1000.0, 1200.0, 1500.0)
+WATT_BUCKETS = (
+    10.0,
+    25.0,
+    50.0,
+    75.0,
+    100.0,
+    150.0,
+    200.0,
+    250.0,
+    300.0,
+    350.0,
+    400.0,
+    450.0,
+    500.0,
+    600.0,
+    700.0,
+    800.0,
+    1000.0,
+    1200.0,
+    1500.0,
+)
 
 # --- prompt bands ----------------------------------------------------------------------
 
@@ -117,143 +205,224 @@ class Metrics:
             "Time a request waited before work on it began: where=proxy is the proxy's "
             "admission queue; where=upstream is the engine-side wait (TTFT window minus "
             "the engine's own prefill time), only where the engine reports prefill time.",
-            ("where",), LATENCY_BUCKETS)
+            ("where",),
+            LATENCY_BUCKETS,
+        )
         self.ttft_seconds = hist(
             "ttft_seconds",
             "Time to first token as the client feels it: from the proxy having the whole "
             "request to forwarding the first event that carries generated output.",
-            ("prompt_band",), LATENCY_BUCKETS)
+            ("prompt_band",),
+            LATENCY_BUCKETS,
+        )
         self.prefill_seconds = hist(
             "prefill_seconds",
             "Prompt processing time: source=engine is the engine's own figure "
             "(llama-server prompt_ms, Ollama prompt_eval_duration); source=proxy is "
             "first output event minus request written upstream (includes engine queue).",
-            ("source", "prompt_band"), LATENCY_BUCKETS)
+            ("source", "prompt_band"),
+            LATENCY_BUCKETS,
+        )
         self.prefill_tokens_per_second = hist(
             "prefill_tokens_per_second",
-            "Prompt tokens actually processed (prefix-cache hits excluded) per second of "
-            "prefill.",
-            ("source", "prompt_band"), RATE_BUCKETS)
+            "Prompt tokens actually processed (prefix-cache hits excluded) per second of prefill.",
+            ("source", "prompt_band"),
+            RATE_BUCKETS,
+        )
         self.decode_seconds = hist(
             "decode_seconds",
             "Decode time: first to last output event (source=proxy) or the engine's own "
             "figure (source=engine).",
-            ("source", "prompt_band"), DURATION_BUCKETS)
+            ("source", "prompt_band"),
+            DURATION_BUCKETS,
+        )
         self.decode_tokens_per_second = hist(
             "decode_tokens_per_second",
             "Decode rate: (completion_tokens - 1) / decode_seconds for requests with at "
             "least 2 generated tokens (source=proxy), or the engine's own rate "
             "(source=engine).",
-            ("source", "prompt_band"), RATE_BUCKETS)
+            ("source", "prompt_band"),
+            RATE_BUCKETS,
+        )
         self.inter_token_seconds = hist(
             "inter_token_seconds",
             "Gaps between successive output events of a stream (an event may carry more "
             "than one token when the engine merges them).",
-            (), GAP_BUCKETS)
+            (),
+            GAP_BUCKETS,
+        )
         self.request_seconds = hist(
             "request_seconds",
             "Whole request, from the proxy having it to the response complete or aborted.",
-            ("outcome",), DURATION_BUCKETS)
+            ("outcome",),
+            DURATION_BUCKETS,
+        )
         self.prompt_tokens = hist(
-            "prompt_tokens", "Prompt tokens per request, as the engine counted them.",
-            (), TOKEN_BUCKETS)
+            "prompt_tokens",
+            "Prompt tokens per request, as the engine counted them.",
+            (),
+            TOKEN_BUCKETS,
+        )
         self.completion_tokens = hist(
-            "completion_tokens", "Generated tokens per request, as the engine counted them.",
-            (), TOKEN_BUCKETS)
+            "completion_tokens",
+            "Generated tokens per request, as the engine counted them.",
+            (),
+            TOKEN_BUCKETS,
+        )
         self.load_seconds = hist(
             "load_seconds",
             "Engine-reported model load / scheduling time (Ollama load_duration), kept out "
             "of the prefill figures.",
-            (), LATENCY_BUCKETS)
+            (),
+            LATENCY_BUCKETS,
+        )
 
         # Counters.
         self.requests_total = Counter(
-            PREFIX + "requests", "Measured generation requests by outcome "
-            "(ok, error, aborted, rejected) and endpoint.",
-            BASE + ("endpoint", "outcome"), registry=r)
+            PREFIX + "requests",
+            "Measured generation requests by outcome (ok, error, aborted, rejected) and endpoint.",
+            BASE + ("endpoint", "outcome"),
+            registry=r,
+        )
         self.tokens_total = Counter(
-            PREFIX + "tokens", "Tokens by phase: prefill = prompt tokens processed, "
+            PREFIX + "tokens",
+            "Tokens by phase: prefill = prompt tokens processed, "
             "cached = prompt tokens served from the engine's prefix cache, decode = "
             "generated tokens.",
-            BASE + ("phase",), registry=r)
+            BASE + ("phase",),
+            registry=r,
+        )
         self.errors_total = Counter(
-            PREFIX + "errors", "Failed requests by kind: connect, timeout, "
+            PREFIX + "errors",
+            "Failed requests by kind: connect, timeout, "
             "upstream_status (engine answered >= 400), midstream (error event in a "
             "stream), truncated (stream ended without its terminator), protocol.",
-            BASE + ("kind",), registry=r)
+            BASE + ("kind",),
+            registry=r,
+        )
         self.aborts_total = Counter(
-            PREFIX + "aborts", "Requests the client hung up on, by the phase they were "
+            PREFIX + "aborts",
+            "Requests the client hung up on, by the phase they were "
             "in: queue, prefill, decode, usage (after the last token, before the end).",
-            BASE + ("phase",), registry=r)
+            BASE + ("phase",),
+            registry=r,
+        )
 
         # Gauges.
         self.in_flight_requests = Gauge(
-            PREFIX + "in_flight_requests", "Measured requests admitted and not finished.",
-            BASE, registry=r, multiprocess_mode="livesum")
+            PREFIX + "in_flight_requests",
+            "Measured requests admitted and not finished.",
+            BASE,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.queued_requests = Gauge(
-            PREFIX + "queued_requests", "Measured requests waiting at the proxy's "
-            "admission gate.", BASE, registry=r, multiprocess_mode="livesum")
+            PREFIX + "queued_requests",
+            "Measured requests waiting at the proxy's admission gate.",
+            BASE,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.upstream_up = Gauge(
-            PREFIX + "upstream_up", "1 when the upstream answered its last model-list "
-            "probe, else 0.", ("upstream", "engine"), registry=r,
-            multiprocess_mode="livemostrecent")
+            PREFIX + "upstream_up",
+            "1 when the upstream answered its last model-list probe, else 0.",
+            ("upstream", "engine"),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.model_info = Gauge(
-            PREFIX + "model_info", "1 for each model an upstream serves, with its "
+            PREFIX + "model_info",
+            "1 for each model an upstream serves, with its "
             "normalised precision and raw quantisation scheme (quant).",
-            ("upstream", "model", "precision", "quant", "precision_source"), registry=r,
-            multiprocess_mode="max")
+            ("upstream", "model", "precision", "quant", "precision_source"),
+            registry=r,
+            multiprocess_mode="max",
+        )
 
         # GPU power, fed by proxy.services.power.
         self.gpu_power_watts = hist(
-            "gpu_power_watts", "Per-request mean GPU power over its prefill or decode "
-            "window (the GPUs of the request's upstream, summed).", ("phase",), WATT_BUCKETS)
+            "gpu_power_watts",
+            "Per-request mean GPU power over its prefill or decode "
+            "window (the GPUs of the request's upstream, summed).",
+            ("phase",),
+            WATT_BUCKETS,
+        )
         # GPU-keyed series carry the model and precision the GPU serves (from
         # --power-gpu; "all" and the common precision or "mixed" when it serves several),
         # so rate(energy) / rate(tokens) by precision is joules per token.
         self.gpu_energy_joules_total = Counter(
-            PREFIX + "gpu_energy_joules", "GPU energy (the device's energy counter where "
-            "supported, else integrated power).", BASE + ("gpu",), registry=r)
+            PREFIX + "gpu_energy_joules",
+            "GPU energy (the device's energy counter where supported, else integrated power).",
+            BASE + ("gpu",),
+            registry=r,
+        )
         self.gpu_power_sample_watts = Histogram(
-            PREFIX + "gpu_power_sample_watts", "Power samples, classified by what the "
+            PREFIX + "gpu_power_sample_watts",
+            "Power samples, classified by what the "
             "proxy had in flight on the GPU's upstream: idle, prefill, decode.",
-            BASE + ("gpu", "state"), buckets=WATT_BUCKETS, registry=r)
+            BASE + ("gpu", "state"),
+            buckets=WATT_BUCKETS,
+            registry=r,
+        )
         self.gpu_power_current_watts = Gauge(
-            PREFIX + "gpu_power_current_watts", "Latest power sample per GPU (absent while "
-            "power is not being sampled).", BASE + ("gpu",), registry=r,
-            multiprocess_mode="livemostrecent")
+            PREFIX + "gpu_power_current_watts",
+            "Latest power sample per GPU (absent while power is not being sampled).",
+            BASE + ("gpu",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.power_sampling_up = Gauge(
-            PREFIX + "power_sampling_up", "1 while GPU power is being sampled, 0 when "
-            "the power source failed or none is configured.", ("source",), registry=r,
-            multiprocess_mode="livemostrecent")
+            PREFIX + "power_sampling_up",
+            "1 while GPU power is being sampled, 0 when "
+            "the power source failed or none is configured.",
+            ("source",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
 
         # The engines' own state, scraped by proxy.services.engine_state off the request
         # path: what phasewatch cannot see per request.
         def engine_gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + "engine_" + name, doc, BASE, registry=r,
-                         multiprocess_mode="livemostrecent")
+            return Gauge(
+                PREFIX + "engine_" + name, doc, BASE, registry=r, multiprocess_mode="livemostrecent"
+            )
 
         self.engine_requests_running = engine_gauge(
-            "requests_running", "Requests the engine says it is running (vLLM "
-            "num_requests_running, llama-server requests_processing or busy slots).")
+            "requests_running",
+            "Requests the engine says it is running (vLLM "
+            "num_requests_running, llama-server requests_processing or busy slots).",
+        )
         self.engine_requests_waiting = engine_gauge(
-            "requests_waiting", "Requests waiting inside the engine (vLLM "
-            "num_requests_waiting, llama-server requests_deferred).")
+            "requests_waiting",
+            "Requests waiting inside the engine (vLLM "
+            "num_requests_waiting, llama-server requests_deferred).",
+        )
         self.engine_kv_cache_usage_ratio = engine_gauge(
-            "kv_cache_usage_ratio", "Share of the engine's KV cache in use, 0..1 (vLLM "
+            "kv_cache_usage_ratio",
+            "Share of the engine's KV cache in use, 0..1 (vLLM "
             "kv_cache_usage_perc; llama-server kv_cache_usage_ratio or tokens held in busy "
-            "slots over the slots' context).")
+            "slots over the slots' context).",
+        )
         self.engine_model_loaded = engine_gauge(
-            "model_loaded", "1 for each model the engine has loaded (Ollama /api/ps).")
+            "model_loaded", "1 for each model the engine has loaded (Ollama /api/ps)."
+        )
         self.engine_model_vram_bytes = engine_gauge(
-            "model_vram_bytes", "Bytes of a loaded model in GPU memory (Ollama size_vram).")
+            "model_vram_bytes", "Bytes of a loaded model in GPU memory (Ollama size_vram)."
+        )
         self.engine_model_size_bytes = engine_gauge(
-            "model_size_bytes", "Bytes of a loaded model in all (Ollama size).")
+            "model_size_bytes", "Bytes of a loaded model in all (Ollama size)."
+        )
         self.engine_model_expiry_seconds = engine_gauge(
-            "model_expiry_seconds", "Seconds until the engine unloads an idle model "
-            "(Ollama expires_at).")
+            "model_expiry_seconds",
+            "Seconds until the engine unloads an idle model (Ollama expires_at).",
+        )
         self.engine_scrape_up = Gauge(
-            PREFIX + "engine_scrape_up", "1 when the last scrape of the engine's own state "
-            "worked, else 0.", ("upstream", "engine"), registry=r, multiprocess_mode="livemostrecent")
+            PREFIX + "engine_scrape_up",
+            "1 when the last scrape of the engine's own state worked, else 0.",
+            ("upstream", "engine"),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
 
 
 def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
@@ -282,10 +451,10 @@ def observe_counts(child, counts: list[int], total: float) -> None:
     tests/test_metrics_exposition.py checks it is still there.
     """
     n = 0
-    buckets = child._buckets  # noqa: SLF001 - see docstring
+    buckets = child._buckets
     for i, c in enumerate(counts):
         if c:
             buckets[i].inc(c)
             n += c
     if n:
-        child._sum.inc(total)  # noqa: SLF001
+        child._sum.inc(total)

@@ -11,8 +11,22 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "fp6", "int6", "int5", "fp4", "int4",
-              "int3", "int2", "int1", "unknown")
+PRECISIONS = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "fp8",
+    "int8",
+    "fp6",
+    "int6",
+    "int5",
+    "fp4",
+    "int4",
+    "int3",
+    "int2",
+    "int1",
+    "unknown",
+)
 
 
 @dataclass(frozen=True)
@@ -22,28 +36,63 @@ class Precision:
     source: str = "none"  # config | engine | name | none
 
     @staticmethod
-    def unknown() -> "Precision":
+    def unknown() -> Precision:
         return Precision("unknown", "", "none")
 
 
 # GGUF / llama.cpp type names -> normalised precision. Also used for Ollama's
 # quantization_level ("Q4_K_M", "F16", ...) and llama-server ftype strings.
 _GGUF = {
-    "F32": "fp32", "F16": "fp16", "BF16": "bf16",
-    "Q8_0": "int8", "Q8_1": "int8", "Q8_K": "int8",
-    "Q6_K": "int6", "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5", "Q5_K_S": "int5",
-    "Q5_K_M": "int5", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q4_K_S": "int4",
-    "Q4_K_M": "int4", "Q4_0_4_4": "int4", "Q4_0_4_8": "int4", "Q4_0_8_8": "int4",
-    "IQ4_NL": "int4", "IQ4_XS": "int4", "MXFP4": "fp4", "Q3_K": "int3", "Q3_K_S": "int3",
-    "Q3_K_M": "int3", "Q3_K_L": "int3", "IQ3_XXS": "int3", "IQ3_XS": "int3", "IQ3_S": "int3",
-    "IQ3_M": "int3", "Q2_K": "int2", "Q2_K_S": "int2", "IQ2_XXS": "int2", "IQ2_XS": "int2",
-    "IQ2_S": "int2", "IQ2_M": "int2", "IQ1_S": "int1", "IQ1_M": "int1", "TQ1_0": "int1",
-    "TQ2_0": "int2", "MXFP4_MOE": "fp4", "NVFP4": "fp4", "Q1_0": "int1",
+    "F32": "fp32",
+    "F16": "fp16",
+    "BF16": "bf16",
+    "Q8_0": "int8",
+    "Q8_1": "int8",
+    "Q8_K": "int8",
+    "Q6_K": "int6",
+    "Q5_0": "int5",
+    "Q5_1": "int5",
+    "Q5_K": "int5",
+    "Q5_K_S": "int5",
+    "Q5_K_M": "int5",
+    "Q4_0": "int4",
+    "Q4_1": "int4",
+    "Q4_K": "int4",
+    "Q4_K_S": "int4",
+    "Q4_K_M": "int4",
+    "Q4_0_4_4": "int4",
+    "Q4_0_4_8": "int4",
+    "Q4_0_8_8": "int4",
+    "IQ4_NL": "int4",
+    "IQ4_XS": "int4",
+    "MXFP4": "fp4",
+    "Q3_K": "int3",
+    "Q3_K_S": "int3",
+    "Q3_K_M": "int3",
+    "Q3_K_L": "int3",
+    "IQ3_XXS": "int3",
+    "IQ3_XS": "int3",
+    "IQ3_S": "int3",
+    "IQ3_M": "int3",
+    "Q2_K": "int2",
+    "Q2_K_S": "int2",
+    "IQ2_XXS": "int2",
+    "IQ2_XS": "int2",
+    "IQ2_S": "int2",
+    "IQ2_M": "int2",
+    "IQ1_S": "int1",
+    "IQ1_M": "int1",
+    "TQ1_0": "int1",
+    "TQ2_0": "int2",
+    "MXFP4_MOE": "fp4",
+    "NVFP4": "fp4",
+    "Q1_0": "int1",
 }
 
 GGUF_TYPE_RE = re.compile(
     r"(?<![A-Za-z0-9])(I?Q[1-8](?:_[0-9])?(?:_K)?(?:_[SMLX]{1,3}|_NL|_XXS|_XS)?|TQ[12]_0|MXFP4(?:_MOE)?|NVFP4|BF16|F16|F32)(?![A-Za-z0-9])",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 def from_gguf_type(text: str) -> Precision | None:
@@ -58,7 +107,8 @@ def from_gguf_type(text: str) -> Precision | None:
 
 # Ordered: the first matching rule wins, so specific schemes come before generic bits.
 _NAME_RULES: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
-    (re.compile(p, re.IGNORECASE), prec, quant) for p, prec, quant in (
+    (re.compile(p, re.IGNORECASE), prec, quant)
+    for p, prec, quant in (
         (r"nvfp4", "fp4", "NVFP4"),
         (r"mxfp4", "fp4", "MXFP4"),
         (r"(?<![a-z0-9])fp4(?![0-9])", "fp4", "FP4"),
@@ -78,7 +128,8 @@ _NAME_RULES: tuple[tuple[re.Pattern[str], str, str], ...] = tuple(
         (r"(?<![a-z0-9])bf16(?![0-9])", "bf16", "BF16"),
         (r"(?<![a-z0-9])(fp16|f16|half)(?![0-9])", "fp16", "FP16"),
         (r"(?<![a-z0-9])(fp32|f32)(?![0-9])", "fp32", "FP32"),
-    ))
+    )
+)
 
 
 def from_name(model: str) -> Precision | None:
@@ -108,16 +159,46 @@ def normalise(value: str) -> Precision:
 #: llama.cpp's `general.file_type` (llama_ftype) numbers, as Ollama's /api/show
 #: model_info and GGUF metadata carry them.
 GGUF_FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
     38: "MXFP4_MOE",
 }
 
-_FTYPE_NAME_RE = re.compile(r"^\s*(?:all\s+)?([A-Za-z0-9_]+)(?:\s+-\s+(Small|Medium|Large))?"
-                            r"(?:\s+MoE)?", re.IGNORECASE)
+_FTYPE_NAME_RE = re.compile(
+    r"^\s*(?:all\s+)?([A-Za-z0-9_]+)(?:\s+-\s+(Small|Medium|Large))?"
+    r"(?:\s+MoE)?",
+    re.IGNORECASE,
+)
 
 
 def from_gguf_file_type(value) -> Precision | None:
@@ -154,15 +235,31 @@ def from_bits_per_weight(size_bytes, n_params) -> Precision | None:
     if size_bytes <= 0 or n_params <= 0:
         return None
     bpw = 8.0 * size_bytes / n_params
-    for bound, prec in ((24.0, "fp32"), (12.0, "fp16"), (7.0, "int8"), (5.5, "int6"),
-                        (5.0, "int5"), (3.5, "int4"), (2.5, "int3"), (1.8, "int2")):
+    for bound, prec in (
+        (24.0, "fp32"),
+        (12.0, "fp16"),
+        (7.0, "int8"),
+        (5.5, "int6"),
+        (5.0, "int5"),
+        (3.5, "int4"),
+        (2.5, "int3"),
+        (1.8, "int2"),
+    ):
         if bpw >= bound:
             return Precision(prec, f"{bpw:.2f}bpw", "engine")
     return Precision("int1", f"{bpw:.2f}bpw", "engine")
 
 
-_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
-           "float32": "fp32", "fp32": "fp32", "float": "fp32"}
+_DTYPES = {
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "fp32": "fp32",
+    "float": "fp32",
+}
 
 
 def from_hf_config(config: dict) -> Precision | None:
@@ -178,14 +275,19 @@ def from_hf_config(config: dict) -> Precision | None:
     for key in ("torch_dtype", "dtype"):
         dtype = config.get(key)
         if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-            return Precision(_DTYPES[dtype.lower().removeprefix("torch.")], dtype.upper()
-                             .removeprefix("TORCH."), "engine")
+            return Precision(
+                _DTYPES[dtype.lower().removeprefix("torch.")],
+                dtype.upper().removeprefix("TORCH."),
+                "engine",
+            )
     text = config.get("text_config")
     return from_hf_config(text) if isinstance(text, dict) else None
 
 
 def _int_bits(bits, default: int = 4) -> str:
-    return {8: "int8", 4: "int4", 3: "int3", 2: "int2"}.get(bits if isinstance(bits, int) else default, "int4")
+    return {8: "int8", 4: "int4", 3: "int3", 2: "int2"}.get(
+        bits if isinstance(bits, int) else default, "int4"
+    )
 
 
 def _from_quant_config(q: dict) -> Precision | None:
@@ -201,9 +303,15 @@ def _from_quant_config(q: dict) -> Precision | None:
         return Precision("fp4", "MXFP4", "engine")
     if method == "bitsandbytes":
         four = q.get("load_in_4bit") or q.get("bnb_4bit_quant_type")
-        return Precision("int4", "BNB-4bit", "engine") if four else Precision("int8", "BNB-8bit", "engine")
+        return (
+            Precision("int4", "BNB-4bit", "engine")
+            if four
+            else Precision("int8", "BNB-8bit", "engine")
+        )
     if method in ("modelopt", "modelopt_fp4", "nvfp4"):
-        algo = str(q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or method).upper()
+        algo = str(
+            q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or method
+        ).upper()
         if "FP4" in algo:
             return Precision("fp4", "NVFP4", "engine")
         return Precision("fp8", "FP8", "engine")
@@ -222,8 +330,11 @@ def _from_quant_config(q: dict) -> Precision | None:
             if kind == "float" and nb == 8:
                 return Precision("fp8", "FP8", "engine")
             if kind == "float" and nb == 4:
-                return Precision("fp4", "NVFP4" if "nvfp4" in fmt or w.get("group_size") == 16
-                                 else "FP4", "engine")
+                return Precision(
+                    "fp4",
+                    "NVFP4" if "nvfp4" in fmt or w.get("group_size") == 16 else "FP4",
+                    "engine",
+                )
             if isinstance(nb, int):
                 scheme = f"W{nb}A{a.get('num_bits', 16) if a else 16}"
                 return Precision(_int_bits(nb), scheme, "engine")
@@ -235,8 +346,9 @@ def _from_quant_config(q: dict) -> Precision | None:
 class PrecisionTable:
     """Per-model precision with operator overrides first; cached per model name."""
 
-    def __init__(self, overrides: dict[str, str] | None = None,
-                 model_dir: str | None = None) -> None:
+    def __init__(
+        self, overrides: dict[str, str] | None = None, model_dir: str | None = None
+    ) -> None:
         self._overrides = {k: normalise(v) for k, v in (overrides or {}).items()}
         self._cache: dict[str, Precision] = {}
         #: Where vLLM's checkpoints are readable (their config.json), if anywhere.

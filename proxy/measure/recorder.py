@@ -9,7 +9,8 @@ needs of a request is the :class:`Finished` protocol, so it knows nothing of the
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .metrics import Metrics, observe_counts, prompt_band
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
@@ -153,8 +154,9 @@ class Recorder:
             fields["error_message"] = ex.error_message
         fields.update(extra)
         # the formatter (proxy.runtime.logs) renders and escapes the fields
-        access_log.info("request", extra={"fields": {k: v for k, v in fields.items()
-                                                    if v is not None}})
+        access_log.info(
+            "request", extra={"fields": {k: v for k, v in fields.items() if v is not None}}
+        )
 
 
 def _r(value: float | None, digits: int = 4) -> float | None:

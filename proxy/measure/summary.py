@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -29,13 +29,34 @@ from .precision import GGUF_TYPE_RE
 #: The bands the methodology names: ~4K and ~16K for prefill, ~8K for TTFT.
 BAND_4K, BAND_8K, BAND_16K = "2k-6k", "6k-12k", "12k-24k"
 #: Display names of the bands.
-BAND_TITLES = {"0-2k": "<2K", "2k-6k": "~4K", "6k-12k": "~8K", "12k-24k": "~16K",
-               "24k-64k": "24-64K", "64k+": "64K+", "unknown": "?"}
+BAND_TITLES = {
+    "0-2k": "<2K",
+    "2k-6k": "~4K",
+    "6k-12k": "~8K",
+    "12k-24k": "~16K",
+    "24k-64k": "24-64K",
+    "64k+": "64K+",
+    "unknown": "?",
+}
 #: Which precisions count as the unquantised baseline, best first.
 BASELINES = ("bf16", "fp16", "fp32")
 #: Row order within a model family: the baseline first, then by falling bit width.
-PRECISION_ORDER = ("bf16", "fp16", "fp32", "fp8", "int8", "fp6", "int6", "int5", "fp4", "int4",
-                   "int3", "int2", "int1", "unknown")
+PRECISION_ORDER = (
+    "bf16",
+    "fp16",
+    "fp32",
+    "fp8",
+    "int8",
+    "fp6",
+    "int6",
+    "int5",
+    "fp4",
+    "int4",
+    "int3",
+    "int2",
+    "int1",
+    "unknown",
+)
 #: Band preference when comparing prefill between two rows.
 _PREFILL_COMPARE = ("2k-6k", "6k-12k", "12k-24k", "24k-64k", "64k+", "0-2k", "unknown")
 
@@ -58,18 +79,27 @@ class Samples:
             self.by_name.setdefault(s.name, []).append(s)
 
     @classmethod
-    def from_text(cls, text: str) -> "Samples":
-        return cls(Sample(s.name, dict(s.labels), float(s.value))
-                   for fam in text_string_to_metric_families(text) for s in fam.samples)
+    def from_text(cls, text: str) -> Samples:
+        return cls(
+            Sample(s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        )
 
     @classmethod
-    def from_registry(cls, registry: Collector) -> "Samples":
-        return cls(Sample(s.name, dict(s.labels), float(s.value))
-                   for fam in registry.collect() for s in fam.samples)
+    def from_registry(cls, registry: Collector) -> Samples:
+        return cls(
+            Sample(s.name, dict(s.labels), float(s.value))
+            for fam in registry.collect()
+            for s in fam.samples
+        )
 
     def get(self, name: str, **match) -> list[Sample]:
-        return [s for s in self.by_name.get(name, ())
-                if all(s.labels.get(k) == v for k, v in match.items())]
+        return [
+            s
+            for s in self.by_name.get(name, ())
+            if all(s.labels.get(k) == v for k, v in match.items())
+        ]
 
     def total(self, name: str, **match) -> float:
         return sum(s.value for s in self.get(name, **match))
@@ -98,12 +128,19 @@ def hist(samples: Samples, name: str, **match) -> Hist:
     for s in samples.get(name + "_bucket", **match):
         le = float(s.labels.get("le", "inf"))
         buckets[le] = buckets.get(le, 0.0) + s.value
-    return Hist(sorted(buckets.items()), samples.total(name + "_sum", **match),
-                samples.total(name + "_count", **match))
+    return Hist(
+        sorted(buckets.items()),
+        samples.total(name + "_sum", **match),
+        samples.total(name + "_count", **match),
+    )
 
 
-def quantile(q: float, buckets: list[tuple[float, float]], total: float | None = None,
-             count: float | None = None) -> float | None:
+def quantile(
+    q: float,
+    buckets: list[tuple[float, float]],
+    total: float | None = None,
+    count: float | None = None,
+) -> float | None:
     """Prometheus-style histogram_quantile over cumulative (le, count) pairs."""
     if not buckets or buckets[-1][1] <= 0:
         return None
@@ -128,7 +165,8 @@ def quantile(q: float, buckets: list[tuple[float, float]], total: float | None =
 _QUANT_WORD = re.compile(
     r"(bf16|fp16|f16|fp32|f32|fp8|fp6|fp4|nvfp4|mxfp4|int8|int4|int3|int2|w\d+a\d+|awq|gptq|"
     r"gguf|ggml|exl2|hqq|bnb|mlx|marlin|quantized|quant|dynamic|\d+bit|q\d+|iq\d+)",
-    re.IGNORECASE)
+    re.IGNORECASE,
+)
 
 
 def model_family(model: str) -> str:
@@ -193,9 +231,13 @@ class Report:
     gpus: list = field(default_factory=list)  # latest sample per GPU, with its labels
 
     def as_dict(self) -> dict:
-        return {"source": self.source, "power_sampled": self.power,
-                "bands": {b: BAND_TITLES[b] for b in PROMPT_BANDS},
-                "gpus": self.gpus, "rows": [asdict(r) for r in self.rows]}
+        return {
+            "source": self.source,
+            "power_sampled": self.power,
+            "bands": {b: BAND_TITLES[b] for b in PROMPT_BANDS},
+            "gpus": self.gpus,
+            "rows": [asdict(r) for r in self.rows],
+        }
 
 
 def _n(name: str) -> str:
@@ -208,18 +250,33 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
     for name in ("requests_total", "ttft_seconds_count", "decode_tokens_per_second_count"):
         for s in samples.get(_n(name)):
             if s.value > 0:
-                keys.add((s.labels.get("upstream", ""), s.labels.get("model", ""),
-                          s.labels.get("precision", "unknown")))
+                keys.add(
+                    (
+                        s.labels.get("upstream", ""),
+                        s.labels.get("model", ""),
+                        s.labels.get("precision", "unknown"),
+                    )
+                )
     quants = {}
     for s in samples.get(_n("model_info")):
-        k = (s.labels.get("upstream", ""), s.labels.get("model", ""), s.labels.get("precision", "unknown"))
+        k = (
+            s.labels.get("upstream", ""),
+            s.labels.get("model", ""),
+            s.labels.get("precision", "unknown"),
+        )
         quants[k] = s.labels.get("quant", "")
         if include_idle_models and s.value > 0:
             keys.add(k)
 
-    power = any(samples.has(_n(n)) for n in (
-        "gpu_power_sample_watts_count", "gpu_energy_joules_total", "gpu_power_watts_count",
-        "gpu_power_current_watts"))
+    power = any(
+        samples.has(_n(n))
+        for n in (
+            "gpu_power_sample_watts_count",
+            "gpu_energy_joules_total",
+            "gpu_power_watts_count",
+            "gpu_power_current_watts",
+        )
+    )
     rows_per_upstream: dict[str, int] = {}
     for up, _, _ in keys:
         rows_per_upstream[up] = rows_per_upstream.get(up, 0) + 1
@@ -227,14 +284,18 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
     rows = []
     for up, model, prec in sorted(keys, key=_row_order):
         lab = {"upstream": up, "model": model, "precision": prec}
-        r = Row(up, model, prec, quant=quants.get((up, model, prec), ""), family=model_family(model))
+        r = Row(
+            up, model, prec, quant=quants.get((up, model, prec), ""), family=model_family(model)
+        )
         r.requests = samples.total(_n("requests_total"), **lab)
-        r.errors = sum(samples.total(_n("requests_total"), **lab, outcome=o)
-                       for o in ("error", "rejected"))
+        r.errors = sum(
+            samples.total(_n("requests_total"), **lab, outcome=o) for o in ("error", "rejected")
+        )
         r.in_flight = samples.total(_n("in_flight_requests"), **lab)
         r.queued = samples.total(_n("queued_requests"), **lab)
-        r.prompt_tokens = samples.total(_n("tokens_total"), **lab, phase="prefill") + \
-            samples.total(_n("tokens_total"), **lab, phase="cached")
+        r.prompt_tokens = samples.total(_n("tokens_total"), **lab, phase="prefill") + samples.total(
+            _n("tokens_total"), **lab, phase="cached"
+        )
         r.decode_tokens = samples.total(_n("tokens_total"), **lab, phase="decode")
 
         # decode: the proxy's own measurement of streams first, the engine's otherwise
@@ -243,7 +304,9 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
             if h.count:
                 r.decode_tok_s, r.decode_source, r.decode_samples = h.quantile(0.5), src, h.count
                 for band in PROMPT_BANDS:
-                    hb = hist(samples, _n("decode_tokens_per_second"), **lab, source=src, prompt_band=band)
+                    hb = hist(
+                        samples, _n("decode_tokens_per_second"), **lab, source=src, prompt_band=band
+                    )
                     if hb.count:
                         r.decode_tok_s_by_band[band] = hb.quantile(0.5)
                 break
@@ -252,7 +315,13 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
             if hist(samples, _n("prefill_tokens_per_second"), **lab, source=src).count:
                 r.prefill_source = src
                 for band in PROMPT_BANDS:
-                    hb = hist(samples, _n("prefill_tokens_per_second"), **lab, source=src, prompt_band=band)
+                    hb = hist(
+                        samples,
+                        _n("prefill_tokens_per_second"),
+                        **lab,
+                        source=src,
+                        prompt_band=band,
+                    )
                     rate = hb.quantile(0.5) if hb.count else None
                     if rate:
                         r.prefill_tok_s[band] = rate
@@ -288,8 +357,13 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         rows.append(r)
 
     compare(rows)
-    gpus_now = [{**{k: s.labels.get(k, "") for k in ("upstream", "model", "precision", "gpu")},
-                 "watts": s.value} for s in samples.get(_n("gpu_power_current_watts"))]
+    gpus_now = [
+        {
+            **{k: s.labels.get(k, "") for k in ("upstream", "model", "precision", "gpu")},
+            "watts": s.value,
+        }
+        for s in samples.get(_n("gpu_power_current_watts"))
+    ]
     return Report(rows, power, source, gpus_now)
 
 
@@ -297,7 +371,9 @@ def _gpus_of(samples: Samples, upstream: str, model: str) -> tuple[list[dict], b
     """The GPUs serving a row, as label sets of their GPU-keyed series, and whether they
     are the model's own (``--power-gpu GPU=MODEL``) rather than shared by the upstream."""
     own, shared = {}, {}
-    for s in samples.get(_n("gpu_power_sample_watts_count")) + samples.get(_n("gpu_energy_joules_total")):
+    for s in samples.get(_n("gpu_power_sample_watts_count")) + samples.get(
+        _n("gpu_energy_joules_total")
+    ):
         labels = {k: v for k, v in s.labels.items() if k not in ("state", "le")}
         if upstream not in labels.get("upstream", "").split("+"):
             continue
@@ -328,6 +404,7 @@ def _row_order(key: tuple[str, str, str]) -> tuple:
 
 def compare(rows: list[Row]) -> None:
     """Speed-up and power saving of each row against its family's bf16/fp16 row."""
+
     def pick(cands: list[Row]) -> Row | None:
         for p in BASELINES:
             for c in cands:

@@ -14,6 +14,7 @@ it reports one, else ``t_first - t_sent``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 
 @dataclass(slots=True)
@@ -72,12 +73,13 @@ class Figures:
     load_seconds: float | None = None
 
 
-def _positive(x: float | None) -> bool:
+def _positive(x: float | None) -> TypeGuard[float]:
     return x is not None and x > 0
 
 
-def figures(marks: Marks, usage: Usage, engine: EngineTimings | None = None,
-            streamed: bool = True) -> Figures:
+def figures(
+    marks: Marks, usage: Usage, engine: EngineTimings | None = None, streamed: bool = True
+) -> Figures:
     """Derive the per-request figures from the marks, usage and engine timings.
 
     A non-streaming response has no first-token mark: it gets request time, token counts
@@ -127,7 +129,9 @@ def figures(marks: Marks, usage: Usage, engine: EngineTimings | None = None,
         if processed and prefill > 0:
             f.prefill_tps["proxy"] = processed / prefill
         if f.queue_upstream is None and _positive(engine.prefill_seconds):
-            f.queue_upstream = max(0.0, prefill - engine.prefill_seconds - (engine.load_seconds or 0.0))
+            f.queue_upstream = max(
+                0.0, prefill - engine.prefill_seconds - (engine.load_seconds or 0.0)
+            )
     if marks.t_last is not None and usage.completion_tokens and usage.completion_tokens >= 2:
         decode = marks.t_last - marks.t_first
         if decode > 0:

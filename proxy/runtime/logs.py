@@ -42,8 +42,11 @@ class LogfmtFormatter(logging.Formatter):
         self.tag = tag or {}
 
     def format(self, record: logging.LogRecord) -> str:
-        parts = [f"ts={_timestamp(record)}", f"level={record.levelname.lower()}",
-                 f"logger={logfmt_value(record.name)}"]
+        parts = [
+            f"ts={_timestamp(record)}",
+            f"level={record.levelname.lower()}",
+            f"logger={logfmt_value(record.name)}",
+        ]
         parts += [f"{k}={logfmt_value(v)}" for k, v in self.tag.items()]
         parts.append(f"msg={logfmt_value(record.getMessage())}")
         for k, v in (getattr(record, "fields", None) or {}).items():
@@ -61,8 +64,13 @@ class JsonFormatter(logging.Formatter):
         self.tag = tag or {}
 
     def format(self, record: logging.LogRecord) -> str:
-        obj: dict[str, object] = {"ts": round(record.created, 6), "level": record.levelname.lower(),
-                                  "logger": record.name, **self.tag, "msg": record.getMessage()}
+        obj: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            **self.tag,
+            "msg": record.getMessage(),
+        }
         obj.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
@@ -73,8 +81,9 @@ def configure_logging(level: str, log_format: str = "logfmt", worker: int | None
     """Send every record to stderr as one escaped line. ``log_format``: logfmt, json, or
     none (logfmt, without the per-request lines: the recorder is told separately)."""
     tag: dict[str, object] = {} if worker is None else {"worker": worker, "pid": os.getpid()}
-    formatter: logging.Formatter = (JsonFormatter(tag) if log_format == "json"
-                                    else LogfmtFormatter(tag))
+    formatter: logging.Formatter = (
+        JsonFormatter(tag) if log_format == "json" else LogfmtFormatter(tag)
+    )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
     root = logging.getLogger()

@@ -28,9 +28,19 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Co
     """uvicorn as phasewatch runs it: no access log of its own (the proxy logs each
     request), no Server or Date header added to the engine's, logging left to
     proxy.runtime.logs."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          server_header=False, date_header=False, lifespan="on",
-                          timeout_graceful_shutdown=30, log_config=None, interface="asgi3")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+        log_config=None,
+        interface="asgi3",
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -46,34 +56,43 @@ class DrainingServer(uvicorn.Server):
         if self._drain_until is None and self.grace > 0 and not self.should_exit:
             self.proxy.relay.draining = True
             self._drain_until = time.monotonic() + self.grace
-            log.info("draining: %d request(s) in flight, new ones get 503, up to %gs",
-                     self.proxy.relay.busy(), self.grace)
+            log.info(
+                "draining: %d request(s) in flight, new ones get 503, up to %gs",
+                self.proxy.relay.busy(),
+                self.grace,
+            )
             return
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._drain_until is not None and not self.should_exit:
-            if self.proxy.relay.busy() == 0 or time.monotonic() >= self._drain_until:
-                self.should_exit = True
+        until = self._drain_until
+        done = until is not None and (self.proxy.relay.busy() == 0 or time.monotonic() >= until)
+        if done and not self.should_exit:
+            self.should_exit = True
         return await super().on_tick(counter)
 
 
-class _NoSignals(uvicorn.Server):
-    """A second server in the same loop: the main server owns the signals."""
+class SignalFreeServer(uvicorn.Server):
+    """A server that leaves the signals to someone else (a second server in the same
+    loop, the demo's own handlers)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
 
-async def serve(app: ProxyApp, config: uvicorn.Config, metrics_config: uvicorn.Config | None,
-                sockets: list[socket.socket] | None = None) -> None:
+async def serve(
+    app: ProxyApp,
+    config: uvicorn.Config,
+    metrics_config: uvicorn.Config | None,
+    sockets: list[socket.socket] | None = None,
+) -> None:
     """`sockets`: listening sockets bound by a parent (--workers, proxy.runtime.workers)."""
     main = DrainingServer(config, app, app.settings.shutdown_grace)
     if metrics_config is None:
         await main.serve(sockets=sockets)
         return
-    metrics = _NoSignals(metrics_config)
+    metrics = SignalFreeServer(metrics_config)
     metrics_task = asyncio.create_task(metrics.serve())
     try:
         await main.serve(sockets=sockets)
@@ -87,19 +106,22 @@ def metrics_config(app: ProxyApp) -> uvicorn.Config | None:
     s = app.settings
     if s.metrics_port is None and s.metrics_host is None:
         return None
-    config = uvicorn_config(app.metrics_app, s.metrics_host or s.host, s.metrics_port or 0,
-                            s.log_level)
+    config = uvicorn_config(
+        app.metrics_app, s.metrics_host or s.host, s.metrics_port or 0, s.log_level
+    )
     config.lifespan = "off"
     return config
 
 
-def run(app: ProxyApp, sockets: list[socket.socket] | None = None,
-        with_metrics: bool = True) -> None:
+def run(
+    app: ProxyApp, sockets: list[socket.socket] | None = None, with_metrics: bool = True
+) -> None:
     """Serve `app` until it is told to stop (the loop uvicorn would pick: uvloop when
     installed)."""
     s = app.settings
     config = uvicorn_config(app, s.host, s.port, s.log_level)
     config.load()
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(serve(app, config, metrics_config(app) if with_metrics else None,
-                         sockets=sockets))
+        runner.run(
+            serve(app, config, metrics_config(app) if with_metrics else None, sockets=sockets)
+        )

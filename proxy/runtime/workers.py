@@ -67,8 +67,12 @@ def run(given: dict[str, Any], settings: Settings) -> int:
     signals = 0
 
     def start(index: int) -> None:
-        p = ctx.Process(target=_worker, args=(given, index, sock),
-                        name=f"phasewatch-worker-{index}", daemon=False)
+        p = ctx.Process(
+            target=_worker,
+            args=(given, index, sock),
+            name=f"phasewatch-worker-{index}",
+            daemon=False,
+        )
         p.start()
         procs[index] = p
 
@@ -87,8 +91,13 @@ def run(given: dict[str, Any], settings: Settings) -> int:
     try:
         for i in range(n):
             start(i)
-        log.info("phasewatch: %d workers on %s:%d; their metrics are summed from one folder",
-                 n, settings.host, settings.port, extra={"fields": {"metrics_dir": folder}})
+        log.info(
+            "phasewatch: %d workers on %s:%d; their metrics are summed from one folder",
+            n,
+            settings.host,
+            settings.port,
+            extra={"fields": {"metrics_dir": folder}},
+        )
         while procs:
             for index, p in list(procs.items()):
                 p.join(timeout=0.2 / len(procs))
@@ -97,8 +106,12 @@ def run(given: dict[str, Any], settings: Settings) -> int:
                 del procs[index]
                 _mark_dead(p.pid, folder)
                 if not stopping.is_set():
-                    log.warning("worker %d (pid %s) exited with %s; starting it again",
-                                index, p.pid, p.exitcode)
+                    log.warning(
+                        "worker %d (pid %s) exited with %s; starting it again",
+                        index,
+                        p.pid,
+                        p.exitcode,
+                    )
                     start(index)
         return 0
     finally:

@@ -54,7 +54,9 @@ class EngineGauges:
             state = await self.read()
         except (httpx.HTTPError, ValueError, RecursionError):  # TooLarge is a ValueError
             state = None
-        self.m.engine_scrape_up.labels(self.u.name, self.u.engine).set(1 if state is not None else 0)
+        self.m.engine_scrape_up.labels(self.u.name, self.u.engine).set(
+            1 if state is not None else 0
+        )
         if state is None:
             return False
         seen = set()
@@ -82,5 +84,11 @@ def start(upstreams: Upstreams, metrics: Metrics, interval: float) -> None:
         return
     for u in upstreams.all:
         gauges = EngineGauges(u, metrics)
-        upstreams.spawn(every(interval, gauges.scrape, f"engine state scrape of upstream {u.name}",
-                              first_delay=min(1.0, interval)))
+        upstreams.spawn(
+            every(
+                interval,
+                gauges.scrape,
+                f"engine state scrape of upstream {u.name}",
+                first_delay=min(1.0, interval),
+            )
+        )

@@ -51,28 +51,37 @@ class StatusPage:
         #: (time, {gpu label: watts}) every POWER_STEP_SECONDS while requests finish or
         #: the page is open: the latest power samples, read from the one gauge.
         self.power_points: collections.deque = collections.deque(
-            maxlen=int(WINDOW_SECONDS / POWER_STEP_SECONDS) + 1)
+            maxlen=int(WINDOW_SECONDS / POWER_STEP_SECONDS) + 1
+        )
         self._power_t = 0.0
         self._summary: tuple[float, int, dict] | None = None
         self._finished = 0  # requests seen by on_request
 
     # --- the recorder's listener (once per finished request) -------------------------
 
-    def on_request(self, ex: "Exchange", f: "Figures") -> None:
+    def on_request(self, ex: Exchange, f: Figures) -> None:
         self._finished += 1
         if ex.outcome != "ok":
-            return None
+            return
         key = (ex.upstream_name, ex.model_label, ex.precision)
         idx = self._keys.get(key)
         if idx is None:
             if len(self._keys) >= 256:  # labels are bounded already; belt and braces
-                return None
+                return
             idx = self._keys[key] = len(self._keys)
         now = time.time()
-        self.points.append((now, idx, f.ttft, f.decode_tps.get("proxy", f.decode_tps.get("engine")),
-                            f.prompt_tokens, f.completion_tokens))
+        self.points.append(
+            (
+                now,
+                idx,
+                f.ttft,
+                f.decode_tps.get("proxy", f.decode_tps.get("engine")),
+                f.prompt_tokens,
+                f.completion_tokens,
+            )
+        )
         self._power_tick(now)
-        return None
+        return
 
     def _power_tick(self, now: float) -> None:
         if now - self._power_t < POWER_STEP_SECONDS:
@@ -84,7 +93,8 @@ class StatusPage:
                 lab = s.labels
                 model = lab.get("model", "")
                 label = f"{lab.get('upstream', '')} gpu {lab.get('gpu', '')}" + (
-                    f" · {model}" if model and model != "all" else "")
+                    f" · {model}" if model and model != "all" else ""
+                )
                 watts[label] = s.value
         if watts:
             self.power_points.append((now, watts))
@@ -107,9 +117,7 @@ class StatusPage:
         reg = Samples.from_registry(self.metrics.exposition)  # all workers' figures
         rep = build(reg, source="this proxy", include_idle_models=True)
         as_dict = rep.as_dict()
-        keys = [None] * len(self._keys)
-        for key, i in self._keys.items():
-            keys[i] = key
+        keys: list[tuple[str, str, str]] = sorted(self._keys, key=self._keys.__getitem__)
         cutoff = now - WINDOW_SECONDS
         points = [p for p in list(self.points) if p[0] >= cutoff]
         recent: dict[int, dict] = {}
@@ -125,39 +133,56 @@ class StatusPage:
         rows = []
         for row in as_dict["rows"]:
             key = (row["upstream"], row["model"], row["precision"])
-            r = recent.get(self._keys.get(key, -1))
+            got = recent.get(self._keys.get(key, -1))
             row["recent"] = {
-                "requests_per_min": r["n"] * 60.0 / RECENT_SECONDS if r else 0.0,
-                "tokens_per_s": r["tokens"] / RECENT_SECONDS if r else 0.0,
-                "ttft_s": statistics.median(r["ttft"]) if r and r["ttft"] else None,
-                "decode_tok_s": statistics.median(r["dec"]) if r and r["dec"] else None,
+                "requests_per_min": got["n"] * 60.0 / RECENT_SECONDS if got else 0.0,
+                "tokens_per_s": got["tokens"] / RECENT_SECONDS if got else 0.0,
+                "ttft_s": statistics.median(got["ttft"]) if got and got["ttft"] else None,
+                "decode_tok_s": statistics.median(got["dec"]) if got and got["dec"] else None,
             }
             rows.append(row)
         upstreams = []
         for u in self.upstreams.all:
-            upstreams.append({
-                "name": u.name, "engine": u.engine, "up": bool(getattr(u, "up", False)),
-                "models": len(getattr(u, "models", ()) or ()),
-                "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
-                "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
-                "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))
-                if rep.gpus else None,
-            })
+            upstreams.append(
+                {
+                    "name": u.name,
+                    "engine": u.engine,
+                    "up": bool(getattr(u, "up", False)),
+                    "models": len(getattr(u, "models", ()) or ()),
+                    "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
+                    "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
+                    "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))
+                    if rep.gpus
+                    else None,
+                }
+            )
         return {
-            "version": __version__, "now": now, "uptime_s": now - self.started,
-            "window_s": WINDOW_SECONDS, "recent_s": RECENT_SECONDS,
-            "power_sampled": rep.power, "gpus": rep.gpus, "upstreams": upstreams,
-            "bands": as_dict["bands"], "rows": rows,
+            "version": __version__,
+            "now": now,
+            "uptime_s": now - self.started,
+            "window_s": WINDOW_SECONDS,
+            "recent_s": RECENT_SECONDS,
+            "power_sampled": rep.power,
+            "gpus": rep.gpus,
+            "upstreams": upstreams,
+            "bands": as_dict["bands"],
+            "rows": rows,
             "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
-            "points": [[round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
-                       for t, idx, ttft, dec, pt, ct in points],
-            "power_points": [[round(t - now, 3), w] for t, w in list(self.power_points) if t >= cutoff],
+            "points": [
+                [round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
+                for t, idx, ttft, dec, pt, ct in points
+            ],
+            "power_points": [
+                [round(t - now, 3), w] for t, w in list(self.power_points) if t >= cutoff
+            ],
         }
 
     def page(self) -> bytes:
         """The page, with the current summary inlined (it renders before its first poll)."""
         if self._template is None:
-            self._template = resources.files("proxy.services").joinpath("static/status.html").read_text("utf-8")
+            self._template = (
+                resources.files("proxy.services").joinpath("static/status.html").read_text("utf-8")
+            )
         initial = json.dumps(self.summary(), separators=(",", ":")).replace("<", "\\u003c")
         return self._template.replace(_INITIAL_MARK, initial, 1).encode("utf-8")
 

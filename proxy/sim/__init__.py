@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 from .engine import SimEngine
+from .physics import DEFAULT_MODELS, ModelSpec
 
 
-def build_app(engine: str = "vllm", *, speed: float = 1.0, max_num_seqs: int = 16,
-              jitter: float = 0.02, truth_path: str | None = None, seed: int = 0,
-              deterministic: bool = False):
+def build_app(
+    engine: str = "vllm",
+    *,
+    speed: float = 1.0,
+    max_num_seqs: int = 16,
+    jitter: float = 0.02,
+    truth_path: str | None = None,
+    seed: int = 0,
+    deterministic: bool = False,
+):
     """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server)."""
-    kw = dict(speed=speed, max_num_seqs=max_num_seqs, jitter=jitter, truth_path=truth_path,
-              seed=seed, deterministic=deterministic)
+
+    def make(models: tuple[ModelSpec, ...] = DEFAULT_MODELS) -> SimEngine:
+        return SimEngine(
+            models,
+            max_num_seqs=max_num_seqs,
+            speed=speed,
+            jitter=jitter,
+            truth_path=truth_path,
+            seed=seed,
+            deterministic=deterministic,
+        )
+
     if engine == "vllm":
         from .vllm import VLLMSim
 
-        return VLLMSim(SimEngine(**kw))
+        return VLLMSim(make())
     if engine == "ollama":
         from .gguf import OLLAMA_MODELS
         from .ollama import OllamaSim
 
-        return OllamaSim(SimEngine(models=OLLAMA_MODELS, **kw))
+        return OllamaSim(make(OLLAMA_MODELS))
     if engine == "llamacpp":
         from .gguf import LLAMACPP_MODELS
         from .llamacpp import LlamaServerSim
 
-        return LlamaServerSim(SimEngine(models=LLAMACPP_MODELS, **kw))
+        return LlamaServerSim(make(LLAMACPP_MODELS))
     raise ValueError(f"the simulator does not speak {engine!r} (vllm, ollama, llamacpp)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+
 async def read_body(receive) -> bytes:
     chunks = []
     while True:

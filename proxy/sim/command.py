@@ -10,20 +10,41 @@ from . import build_app
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("vllm", "ollama", "llamacpp"),
-                        default=os.environ.get("PHASEWATCH_SIM_ENGINE", "vllm"),
-                        help="Engine wire format to speak [env PHASEWATCH_SIM_ENGINE; default vllm].")
-    parser.add_argument("--speed", type=float, default=float(os.environ.get("PHASEWATCH_SIM_SPEED", "1")),
-                        help="Time scale: 2 runs the simulated GPU twice as fast [default 1].")
-    parser.add_argument("--max-num-seqs", type=int, default=16,
-                        help="Concurrent sequences per model; more wait in the engine's queue.")
-    parser.add_argument("--jitter", type=float, default=0.02,
-                        help="Relative standard deviation of step times [default 0.02].")
-    parser.add_argument("--truth-log", default=os.environ.get("PHASEWATCH_SIM_TRUTH_LOG"),
-                        help="Append the ground truth of every request (JSON lines) to this file.")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="Ids and created times derived from the request, so equal requests "
-                             "give equal bytes (for byte-equality tests).")
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "ollama", "llamacpp"),
+        default=os.environ.get("PHASEWATCH_SIM_ENGINE", "vllm"),
+        help="Engine wire format to speak [env PHASEWATCH_SIM_ENGINE; default vllm].",
+    )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=float(os.environ.get("PHASEWATCH_SIM_SPEED", "1")),
+        help="Time scale: 2 runs the simulated GPU twice as fast [default 1].",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=16,
+        help="Concurrent sequences per model; more wait in the engine's queue.",
+    )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.02,
+        help="Relative standard deviation of step times [default 0.02].",
+    )
+    parser.add_argument(
+        "--truth-log",
+        default=os.environ.get("PHASEWATCH_SIM_TRUTH_LOG"),
+        help="Append the ground truth of every request (JSON lines) to this file.",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="Ids and created times derived from the request, so equal requests "
+        "give equal bytes (for byte-equality tests).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
 
 
@@ -35,6 +56,12 @@ def from_args(args: argparse.Namespace) -> Any:
         raise ValueError("--max-num-seqs must be at least 1")
     if args.jitter < 0:
         raise ValueError("--jitter must not be negative")
-    return build_app(args.engine, speed=args.speed, max_num_seqs=args.max_num_seqs,
-                     jitter=args.jitter, truth_path=args.truth_log, seed=args.seed,
-                     deterministic=args.deterministic)
+    return build_app(
+        args.engine,
+        speed=args.speed,
+        max_num_seqs=args.max_num_seqs,
+        jitter=args.jitter,
+        truth_path=args.truth_log,
+        seed=args.seed,
+        deterministic=args.deterministic,
+    )

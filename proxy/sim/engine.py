@@ -19,14 +19,68 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .physics import DEFAULT_MODELS, GPU, RTX_4090, ModelSpec, decode_step_seconds, power_watts, prefill_seconds
+from .physics import (
+    DEFAULT_MODELS,
+    GPU,
+    RTX_4090,
+    ModelSpec,
+    decode_step_seconds,
+    power_watts,
+    prefill_seconds,
+)
 
-_WORDS = ("the", "model", "decode", "prefill", "token", "phase", "cache", "memory", "bandwidth",
-          "weights", "latency", "quiet", "answer", "request", "batch", "GPU", "watts", "fast",
-          "slow", "context", "prompt", "engine", "stream", "queue", "precision", "int4",
-          "bf16", "energy", "time", "first", "last", "per", "second", "and", "of", "to", "a",
-          "is", "on", "with", "café", "naïve", "☕", "<tag>", "\"quoted\"", "back\\slash",
-          "tab\there", "über", "数据", "ok.")
+_WORDS = (
+    "the",
+    "model",
+    "decode",
+    "prefill",
+    "token",
+    "phase",
+    "cache",
+    "memory",
+    "bandwidth",
+    "weights",
+    "latency",
+    "quiet",
+    "answer",
+    "request",
+    "batch",
+    "GPU",
+    "watts",
+    "fast",
+    "slow",
+    "context",
+    "prompt",
+    "engine",
+    "stream",
+    "queue",
+    "precision",
+    "int4",
+    "bf16",
+    "energy",
+    "time",
+    "first",
+    "last",
+    "per",
+    "second",
+    "and",
+    "of",
+    "to",
+    "a",
+    "is",
+    "on",
+    "with",
+    "café",
+    "naïve",
+    "☕",
+    "<tag>",
+    '"quoted"',
+    "back\\slash",
+    "tab\there",
+    "über",
+    "数据",
+    "ok.",
+)
 
 _PIECE = re.compile(r"\S+")
 
@@ -37,8 +91,10 @@ def count_tokens(text: str) -> int:
 
 
 def tokenize(text: str) -> list[int]:
-    return [int.from_bytes(hashlib.blake2s(p.encode(), digest_size=3).digest(), "big")
-            for p in _PIECE.findall(text)]
+    return [
+        int.from_bytes(hashlib.blake2s(p.encode(), digest_size=3).digest(), "big")
+        for p in _PIECE.findall(text)
+    ]
 
 
 @dataclass
@@ -90,7 +146,9 @@ class Truth:
         d = {k: v for k, v in self.__dict__.items() if k != "step_seconds"}
         if self.t_first is not None and self.t_last is not None and self.completion_tokens >= 2:
             d["decode_seconds"] = self.t_last - self.t_first
-            d["decode_tokens_per_second"] = (self.completion_tokens - 1) / (self.t_last - self.t_first)
+            d["decode_tokens_per_second"] = (self.completion_tokens - 1) / (
+                self.t_last - self.t_first
+            )
         if self.t_admit is not None:
             d["queue_seconds"] = self.t_admit - self.t_recv
         if self.t_first is not None:
@@ -101,8 +159,16 @@ class Truth:
 class ModelEngine:
     """One model on one simulated GPU."""
 
-    def __init__(self, spec: ModelSpec, gpu: GPU, gpu_index: int, max_num_seqs: int,
-                 speed: float, jitter: float, rng: random.Random) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        gpu: GPU,
+        gpu_index: int,
+        max_num_seqs: int,
+        speed: float,
+        jitter: float,
+        rng: random.Random,
+    ) -> None:
         self.spec = spec
         self.gpu = gpu
         self.gpu_index = gpu_index
@@ -192,8 +258,9 @@ class ModelEngine:
         return self._jittered(prefill_seconds(self.spec, self.gpu, new_tokens, cached))
 
     def step_time(self) -> float:
-        return self._jittered(decode_step_seconds(self.spec, self.gpu, len(self.running),
-                                                  sum(self.running.values())))
+        return self._jittered(
+            decode_step_seconds(self.spec, self.gpu, len(self.running), sum(self.running.values()))
+        )
 
     async def prefill(self, start: float, new_tokens: int, cached: int) -> None:
         """Run a prompt's prefill from `start` (power state prefill meanwhile)."""
@@ -222,17 +289,31 @@ class ModelEngine:
 class SimEngine:
     """All simulated models, the truth log and the abort counter."""
 
-    def __init__(self, models: tuple[ModelSpec, ...] = DEFAULT_MODELS, gpu: GPU = RTX_4090,
-                 max_num_seqs: int = 16, speed: float = 1.0, jitter: float = 0.02,
-                 truth_path: str | None = None, seed: int = 0,
-                 deterministic: bool = False) -> None:
+    def __init__(
+        self,
+        models: tuple[ModelSpec, ...] = DEFAULT_MODELS,
+        gpu: GPU = RTX_4090,
+        max_num_seqs: int = 16,
+        speed: float = 1.0,
+        jitter: float = 0.02,
+        truth_path: str | None = None,
+        seed: int = 0,
+        deterministic: bool = False,
+    ) -> None:
         rng = random.Random(seed)
-        self.models = {m.id: ModelEngine(m, gpu, i, max_num_seqs, speed, jitter, rng)
-                       for i, m in enumerate(models)}
+        self.models = {
+            m.id: ModelEngine(m, gpu, i, max_num_seqs, speed, jitter, rng)
+            for i, m in enumerate(models)
+        }
         self.gpu = gpu
         self.deterministic = deterministic
         self.started = int(time.time())
-        self._truth = open(truth_path, "a", buffering=1, encoding="utf-8") if truth_path else None
+        # open for the engine's life (one line per request), closed by close()
+        self._truth = (
+            open(truth_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            if truth_path
+            else None
+        )
         self._key = 0
 
     def next_key(self) -> int:

@@ -25,10 +25,10 @@ import json
 import string
 import time
 
-from .engine import SimEngine, plan_output, tokenize
-from .power import dcgm_metrics
 from .asgi import lifespan, loads, read_body, watch
+from .engine import SimEngine, plan_output, tokenize
 from .gguf import FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text
+from .power import dcgm_metrics
 
 BUILD = "b6250-e92734d5"
 N_CTX = 4096
@@ -40,16 +40,23 @@ def nl_json(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def timings(cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int,
-            predicted_ms: float) -> dict:
+def timings(
+    cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float
+) -> dict:
     prompt_ms, predicted_ms = round(prompt_ms, 3), round(predicted_ms, 3)
     p_tok = prompt_ms / prompt_n if prompt_n else 0.0
     g_tok = predicted_ms / max(1, predicted_n - 1)
-    return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": p_tok, "prompt_per_second": 1e3 / p_tok if p_tok else 0.0,
-            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": g_tok,
-            "predicted_per_second": 1e3 / g_tok if g_tok and predicted_n >= 2 else 0.0}
+    return {
+        "cache_n": cache_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": p_tok,
+        "prompt_per_second": 1e3 / p_tok if p_tok else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": g_tok,
+        "predicted_per_second": 1e3 / g_tok if g_tok and predicted_n >= 2 else 0.0,
+    }
 
 
 class _Bad(Exception):
@@ -65,11 +72,17 @@ class LlamaServerSim:
         self.engine = engine
         self.alias, self.me = next(iter(engine.models.items()))
         self.cache = PrefixCache()
-        self.slots: list[dict] = [{"id": i, "n_ctx": N_CTX, "speculative": False,
-                                   "is_processing": False} for i in range(self.me.max_num_seqs)]
-        self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
-                         "prompt_seconds_total": 0.0, "tokens_predicted_total": 0,
-                         "tokens_predicted_seconds_total": 0.0}
+        self.slots: list[dict] = [
+            {"id": i, "n_ctx": N_CTX, "speculative": False, "is_processing": False}
+            for i in range(self.me.max_num_seqs)
+        ]
+        self.counters = {
+            "prompt_tokens_total": 0,
+            "prompt_tokens_cached_total": 0,
+            "prompt_seconds_total": 0.0,
+            "tokens_predicted_total": 0,
+            "tokens_predicted_seconds_total": 0.0,
+        }
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -78,8 +91,13 @@ class LlamaServerSim:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
-        routes = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
-                  "/v1/completions": "cmpl", "/completions": "cmpl", "/completion": "native"}
+        routes = {
+            "/v1/chat/completions": "chat",
+            "/chat/completions": "chat",
+            "/v1/completions": "cmpl",
+            "/completions": "cmpl",
+            "/completion": "native",
+        }
         if path in routes and method == "POST":
             await self.generate(scope, receive, send, routes[path])
         elif path == "/health" and method == "GET":
@@ -93,53 +111,105 @@ class LlamaServerSim:
         elif path == "/metrics" and method == "GET":
             await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
         else:
-            await _send(send, 404, b'{"error":{"message":"File Not Found","type":"not_found_error",'
-                        b'"code":404}}', close=True)
+            await _send(
+                send,
+                404,
+                b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}',
+                close=True,
+            )
 
     # --- metadata -------------------------------------------------------------------------
 
     def props(self) -> dict:
-        return {"default_generation_settings": {"id": 0, "n_ctx": N_CTX, "speculative": False,
-                                                "is_processing": False},
-                "total_slots": len(self.slots), "model_alias": self.alias,
-                "model_ftype": FTYPE_NAMES[self.me.spec.profile.quant],
-                "model_path": LLAMACPP_PATH,
-                "modalities": {"vision": False, "video": False, "audio": False},
-                "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
-                "chat_template": "{{ messages }}", "bos_token": "<bos>", "eos_token": "<eos>",
-                "build_info": BUILD, "is_sleeping": False}
+        return {
+            "default_generation_settings": {
+                "id": 0,
+                "n_ctx": N_CTX,
+                "speculative": False,
+                "is_processing": False,
+            },
+            "total_slots": len(self.slots),
+            "model_alias": self.alias,
+            "model_ftype": FTYPE_NAMES[self.me.spec.profile.quant],
+            "model_path": LLAMACPP_PATH,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "chat_template": "{{ messages }}",
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "build_info": BUILD,
+            "is_sleeping": False,
+        }
 
     def models(self) -> dict:
         spec = self.me.spec
-        return {"models": [{"name": self.alias, "model": self.alias, "modified_at": "", "size": "",
-                            "digest": "", "type": "model", "description": "", "tags": [""],
-                            "capabilities": ["completion"], "parameters": "",
-                            "details": {"parent_model": "", "format": "gguf", "family": "",
-                                        "families": [""], "parameter_size": "",
-                                        "quantization_level": ""}}],
-                "object": "list",
-                "data": [{"id": self.alias, "aliases": [self.alias], "tags": [], "object": "model",
-                          "created": self.engine.started, "owned_by": "llamacpp",
-                          "meta": {"vocab_type": 2, "n_vocab": 152064, "n_ctx": N_CTX,
-                                   "n_ctx_train": spec.max_model_len, "n_embd": spec.hidden,
-                                   "n_params": int(spec.params_b * 1e9),
-                                   "size": int(spec.weight_bytes),
-                                   "ftype": FTYPE_NAMES[spec.profile.quant]}}]}
+        return {
+            "models": [
+                {
+                    "name": self.alias,
+                    "model": self.alias,
+                    "modified_at": "",
+                    "size": "",
+                    "digest": "",
+                    "type": "model",
+                    "description": "",
+                    "tags": [""],
+                    "capabilities": ["completion"],
+                    "parameters": "",
+                    "details": {
+                        "parent_model": "",
+                        "format": "gguf",
+                        "family": "",
+                        "families": [""],
+                        "parameter_size": "",
+                        "quantization_level": "",
+                    },
+                }
+            ],
+            "object": "list",
+            "data": [
+                {
+                    "id": self.alias,
+                    "aliases": [self.alias],
+                    "tags": [],
+                    "object": "model",
+                    "created": self.engine.started,
+                    "owned_by": "llamacpp",
+                    "meta": {
+                        "vocab_type": 2,
+                        "n_vocab": 152064,
+                        "n_ctx": N_CTX,
+                        "n_ctx_train": spec.max_model_len,
+                        "n_embd": spec.hidden,
+                        "n_params": int(spec.params_b * 1e9),
+                        "size": int(spec.weight_bytes),
+                        "ftype": FTYPE_NAMES[spec.profile.quant],
+                    },
+                }
+            ],
+        }
 
     def metrics(self) -> str:
         c = self.counters
         busy = sum(1 for s in self.slots if s["is_processing"])
-        rows = [("prompt_tokens_total", "counter", c["prompt_tokens_total"]),
-                ("prompt_tokens_cached_total", "counter", c["prompt_tokens_cached_total"]),
-                ("prompt_seconds_total", "counter", c["prompt_seconds_total"]),
-                ("tokens_predicted_total", "counter", c["tokens_predicted_total"]),
-                ("tokens_predicted_seconds_total", "counter", c["tokens_predicted_seconds_total"]),
-                ("requests_processing", "gauge", busy),
-                ("requests_deferred", "gauge", self.me.waiting)]
+        rows = [
+            ("prompt_tokens_total", "counter", c["prompt_tokens_total"]),
+            ("prompt_tokens_cached_total", "counter", c["prompt_tokens_cached_total"]),
+            ("prompt_seconds_total", "counter", c["prompt_seconds_total"]),
+            ("tokens_predicted_total", "counter", c["tokens_predicted_total"]),
+            ("tokens_predicted_seconds_total", "counter", c["tokens_predicted_seconds_total"]),
+            ("requests_processing", "gauge", busy),
+            ("requests_deferred", "gauge", self.me.waiting),
+        ]
         out = []
         for name, kind, value in rows:
-            out += [f"# HELP llamacpp:{name} {name}", f"# TYPE llamacpp:{name} {kind}",
-                    f"llamacpp:{name} {value:g}"]
+            out += [
+                f"# HELP llamacpp:{name} {name}",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {value:g}",
+            ]
         # the simulated GPUs' power, as a dcgm-exporter beside the engine would serve it
         return "\n".join(out) + "\n" + dcgm_metrics(self.engine)
 
@@ -154,27 +224,64 @@ class LlamaServerSim:
 
     def _validate(self, obj, kind: str):
         if not isinstance(obj, dict):
-            raise _Bad(400, {"error": {"code": 400, "message": "[json.exception.parse_error.101] "
-                                       "parse error: syntax error", "type": "invalid_request_error"}})
+            raise _Bad(
+                400,
+                {
+                    "error": {
+                        "code": 400,
+                        "message": "[json.exception.parse_error.101] parse error: syntax error",
+                        "type": "invalid_request_error",
+                    }
+                },
+            )
         if kind == "chat":
             if not isinstance(obj.get("messages"), list):
-                raise _Bad(400, {"error": {"code": 400, "message": "'messages' is required",
-                                           "type": "invalid_request_error"}})
+                raise _Bad(
+                    400,
+                    {
+                        "error": {
+                            "code": 400,
+                            "message": "'messages' is required",
+                            "type": "invalid_request_error",
+                        }
+                    },
+                )
             text = chat_text(obj["messages"])
         else:
             prompt = obj.get("prompt")
             if not isinstance(prompt, str):
-                raise _Bad(400, {"error": {"code": 400, "message": "\"prompt\" must be a string",
-                                           "type": "invalid_request_error"}})
+                raise _Bad(
+                    400,
+                    {
+                        "error": {
+                            "code": 400,
+                            "message": '"prompt" must be a string',
+                            "type": "invalid_request_error",
+                        }
+                    },
+                )
             text = prompt
         tokens = [2] + tokenize(text)  # <bos>
         if len(tokens) >= N_CTX:
-            raise _Bad(400, {"error": {"code": 400, "message": f"request ({len(tokens)} tokens) "
-                                       f"exceeds the available context size ({N_CTX} tokens), try "
-                                       "increasing it", "type": "exceed_context_size_error",
-                                       "n_prompt_tokens": len(tokens), "n_ctx": N_CTX}})
-        limit = obj.get("n_predict") if kind == "native" else obj.get(
-            "max_completion_tokens", obj.get("max_tokens"))
+            raise _Bad(
+                400,
+                {
+                    "error": {
+                        "code": 400,
+                        "message": f"request ({len(tokens)} tokens) "
+                        f"exceeds the available context size ({N_CTX} tokens), try "
+                        "increasing it",
+                        "type": "exceed_context_size_error",
+                        "n_prompt_tokens": len(tokens),
+                        "n_ctx": N_CTX,
+                    }
+                },
+            )
+        limit = (
+            obj.get("n_predict")
+            if kind == "native"
+            else obj.get("max_completion_tokens", obj.get("max_tokens"))
+        )
         limit = max(1, limit) if isinstance(limit, int) and limit >= 0 else None
         return text, tokens, limit
 
@@ -194,11 +301,13 @@ class LlamaServerSim:
         ident, created = self._ident(f"{kind}|{text}|{limit}")
         rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or ident
         prompt_total = len(tokens)
-        truth = EngineTruth(rid, self.alias, me.spec.profile.name, prompt_total, t_recv=t_recv,
-                            gpu=me.gpu_index)
+        truth = EngineTruth(
+            rid, self.alias, me.spec.profile.name, prompt_total, t_recv=t_recv, gpu=me.gpu_index
+        )
         w = _Writer(send, kind, self.alias, ident, created, include_usage, stream)
         error_after = obj.get("sim_error_after")
         task = asyncio.current_task()
+        assert task is not None
         gone = asyncio.Event()
         watcher = asyncio.create_task(watch(receive, task, gone, w.state))
         key = self.engine.next_key()
@@ -206,8 +315,12 @@ class LlamaServerSim:
         try:
             await me.admit(key, prompt_total)
             slot = next(s for s in self.slots if not s["is_processing"])
-            slot.update(is_processing=True, id_task=key, n_prompt_tokens=prompt_total,
-                        next_token=[{"has_next_token": True, "n_remain": -1, "n_decoded": 0}])
+            slot.update(
+                is_processing=True,
+                id_task=key,
+                n_prompt_tokens=prompt_total,
+                next_token=[{"has_next_token": True, "n_remain": -1, "n_decoded": 0}],
+            )
             admit_ns = time.monotonic_ns()
             truth.t_admit = admit_ns / 1e9
             truth.engine_wait_seconds = truth.t_admit - t_recv
@@ -248,13 +361,26 @@ class LlamaServerSim:
             c["prompt_seconds_total"] += t["prompt_ms"] / 1e3
             c["tokens_predicted_total"] += n
             c["tokens_predicted_seconds_total"] += t["predicted_ms"] / 1e3
-            usage = {"completion_tokens": n, "prompt_tokens": prompt_total,
-                     "total_tokens": prompt_total + n,
-                     "prompt_tokens_details": {"cached_tokens": cached}}
+            usage = {
+                "completion_tokens": n,
+                "prompt_tokens": prompt_total,
+                "total_tokens": prompt_total + n,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
             stop_type = "eos" if plan.finish_reason == "stop" else "limit"
-            await w.finish(plan.finish_reason, "".join(plan.pieces), usage, t,
-                           {"slot": slot["id"], "prompt": "<bos>" + text, "stop_type": stop_type,
-                            "tokens_evaluated": prompt_total, "n": n})
+            await w.finish(
+                plan.finish_reason,
+                "".join(plan.pieces),
+                usage,
+                t,
+                {
+                    "slot": slot["id"],
+                    "prompt": "<bos>" + text,
+                    "stop_type": stop_type,
+                    "tokens_evaluated": prompt_total,
+                    "n": n,
+                },
+            )
             me.finished_total += 1
         except asyncio.CancelledError:
             if not gone.is_set():
@@ -276,8 +402,16 @@ class LlamaServerSim:
 class _Writer:
     """Serialises one llama-server response."""
 
-    def __init__(self, send, kind: str, alias: str, ident: str, created: int,
-                 include_usage: bool, stream: bool) -> None:
+    def __init__(
+        self,
+        send,
+        kind: str,
+        alias: str,
+        ident: str,
+        created: int,
+        include_usage: bool,
+        stream: bool,
+    ) -> None:
         self.send, self.kind, self.alias = send, kind, alias
         self.ident, self.created = ident, created
         self.include_usage, self.stream = include_usage, stream
@@ -285,27 +419,47 @@ class _Writer:
         self.first = True
 
     async def start(self) -> None:
-        await self.send({"type": "http.response.start", "status": 200, "headers": [
-            (b"access-control-allow-origin", b""), (b"x-accel-buffering", b"no"),
-            (b"content-type", b"text/event-stream")]})
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"access-control-allow-origin", b""),
+                    (b"x-accel-buffering", b"no"),
+                    (b"content-type", b"text/event-stream"),
+                ],
+            }
+        )
 
     async def _write(self, data: bytes, more: bool = True) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
     def _tail(self, obj: str) -> str:
-        return (f',"created":{self.created},"id":"{self.ident}","model":{json.dumps(self.alias)},'
-                f'"system_fingerprint":"{BUILD}","object":"{obj}"')
+        return (
+            f',"created":{self.created},"id":"{self.ident}","model":{json.dumps(self.alias)},'
+            f'"system_fingerprint":"{BUILD}","object":"{obj}"'
+        )
 
     def _chat(self, choice: str, extra: str = "") -> bytes:
-        return (b"data: {\"choices\":[" + choice.encode() + b"]"
-                + self._tail("chat.completion.chunk").encode() + extra.encode() + b"}\n\n")
+        return (
+            b'data: {"choices":['
+            + choice.encode()
+            + b"]"
+            + self._tail("chat.completion.chunk").encode()
+            + extra.encode()
+            + b"}\n\n"
+        )
 
     def _cmpl(self, text: str, finish: str | None, extra_usage: str = "", extra: str = "") -> bytes:
         fr = "null" if finish is None else f'"{finish}"'
-        choice = f'{{"text":{json.dumps(text, ensure_ascii=False)},"index":0,"logprobs":null,"finish_reason":{fr}}}'
-        return (f'data: {{"choices":[{choice}],"created":{self.created},"model":{json.dumps(self.alias)},'
-                f'"system_fingerprint":"{BUILD}","object":"text_completion"{extra_usage},'
-                f'"id":"{self.ident}"{extra}}}\n\n').encode()
+        text_json = json.dumps(text, ensure_ascii=False)
+        choice = f'{{"text":{text_json},"index":0,"logprobs":null,"finish_reason":{fr}}}'
+        model = json.dumps(self.alias)
+        return (
+            f'data: {{"choices":[{choice}],"created":{self.created},"model":{model},'
+            f'"system_fingerprint":"{BUILD}","object":"text_completion"{extra_usage},'
+            f'"id":"{self.ident}"{extra}}}\n\n'
+        ).encode()
 
     async def token(self, piece: str, token_id: int, predicted: int, evaluated: int) -> None:
         if not self.stream:
@@ -314,13 +468,17 @@ class _Writer:
         if self.kind == "chat":
             out = b""
             if self.first:
-                out = self._chat('{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}')
+                out = self._chat(
+                    '{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}'
+                )
             out += self._chat(f'{{"finish_reason":null,"index":0,"delta":{{"content":{content}}}}}')
         elif self.kind == "cmpl":
             out = self._cmpl(piece, None)
         else:
-            out = (f'data: {{"index":0,"content":{content},"tokens":[{token_id}],"stop":false,'
-                   f'"id_slot":-1,"tokens_predicted":{predicted},"tokens_evaluated":{evaluated}}}\n\n').encode()
+            out = (
+                f'data: {{"index":0,"content":{content},"tokens":[{token_id}],"stop":false,'
+                f'"id_slot":-1,"tokens_predicted":{predicted},"tokens_evaluated":{evaluated}}}\n\n'
+            ).encode()
         self.first = False
         await self._write(out)
 
@@ -333,16 +491,20 @@ class _Writer:
         u, tm = nl_json(usage).decode(), nl_json(t).decode()
         if not self.stream:
             if self.kind == "chat":
-                body = (f'{{"choices":[{{"finish_reason":"{reason}","index":0,"message":{{"role":'
-                        f'"assistant","content":{json.dumps(text, ensure_ascii=False)}}}}}],'
-                        f'"created":{self.created},"model":{json.dumps(self.alias)},'
-                        f'"system_fingerprint":"{BUILD}","object":"chat.completion","usage":{u},'
-                        f'"id":"{self.ident}","timings":{tm}}}')
+                body = (
+                    f'{{"choices":[{{"finish_reason":"{reason}","index":0,"message":{{"role":'
+                    f'"assistant","content":{json.dumps(text, ensure_ascii=False)}}}}}],'
+                    f'"created":{self.created},"model":{json.dumps(self.alias)},'
+                    f'"system_fingerprint":"{BUILD}","object":"chat.completion","usage":{u},'
+                    f'"id":"{self.ident}","timings":{tm}}}'
+                )
             elif self.kind == "cmpl":
-                body = (f'{{"choices":[{{"text":{json.dumps(text, ensure_ascii=False)},"index":0,'
-                        f'"logprobs":null,"finish_reason":"{reason}"}}],"created":{self.created},'
-                        f'"model":{json.dumps(self.alias)},"system_fingerprint":"{BUILD}",'
-                        f'"object":"text_completion","usage":{u},"id":"{self.ident}","timings":{tm}}}')
+                body = (
+                    f'{{"choices":[{{"text":{json.dumps(text, ensure_ascii=False)},"index":0,'
+                    f'"logprobs":null,"finish_reason":"{reason}"}}],"created":{self.created},'
+                    f'"model":{json.dumps(self.alias)},"system_fingerprint":"{BUILD}",'
+                    f'"object":"text_completion","usage":{u},"id":"{self.ident}","timings":{tm}}}'
+                )
             else:
                 body = nl_json(self._native_last(text, info, t)).decode()
             self.state["finished"] = True
@@ -351,8 +513,11 @@ class _Writer:
         if self.kind == "chat":
             fin = f'{{"finish_reason":"{reason}","index":0,"delta":{{}}}}'
             if self.include_usage:
-                out = self._chat(fin) + (b'data: {"choices":[]' + self._tail("chat.completion.chunk").encode()
-                                         + f',"usage":{u},"timings":{tm}}}\n\n'.encode())
+                out = self._chat(fin) + (
+                    b'data: {"choices":[]'
+                    + self._tail("chat.completion.chunk").encode()
+                    + f',"usage":{u},"timings":{tm}}}\n\n'.encode()
+                )
             else:
                 out = self._chat(fin, f',"timings":{tm}')
             await self._write(out)
@@ -364,22 +529,43 @@ class _Writer:
             await self._write(b"data: [DONE]\n\n", more=False)
         else:
             self.state["finished"] = True
-            await self._write(b"data: " + nl_json(self._native_last("", info, t)) + b"\n\n", more=False)
+            await self._write(
+                b"data: " + nl_json(self._native_last("", info, t)) + b"\n\n", more=False
+            )
 
     def _native_last(self, content: str, info: dict, t: dict) -> dict:
-        return {"index": 0, "content": content, "tokens": [], "id_slot": info["slot"], "stop": True,
-                "model": self.alias, "tokens_predicted": info["n"],
-                "tokens_evaluated": info["tokens_evaluated"],
-                "generation_settings": {"n_predict": -1, "stream": self.stream},
-                "prompt": info["prompt"], "has_new_line": "\n" in content, "truncated": False,
-                "stop_type": info["stop_type"], "stopping_word": "",
-                "tokens_cached": info["tokens_evaluated"] + info["n"], "timings": t}
+        return {
+            "index": 0,
+            "content": content,
+            "tokens": [],
+            "id_slot": info["slot"],
+            "stop": True,
+            "model": self.alias,
+            "tokens_predicted": info["n"],
+            "tokens_evaluated": info["tokens_evaluated"],
+            "generation_settings": {"n_predict": -1, "stream": self.stream},
+            "prompt": info["prompt"],
+            "has_new_line": "\n" in content,
+            "truncated": False,
+            "stop_type": info["stop_type"],
+            "stopping_word": "",
+            "tokens_cached": info["tokens_evaluated"] + info["n"],
+            "timings": t,
+        }
 
 
-async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json; charset=utf-8",
-                close: bool = False) -> None:
-    headers = [(b"access-control-allow-origin", b""), (b"content-type", ctype),
-               (b"content-length", str(len(body)).encode())]
+async def _send(
+    send,
+    status: int,
+    body: bytes,
+    ctype: bytes = b"application/json; charset=utf-8",
+    close: bool = False,
+) -> None:
+    headers = [
+        (b"access-control-allow-origin", b""),
+        (b"content-type", ctype),
+        (b"content-length", str(len(body)).encode()),
+    ]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

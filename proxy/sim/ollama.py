@@ -21,12 +21,13 @@ import asyncio
 import hashlib
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import ClassVar
 
-from .engine import SimEngine, plan_output, tokenize
-from .power import dcgm_metrics
 from .asgi import lifespan, loads, read_body, watch
+from .engine import SimEngine, plan_output, tokenize
 from .gguf import FILE_TYPES, EngineTruth, PrefixCache, chat_text
+from .power import dcgm_metrics
 
 VERSION = "0.12.3"
 KEEP_ALIVE = 300.0
@@ -35,15 +36,20 @@ KEEP_ALIVE = 300.0
 def go_json(obj) -> bytes:
     """Go encoding/json: compact, raw UTF-8, ``<>&`` and U+2028/2029 escaped."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")).encode()
+    return (
+        text.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    ).encode()
 
 
 def rfc3339nano(ts_ns: int | None = None) -> str:
     """UTC time as Go's RFC3339Nano: trailing zeros of the fraction trimmed."""
     ts_ns = time.time_ns() if ts_ns is None else ts_ns
     secs, frac = divmod(ts_ns, 1_000_000_000)
-    base = datetime.fromtimestamp(secs, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    base = datetime.fromtimestamp(secs, UTC).strftime("%Y-%m-%dT%H:%M:%S")
     digits = f"{frac:09d}".rstrip("0")
     return base + ("." + digits if digits else "") + "Z"
 
@@ -91,19 +97,30 @@ class OllamaSim:
             await self.show(receive, send)
         elif path == "/metrics" and method == "GET":
             # Ollama has no /metrics: this is the dcgm-exporter beside it (simulated power)
-            await _send(send, 200, dcgm_metrics(self.engine).encode(),
-                        b"text/plain; version=0.0.4; charset=utf-8")
+            await _send(
+                send,
+                200,
+                dcgm_metrics(self.engine).encode(),
+                b"text/plain; version=0.0.4; charset=utf-8",
+            )
         elif path == "/v1/models" and method == "GET":
-            data = [{"id": m, "object": "model", "created": int(self.modified), "owned_by": "library"}
-                    for m in self.engine.models]
-            await _send(send, 200, go_json({"object": "list", "data": data}) + b"\n",
-                        b"application/json")
+            data = [
+                {"id": m, "object": "model", "created": int(self.modified), "owned_by": "library"}
+                for m in self.engine.models
+            ]
+            await _send(
+                send, 200, go_json({"object": "list", "data": data}) + b"\n", b"application/json"
+            )
         elif path in ("/api/chat", "/api/generate", "/v1/chat/completions", "/v1/completions"):
             if method != "POST":
                 await _send(send, 404, b"404 page not found", b"text/plain")
                 return
-            kind = {"/api/chat": "chat", "/api/generate": "generate",
-                    "/v1/chat/completions": "v1chat", "/v1/completions": "v1cmpl"}[path]
+            kind = {
+                "/api/chat": "chat",
+                "/api/generate": "generate",
+                "/v1/chat/completions": "v1chat",
+                "/v1/completions": "v1cmpl",
+            }[path]
             await self.generate(scope, receive, send, kind)
         else:
             await _send(send, 404, b"404 page not found", b"text/plain")
@@ -112,9 +129,14 @@ class OllamaSim:
 
     def _details(self, model: str) -> dict:
         spec = self.engine.models[model].spec
-        return {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
-                "parameter_size": f"{spec.params_b:.1f}B",
-                "quantization_level": spec.profile.quant}
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": "llama",
+            "families": ["llama"],
+            "parameter_size": f"{spec.params_b:.1f}B",
+            "quantization_level": spec.profile.quant,
+        }
 
     def _size(self, model: str) -> int:
         return int(self.engine.models[model].spec.weight_bytes)
@@ -123,9 +145,14 @@ class OllamaSim:
         return hashlib.sha256(model.encode()).hexdigest()
 
     def _tag(self, model: str) -> dict:
-        return {"name": model, "model": model, "modified_at": local_time(self.modified),
-                "size": self._size(model), "digest": self._digest(model),
-                "details": self._details(model)}
+        return {
+            "name": model,
+            "model": model,
+            "modified_at": local_time(self.modified),
+            "size": self._size(model),
+            "digest": self._digest(model),
+            "details": self._details(model),
+        }
 
     def _ps(self) -> list[dict]:
         now = time.time()
@@ -133,10 +160,18 @@ class OllamaSim:
         for model, expiry in sorted(self.loaded.items(), key=lambda kv: -kv[1]):
             if expiry <= now:
                 continue
-            out.append({"name": model, "model": model, "size": self._size(model),
-                        "digest": self._digest(model), "details": self._details(model),
-                        "expires_at": local_time(expiry), "size_vram": self._size(model),
-                        "context_length": 4096})
+            out.append(
+                {
+                    "name": model,
+                    "model": model,
+                    "size": self._size(model),
+                    "digest": self._digest(model),
+                    "details": self._details(model),
+                    "expires_at": local_time(expiry),
+                    "size_vram": self._size(model),
+                    "context_length": 4096,
+                }
+            )
         return out
 
     async def show(self, receive, send) -> None:
@@ -147,16 +182,24 @@ class OllamaSim:
             await _send(send, 404, go_json({"error": f"model '{name}' not found"}))
             return
         spec = self.engine.models[model].spec
-        body = {"license": "", "modelfile": f"# Modelfile generated by \"ollama show\"\nFROM {model}\n",
-                "parameters": "", "template": "{{ .Prompt }}", "details": self._details(model),
-                "model_info": {"general.architecture": "llama",
-                               "general.file_type": FILE_TYPES[spec.profile.quant],
-                               "general.parameter_count": int(spec.params_b * 1e9),
-                               "general.quantization_version": 2,
-                               "llama.block_count": spec.layers,
-                               "llama.context_length": spec.max_model_len},
-                "tensors": [], "capabilities": ["completion"],
-                "modified_at": local_time(self.modified)}
+        body = {
+            "license": "",
+            "modelfile": f'# Modelfile generated by "ollama show"\nFROM {model}\n',
+            "parameters": "",
+            "template": "{{ .Prompt }}",
+            "details": self._details(model),
+            "model_info": {
+                "general.architecture": "llama",
+                "general.file_type": FILE_TYPES[spec.profile.quant],
+                "general.parameter_count": int(spec.params_b * 1e9),
+                "general.quantization_version": 2,
+                "llama.block_count": spec.layers,
+                "llama.context_length": spec.max_model_len,
+            },
+            "tensors": [],
+            "capabilities": ["completion"],
+            "modified_at": local_time(self.modified),
+        }
         await _send(send, 200, go_json(body))
 
     def _resolve(self, name: str) -> str | None:
@@ -174,12 +217,23 @@ class OllamaSim:
         obj = loads(await read_body(receive))
         v1 = kind.startswith("v1")
         try:
-            model, name, text, stream, opts = self._validate(obj, kind)
+            model, name, text, _stream, opts = self._validate(obj, kind)
         except _Bad as exc:
             if v1:
                 kinds = {400: "invalid_request_error", 404: "not_found_error"}
-                body = go_json({"error": {"message": exc.message, "type": kinds.get(exc.status, "api_error"),
-                                          "param": None, "code": None}}) + b"\n"
+                body = (
+                    go_json(
+                        {
+                            "error": {
+                                "message": exc.message,
+                                "type": kinds.get(exc.status, "api_error"),
+                                "param": None,
+                                "code": None,
+                            }
+                        }
+                    )
+                    + b"\n"
+                )
                 await _send(send, exc.status, body, b"application/json")
             else:
                 await _send(send, exc.status, go_json({"error": exc.message}))
@@ -192,8 +246,11 @@ class OllamaSim:
             else:
                 self.loaded[model] = time.time() + KEEP_ALIVE
             head = {"model": name, "created_at": rfc3339nano()}
-            head.update({"message": {"role": "assistant", "content": ""}} if kind == "chat"
-                        else {"response": ""})
+            head.update(
+                {"message": {"role": "assistant", "content": ""}}
+                if kind == "chat"
+                else {"response": ""}
+            )
             head.update({"done": True, "done_reason": reason})
             await _send(send, 200, go_json(head))
             return
@@ -203,13 +260,17 @@ class OllamaSim:
         max_tokens = opts.get("num_predict") if not v1 else obj.get("max_tokens")
         max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
         plan = plan_output(text, max_tokens, False, opts.get("seed"))
-        rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or hashlib.md5(
-            str(time.time_ns()).encode()).hexdigest()
-        truth = EngineTruth(rid, model, me.spec.profile.name, prompt_tokens, t_recv=t_recv,
-                            gpu=me.gpu_index)
+        rid = (
+            dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+            or hashlib.md5(str(time.time_ns()).encode()).hexdigest()
+        )
+        truth = EngineTruth(
+            rid, model, me.spec.profile.name, prompt_tokens, t_recv=t_recv, gpu=me.gpu_index
+        )
         writer = _Writer(send, kind, name, obj, self.engine.deterministic, text)
         error_after = opts.get("sim_error_after")
         task = asyncio.current_task()
+        assert task is not None
         gone = asyncio.Event()
         watcher = asyncio.create_task(watch(receive, task, gone, writer.state))
         key = self.engine.next_key()
@@ -237,9 +298,11 @@ class OllamaSim:
                 first_ns = first_ns or now_ns
                 truth.completion_tokens = i + 1
                 if error_after is not None and i >= error_after:
-                    await writer.error("model runner has unexpectedly stopped, this may be due "
-                                       "to resource limitations or an internal error, check "
-                                       "ollama server logs for details")
+                    await writer.error(
+                        "model runner has unexpectedly stopped, this may be due "
+                        "to resource limitations or an internal error, check "
+                        "ollama server logs for details"
+                    )
                     truth.aborted = True
                     return
                 if piece or i < n - 1:
@@ -248,10 +311,14 @@ class OllamaSim:
                         truth.t_first = time.monotonic()
                 truth.t_last = time.monotonic()
             end_ns = time.monotonic_ns()
-            metrics = {"total_duration": end_ns - start_ns, "load_duration": loaded_ns - start_ns,
-                       "prompt_eval_count": prompt_tokens,
-                       "prompt_eval_duration": prefill_end - admit_ns,
-                       "eval_count": n, "eval_duration": end_ns - (first_ns or end_ns)}
+            metrics = {
+                "total_duration": end_ns - start_ns,
+                "load_duration": loaded_ns - start_ns,
+                "prompt_eval_count": prompt_tokens,
+                "prompt_eval_duration": prefill_end - admit_ns,
+                "eval_count": n,
+                "eval_duration": end_ns - (first_ns or end_ns),
+            }
             truth.reported = dict(metrics)
             context = tokens + tokenize("".join(plan.pieces)) if kind == "generate" else None
             await writer.done(plan.finish_reason, "".join(plan.pieces), metrics, context)
@@ -281,15 +348,20 @@ class OllamaSim:
 
     def _validate(self, obj, kind: str):
         if not isinstance(obj, dict):
-            raise _Bad(400, "invalid character '}' looking for beginning of object key string"
-                       if obj is None else "missing request body")
+            raise _Bad(
+                400,
+                "invalid character '}' looking for beginning of object key string"
+                if obj is None
+                else "missing request body",
+            )
         name = obj.get("model", obj.get("name"))
         if not isinstance(name, str) or not name:
             raise _Bad(400, "model is required")
         model = self._resolve(name)
         if model is None:
             raise _Bad(404, f"model '{name}' not found")
-        opts = obj.get("options") if isinstance(obj.get("options"), dict) else {}
+        given = obj.get("options")
+        opts: dict = given if isinstance(given, dict) else {}
         if kind in ("chat", "v1chat"):
             messages = obj.get("messages")
             if kind == "v1chat" and not messages:
@@ -300,7 +372,11 @@ class OllamaSim:
             if kind == "v1cmpl" and not isinstance(prompt, str):
                 raise _Bad(400, "invalid prompt")
             text = prompt if isinstance(prompt, str) and prompt else None
-        stream = obj.get("stream") is not False if not kind.startswith("v1") else obj.get("stream") is True
+        stream = (
+            obj.get("stream") is not False
+            if not kind.startswith("v1")
+            else obj.get("stream") is True
+        )
         if kind.startswith("v1"):
             opts = {**opts, "seed": obj.get("seed")}
         return model, name, text, stream, opts
@@ -309,8 +385,9 @@ class OllamaSim:
 class _Writer:
     """Serialises one generation as Ollama writes it (native or through /v1)."""
 
-    def __init__(self, send, kind: str, name: str, obj: dict, deterministic: bool,
-                 text: str) -> None:
+    def __init__(
+        self, send, kind: str, name: str, obj: dict, deterministic: bool, text: str
+    ) -> None:
         self.send = send
         self.kind = kind
         self.name = name
@@ -320,8 +397,11 @@ class _Writer:
         self.stream = obj.get("stream") is True if v1 else obj.get("stream") is not False
         opts = obj.get("stream_options")
         self.include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-        n = int(hashlib.md5(f"{name}|{text}".encode()).hexdigest(), 16) % 999 if deterministic \
+        n = (
+            int(hashlib.md5(f"{name}|{text}".encode()).hexdigest(), 16) % 999
+            if deterministic
             else time.time_ns() % 999
+        )
         self.ident = ("chatcmpl-" if kind == "v1chat" else "cmpl-") + str(n)
         self.created = 1755800000 if deterministic else int(time.time())
         self.first = True
@@ -330,14 +410,19 @@ class _Writer:
     async def _start(self, ctype: bytes) -> None:
         if not self.started:
             self.started = True
-            await self.send({"type": "http.response.start", "status": 200,
-                             "headers": [(b"content-type", ctype)]})
+            await self.send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", ctype)],
+                }
+            )
 
     async def _write(self, data: bytes) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     def _native(self, piece: str) -> dict:
-        head = {"model": self.name, "created_at": rfc3339nano()}
+        head: dict[str, object] = {"model": self.name, "created_at": rfc3339nano()}
         if self.kind == "chat":
             head["message"] = {"role": "assistant", "content": piece}
         else:
@@ -345,19 +430,35 @@ class _Writer:
         return head
 
     def _v1_chat(self, delta: dict, finish: str | None, choices=True) -> dict:
-        return {"id": self.ident, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.name, "system_fingerprint": "fp_ollama",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else []}
+        return {
+            "id": self.ident,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.name,
+            "system_fingerprint": "fp_ollama",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else [],
+        }
 
     def _v1_cmpl(self, text: str | None, finish: str | None, usage: dict | None) -> bytes:
-        chunk = {"id": self.ident, "object": "text_completion", "created": self.created,
-                 "choices": [] if text is None else [{"text": text, "index": 0, "finish_reason": finish}],
-                 "model": self.name, "system_fingerprint": "fp_ollama"}
+        chunk = {
+            "id": self.ident,
+            "object": "text_completion",
+            "created": self.created,
+            "choices": []
+            if text is None
+            else [{"text": text, "index": 0, "finish_reason": finish}],
+            "model": self.name,
+            "system_fingerprint": "fp_ollama",
+        }
         if usage is not None:
             chunk["usage"] = usage
         return b"data: " + go_json(chunk) + b"\n\n"
 
-    _ZERO = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    _ZERO: ClassVar[dict[str, int]] = {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+    }
 
     async def chunk(self, piece: str) -> None:
         self.pieces.append(piece)
@@ -374,7 +475,9 @@ class _Writer:
             await self._write(b"data: " + go_json(self._v1_chat(delta, None)) + b"\n\n")
         else:
             await self._start(b"text/event-stream")
-            await self._write(self._v1_cmpl(piece, None, self._ZERO if self.include_usage else None))
+            await self._write(
+                self._v1_cmpl(piece, None, self._ZERO if self.include_usage else None)
+            )
         self.first = False
 
     async def error(self, message: str) -> None:
@@ -390,12 +493,24 @@ class _Writer:
                 chunk["model"] = ""
                 await self._write(b"data: " + go_json(chunk) + b"\n\n")
             else:
-                await self._write(self._v1_cmpl("", None, None).replace(
-                    go_json(self.name), b'""', 1))
+                await self._write(
+                    self._v1_cmpl("", None, None).replace(go_json(self.name), b'""', 1)
+                )
         else:
             self.state["finished"] = True
-            body = go_json({"error": {"message": message, "type": "api_error", "param": None,
-                                      "code": None}}) + b"\n"
+            body = (
+                go_json(
+                    {
+                        "error": {
+                            "message": message,
+                            "type": "api_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                )
+                + b"\n"
+            )
             await _send(self.send, 500, body, b"application/json")
             return
         self.state["finished"] = True
@@ -413,23 +528,44 @@ class _Writer:
             self.state["finished"] = True
             if self.stream:
                 await self._start(b"application/x-ndjson")
-                await self.send({"type": "http.response.body", "body": go_json(d) + b"\n",
-                                 "more_body": False})
+                await self.send(
+                    {"type": "http.response.body", "body": go_json(d) + b"\n", "more_body": False}
+                )
             else:
                 await _send(self.send, 200, go_json(d))
             return
-        usage = {"prompt_tokens": metrics["prompt_eval_count"], "completion_tokens": metrics["eval_count"],
-                 "total_tokens": metrics["prompt_eval_count"] + metrics["eval_count"]}
+        usage = {
+            "prompt_tokens": metrics["prompt_eval_count"],
+            "completion_tokens": metrics["eval_count"],
+            "total_tokens": metrics["prompt_eval_count"] + metrics["eval_count"],
+        }
         if not self.stream:
             if self.kind == "v1chat":
-                body = {"id": self.ident, "object": "chat.completion", "created": self.created,
-                        "model": self.name, "system_fingerprint": "fp_ollama",
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                     "finish_reason": reason}], "usage": usage}
+                body = {
+                    "id": self.ident,
+                    "object": "chat.completion",
+                    "created": self.created,
+                    "model": self.name,
+                    "system_fingerprint": "fp_ollama",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": reason,
+                        }
+                    ],
+                    "usage": usage,
+                }
             else:
-                body = {"id": self.ident, "object": "text_completion", "created": self.created,
-                        "choices": [{"text": text, "index": 0, "finish_reason": reason}],
-                        "model": self.name, "system_fingerprint": "fp_ollama", "usage": usage}
+                body = {
+                    "id": self.ident,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "choices": [{"text": text, "index": 0, "finish_reason": reason}],
+                    "model": self.name,
+                    "system_fingerprint": "fp_ollama",
+                    "usage": usage,
+                }
             self.state["finished"] = True
             await _send(self.send, 200, go_json(body) + b"\n", b"application/json")
             return
@@ -449,8 +585,14 @@ class _Writer:
         await self.send({"type": "http.response.body", "body": out, "more_body": False})
 
 
-async def _send(send, status: int, body: bytes, ctype: bytes = b"application/json; charset=utf-8") -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+async def _send(
+    send, status: int, body: bytes, ctype: bytes = b"application/json; charset=utf-8"
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
-

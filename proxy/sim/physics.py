@@ -109,6 +109,8 @@ def power_watts(model: ModelSpec, gpu: GPU, state: str, batch: int = 1) -> float
         return min(gpu.tdp_watts, model.profile.prefill_watts * scale)
     if state == "decode":
         # bigger batches push the card a little harder, saturating near the prefill draw
-        extra = min(1.0, (batch - 1) / 16.0) * (model.profile.prefill_watts - model.profile.decode_watts)
+        extra = min(1.0, (batch - 1) / 16.0) * (
+            model.profile.prefill_watts - model.profile.decode_watts
+        )
         return min(gpu.tdp_watts, (model.profile.decode_watts + extra) * scale)
     return gpu.idle_watts

@@ -12,8 +12,10 @@ import httpx
 
 log = logging.getLogger("phasewatch.traffic")
 
-_FILLER = ("the quick brown fox jumps over the lazy dog while the GPU reads every weight "
-           "once per decode step and prefill runs the whole prompt in one pass ").split()
+_FILLER = (
+    "the quick brown fox jumps over the lazy dog while the GPU reads every weight "
+    "once per decode step and prefill runs the whole prompt in one pass "
+).split()
 
 
 def prompt_of(tokens: int, rng: random.Random) -> str:
@@ -23,11 +25,19 @@ def prompt_of(tokens: int, rng: random.Random) -> str:
 
 async def one_request(client: httpx.AsyncClient, model: str, rng: random.Random) -> None:
     roll = rng.random()
-    prompt_tokens = (rng.randint(20, 400) if roll < 0.75 else
-                     rng.choice((4096, 8192, 16384)) + rng.randint(-300, 300))
-    body = {"model": model, "messages": [{"role": "user", "content": prompt_of(prompt_tokens, rng)}],
-            "max_tokens": rng.choice((1, 32, 64, 128, 256)) if prompt_tokens > 2000 else rng.randint(16, 256),
-            "stream": rng.random() < 0.85}
+    prompt_tokens = (
+        rng.randint(20, 400)
+        if roll < 0.75
+        else rng.choice((4096, 8192, 16384)) + rng.randint(-300, 300)
+    )
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt_of(prompt_tokens, rng)}],
+        "max_tokens": rng.choice((1, 32, 64, 128, 256))
+        if prompt_tokens > 2000
+        else rng.randint(16, 256),
+        "stream": rng.random() < 0.85,
+    }
     try:
         if body["stream"]:
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -57,7 +67,7 @@ async def run_traffic(base_url: str, rate: float, stop: asyncio.Event, seed: int
             task.add_done_callback(tasks.discard)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=rng.expovariate(rate))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         for task in list(tasks):
             task.cancel()

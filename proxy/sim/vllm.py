@@ -43,8 +43,12 @@ def chat_prompt_text(messages) -> str:
     parts = []
     for m in messages:
         if not isinstance(m, dict):
-            raise BadRequest(400, "1 validation error:\n  messages items must be objects",
-                             "Bad Request", "body.messages")
+            raise BadRequest(
+                400,
+                "1 validation error:\n  messages items must be objects",
+                "Bad Request",
+                "body.messages",
+            )
         content = m.get("content")
         if isinstance(content, list):
             content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
@@ -75,8 +79,13 @@ class VLLMSim:
                 return
             await self.generate(scope, receive, send, chat=path.endswith("chat/completions"))
         elif path == "/health" and method == "GET":
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-length", b"0"), (b"vary", b"Origin")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-length", b"0"), (b"vary", b"Origin")],
+                }
+            )
             await send({"type": "http.response.body", "body": b""})
         elif path == "/version" and method == "GET":
             await _json(send, 200, _dumps({"version": VERSION}))
@@ -86,9 +95,16 @@ class VLLMSim:
             await self.tokenize(receive, send)
         elif path == "/metrics" and method == "GET":
             body = self.metrics_text().encode()
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/plain; version=1.0.0; charset=utf-8"),
-                (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/plain; version=1.0.0; charset=utf-8"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
         else:
             await _json(send, 404, b'{"detail":"Not Found"}')
@@ -99,15 +115,33 @@ class VLLMSim:
         created = self.engine.started
         data = []
         for mid, me in self.engine.models.items():
-            data.append({"id": mid, "object": "model", "created": created, "owned_by": "vllm",
-                         "root": f"/models/{mid.split('/')[-1]}-{me.spec.profile.quant}",
-                         "parent": None, "max_model_len": me.spec.max_model_len,
-                         "permission": [{"id": "modelperm-" + hashlib.md5(mid.encode()).hexdigest()[:16],
-                                         "object": "model_permission", "created": created,
-                                         "allow_create_engine": False, "allow_sampling": True,
-                                         "allow_logprobs": True, "allow_search_indices": False,
-                                         "allow_view": True, "allow_fine_tuning": False,
-                                         "organization": "*", "group": None, "is_blocking": False}]})
+            data.append(
+                {
+                    "id": mid,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": f"/models/{mid.split('/')[-1]}-{me.spec.profile.quant}",
+                    "parent": None,
+                    "max_model_len": me.spec.max_model_len,
+                    "permission": [
+                        {
+                            "id": "modelperm-" + hashlib.md5(mid.encode()).hexdigest()[:16],
+                            "object": "model_permission",
+                            "created": created,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            )
         return _dumps({"object": "list", "data": data})
 
     def metrics_text(self) -> str:
@@ -115,8 +149,11 @@ class VLLMSim:
         for name, kind, fn in (
             ("vllm:num_requests_running", "gauge", lambda me: len(me.running)),
             ("vllm:num_requests_waiting", "gauge", lambda me: me.waiting),
-            ("vllm:kv_cache_usage_perc", "gauge",
-             lambda me: min(1.0, sum(me.running.values()) / 262144)),
+            (
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                lambda me: min(1.0, sum(me.running.values()) / 262144),
+            ),
             ("vllm:prompt_tokens_total", "counter", lambda me: me.prompt_tokens_total),
             ("vllm:generation_tokens_total", "counter", lambda me: me.generation_tokens_total),
             ("phasewatch_sim_aborted_requests_total", "counter", lambda me: me.aborted_total),
@@ -133,56 +170,110 @@ class VLLMSim:
         if not isinstance(obj, dict):
             await _json(send, 400, error_body(400, "invalid JSON", "Bad Request", "body"))
             return
-        text = chat_prompt_text(obj["messages"]) if "messages" in obj else str(obj.get("prompt", ""))
+        text = (
+            chat_prompt_text(obj["messages"]) if "messages" in obj else str(obj.get("prompt", ""))
+        )
         tokens = tokenize(text)
-        model = self.engine.models.get(obj.get("model")) or next(iter(self.engine.models.values()))
-        await _json(send, 200, _dumps({"count": len(tokens), "max_model_len": model.spec.max_model_len,
-                                       "tokens": tokens, "token_strs": None}))
+        name = obj.get("model")
+        model = (self.engine.models.get(name) if isinstance(name, str) else None) or next(
+            iter(self.engine.models.values())
+        )
+        await _json(
+            send,
+            200,
+            _dumps(
+                {
+                    "count": len(tokens),
+                    "max_model_len": model.spec.max_model_len,
+                    "tokens": tokens,
+                    "token_strs": None,
+                }
+            ),
+        )
 
     # --- generation ---------------------------------------------------------------------
 
     def _validate(self, obj, chat: bool):
         if not isinstance(obj, dict):
-            raise BadRequest(400, "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body', "
-                             "'msg': 'JSON decode error'}", "Bad Request", "body")
+            raise BadRequest(
+                400,
+                "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body', "
+                "'msg': 'JSON decode error'}",
+                "Bad Request",
+                "body",
+            )
         if chat and not isinstance(obj.get("messages"), list):
-            raise BadRequest(400, "1 validation error:\n  {'type': 'missing', 'loc': "
-                             "('body', 'messages'), 'msg': 'Field required'}", "Bad Request",
-                             "body.messages")
+            raise BadRequest(
+                400,
+                "1 validation error:\n  {'type': 'missing', 'loc': "
+                "('body', 'messages'), 'msg': 'Field required'}",
+                "Bad Request",
+                "body.messages",
+            )
         if not chat and not isinstance(obj.get("prompt"), (str, list)):
-            raise BadRequest(400, "1 validation error:\n  {'type': 'missing', 'loc': "
-                             "('body', 'prompt'), 'msg': 'Field required'}", "Bad Request",
-                             "body.prompt")
+            raise BadRequest(
+                400,
+                "1 validation error:\n  {'type': 'missing', 'loc': "
+                "('body', 'prompt'), 'msg': 'Field required'}",
+                "Bad Request",
+                "body.prompt",
+            )
         model_id = obj.get("model")
         if model_id is None:
             model_id = next(iter(self.engine.models))
         me = self.engine.models.get(model_id)
         if me is None:
-            raise BadRequest(404, f"The model `{model_id}` does not exist. Valid aliases: "
-                             f"{', '.join(self.engine.models)}.", "NotFoundError", "model")
+            raise BadRequest(
+                404,
+                f"The model `{model_id}` does not exist. Valid aliases: "
+                f"{', '.join(self.engine.models)}.",
+                "NotFoundError",
+                "model",
+            )
         stream = obj.get("stream") is True
         if obj.get("stream_options") is not None and not stream:
-            raise BadRequest(400, "Stream options can only be defined when `stream=True`. "
-                             "(parameter=stream_options)", "BadRequestError", "stream_options")
-        text = chat_prompt_text(obj["messages"]) if chat else (
-            obj["prompt"] if isinstance(obj["prompt"], str) else " ".join(map(str, obj["prompt"])))
+            raise BadRequest(
+                400,
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                "BadRequestError",
+                "stream_options",
+            )
+        text = (
+            chat_prompt_text(obj["messages"])
+            if chat
+            else (
+                obj["prompt"]
+                if isinstance(obj["prompt"], str)
+                else " ".join(map(str, obj["prompt"]))
+            )
+        )
         prompt_tokens = count_tokens(text) + (1 if chat else 0)
         limit = me.spec.max_model_len
         if prompt_tokens >= limit:
-            raise BadRequest(400, f"This model's maximum context length is {limit} tokens. However, "
-                             f"your prompt contains at least {prompt_tokens} input tokens, which "
-                             "exceeds this limit even without any output tokens. Please reduce "
-                             "the length of the input prompt. (parameter=input_tokens, "
-                             f"value={prompt_tokens})", "BadRequestError", "input_tokens")
+            raise BadRequest(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, "
+                f"your prompt contains at least {prompt_tokens} input tokens, which "
+                "exceeds this limit even without any output tokens. Please reduce "
+                "the length of the input prompt. (parameter=input_tokens, "
+                f"value={prompt_tokens})",
+                "BadRequestError",
+                "input_tokens",
+            )
         max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise BadRequest(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
         if max_tokens is not None and max_tokens > limit:
-            raise BadRequest(400, f"'max_tokens' or 'max_completion_tokens' is too large: "
-                             f"{max_tokens}. This model's maximum context length is {limit} "
-                             f"tokens and your request has {prompt_tokens} input tokens "
-                             f"({max_tokens} > {limit} - {prompt_tokens}). (parameter=max_tokens, "
-                             f"value={max_tokens})", "BadRequestError", "max_tokens")
+            raise BadRequest(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: "
+                f"{max_tokens}. This model's maximum context length is {limit} "
+                f"tokens and your request has {prompt_tokens} input tokens "
+                f"({max_tokens} > {limit} - {prompt_tokens}). (parameter=max_tokens, "
+                f"value={max_tokens})",
+                "BadRequestError",
+                "max_tokens",
+            )
         room = limit - prompt_tokens
         max_tokens = min(max_tokens, room) if max_tokens is not None else room
         return me, model_id, stream, text, prompt_tokens, max_tokens
@@ -196,7 +287,9 @@ class VLLMSim:
             await _json(send, exc.status, error_body(exc.status, exc.message, exc.kind, exc.param))
             return
         options = obj.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage", True) is not False
+        include_usage = (
+            isinstance(options, dict) and options.get("include_usage", True) is not False
+        )
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
         plan = plan_output(text, max_tokens, bool(obj.get("ignore_eos")), obj.get("seed"))
         rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
@@ -206,11 +299,22 @@ class VLLMSim:
         else:
             tag, created = uuid.uuid4().hex[:16], int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + tag
-        truth = Truth(rid, model_id, me.spec.profile.name, prompt_tokens, t_recv=t_recv,
-                      gpu=me.gpu_index)
-        writer = _Writer(send, chat, ident, created, model_id, self.fingerprint, prompt_tokens,
-                         include_usage, continuous)
+        truth = Truth(
+            rid, model_id, me.spec.profile.name, prompt_tokens, t_recv=t_recv, gpu=me.gpu_index
+        )
+        writer = _Writer(
+            send,
+            chat,
+            ident,
+            created,
+            model_id,
+            self.fingerprint,
+            prompt_tokens,
+            include_usage,
+            continuous,
+        )
         task = asyncio.current_task()
+        assert task is not None
         gone = asyncio.Event()
         watcher = asyncio.create_task(watch(receive, task, gone, writer.state))
         key = self.engine.next_key()
@@ -258,12 +362,24 @@ class VLLMSim:
 class _Writer:
     """Serialises one response exactly as vLLM 0.32 does."""
 
-    def __init__(self, send, chat: bool, ident: str, created: int, model: str, fingerprint: str,
-                 prompt_tokens: int, include_usage: bool, continuous: bool) -> None:
+    def __init__(
+        self,
+        send,
+        chat: bool,
+        ident: str,
+        created: int,
+        model: str,
+        fingerprint: str,
+        prompt_tokens: int,
+        include_usage: bool,
+        continuous: bool,
+    ) -> None:
         self.send = send
         self.chat = chat
-        self.head = (f'{{"id":"{ident}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                     f'"created":{created},"model":{_s(model)},')
+        self.head = (
+            f'{{"id":"{ident}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
+            f'"created":{created},"model":{_s(model)},'
+        )
         self.ident, self.created, self.model = ident, created, model
         self.fingerprint = fingerprint
         self.prompt_tokens = prompt_tokens
@@ -272,73 +388,122 @@ class _Writer:
         self.state = {"finished": False}  # read by the hang-up watch
 
     async def start_stream(self) -> None:
-        await self.send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"vary", b"Origin")]})
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"vary", b"Origin"),
+                ],
+            }
+        )
 
     def _usage(self, completion: int, details: bool) -> str:
         tail = ',"completion_tokens_details":null' if details else ""
-        return (f'"usage":{{"prompt_tokens":{self.prompt_tokens},"total_tokens":'
-                f'{self.prompt_tokens + completion},"completion_tokens":{completion}{tail}}}')
+        return (
+            f'"usage":{{"prompt_tokens":{self.prompt_tokens},"total_tokens":'
+            f'{self.prompt_tokens + completion},"completion_tokens":{completion}{tail}}}'
+        )
 
     async def _event(self, payload: str) -> None:
-        await self.send({"type": "http.response.body", "body": b"data: " + payload.encode() + b"\n\n",
-                         "more_body": True})
+        await self.send(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + payload.encode() + b"\n\n",
+                "more_body": True,
+            }
+        )
 
     async def token(self, piece: str, count: int, finish: str | None, first: bool) -> None:
         cont = "," + self._usage(count, True) if self.continuous else ""
         if self.chat:
             if first:
                 role_usage = "," + self._usage(0, True) if self.continuous else ""
-                await self._event(self.head + '"choices":[{"index":0,"delta":{"role":"assistant",'
-                                  '"content":""},"logprobs":null,"finish_reason":null}]'
-                                  + role_usage + ',"prompt_token_ids":null,"prompt_text":null}')
+                await self._event(
+                    self.head + '"choices":[{"index":0,"delta":{"role":"assistant",'
+                    '"content":""},"logprobs":null,"finish_reason":null}]'
+                    + role_usage
+                    + ',"prompt_token_ids":null,"prompt_text":null}'
+                )
             if finish is None:
-                choice = (f'{{"index":0,"delta":{{"content":{_s(piece)}}},"logprobs":null,'
-                          '"finish_reason":null,"token_ids":null}')
+                choice = (
+                    f'{{"index":0,"delta":{{"content":{_s(piece)}}},"logprobs":null,'
+                    '"finish_reason":null,"token_ids":null}'
+                )
             else:
-                choice = (f'{{"index":0,"delta":{{"content":{_s(piece)}}},"logprobs":null,'
-                          f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null}}')
+                choice = (
+                    f'{{"index":0,"delta":{{"content":{_s(piece)}}},"logprobs":null,'
+                    f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null}}'
+                )
         else:
             fr = "null" if finish is None else f'"{finish}"'
-            choice = (f'{{"index":0,"text":{_s(piece)},"logprobs":null,"finish_reason":{fr},'
-                      '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}')
-        fp = f',"system_fingerprint":"{self.fingerprint}"' if finish and not self.include_usage else ""
+            choice = (
+                f'{{"index":0,"text":{_s(piece)},"logprobs":null,"finish_reason":{fr},'
+                '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
+            )
+        fp = (
+            f',"system_fingerprint":"{self.fingerprint}"'
+            if finish and not self.include_usage
+            else ""
+        )
         await self._event(self.head + '"choices":[' + choice + "]" + cont + fp + "}")
 
     async def end_stream(self, completion: int) -> None:
         if self.include_usage:
-            await self._event(self.head + '"choices":[],' + self._usage(completion, False)
-                              + f',"system_fingerprint":"{self.fingerprint}"}}')
-        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+            await self._event(
+                self.head
+                + '"choices":[],'
+                + self._usage(completion, False)
+                + f',"system_fingerprint":"{self.fingerprint}"}}'
+            )
+        await self.send(
+            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
+        )
         self.state["finished"] = True
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def whole(self, text: str, finish: str, completion: int) -> None:
-        usage = (f'"usage":{{"prompt_tokens":{self.prompt_tokens},"total_tokens":'
-                 f'{self.prompt_tokens + completion},"completion_tokens":{completion},'
-                 '"prompt_tokens_details":null,"completion_tokens_details":null}')
+        usage = (
+            f'"usage":{{"prompt_tokens":{self.prompt_tokens},"total_tokens":'
+            f'{self.prompt_tokens + completion},"completion_tokens":{completion},'
+            '"prompt_tokens_details":null,"completion_tokens_details":null}'
+        )
         if self.chat:
-            body = (f'{{"id":"{self.ident}","object":"chat.completion","created":{self.created},'
-                    f'"model":{_s(self.model)},"choices":[{{"index":0,"message":{{"role":"assistant",'
-                    f'"content":{_s(text)},"refusal":null,"annotations":null,"audio":null,'
-                    f'"function_call":null,"reasoning":null}},"logprobs":null,"finish_reason":"{finish}",'
-                    f'"stop_reason":null,"token_ids":null,"routed_experts":null}}],"service_tier":null,'
-                    f'"system_fingerprint":"{self.fingerprint}",{usage},"prompt_logprobs":null,'
-                    '"prompt_token_ids":null,"prompt_text":null,"kv_transfer_params":null,'
-                    '"ec_transfer_params":null,"metrics":null}')
+            body = (
+                f'{{"id":"{self.ident}","object":"chat.completion","created":{self.created},'
+                f'"model":{_s(self.model)},"choices":[{{"index":0,"message":{{"role":"assistant",'
+                f'"content":{_s(text)},"refusal":null,"annotations":null,"audio":null,'
+                f'"function_call":null,"reasoning":null}},"logprobs":null,"finish_reason":"{finish}",'
+                f'"stop_reason":null,"token_ids":null,"routed_experts":null}}],"service_tier":null,'
+                f'"system_fingerprint":"{self.fingerprint}",{usage},"prompt_logprobs":null,'
+                '"prompt_token_ids":null,"prompt_text":null,"kv_transfer_params":null,'
+                '"ec_transfer_params":null,"metrics":null}'
+            )
         else:
-            body = (f'{{"id":"{self.ident}","object":"text_completion","created":{self.created},'
-                    f'"model":{_s(self.model)},"choices":[{{"index":0,"text":{_s(text)},"logprobs":null,'
-                    f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null,'
-                    '"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}],'
-                    f'"service_tier":null,"system_fingerprint":"{self.fingerprint}",{usage},'
-                    '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}')
+            body = (
+                f'{{"id":"{self.ident}","object":"text_completion","created":{self.created},'
+                f'"model":{_s(self.model)},"choices":[{{"index":0,"text":{_s(text)},"logprobs":null,'
+                f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null,'
+                '"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}],'
+                f'"service_tier":null,"system_fingerprint":"{self.fingerprint}",{usage},'
+                '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+            )
         self.state["finished"] = True
         await _json(self.send, 200, body.encode())
 
 
 async def _json(send, status: int, body: bytes, extra=None) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
-        (b"vary", b"Origin")] + (extra or [])})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-length", str(len(body)).encode()),
+                (b"content-type", b"application/json"),
+                (b"vary", b"Origin"),
+            ]
+            + (extra or []),
+        }
+    )
     await send({"type": "http.response.body", "body": body})

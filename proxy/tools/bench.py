@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
@@ -60,7 +61,8 @@ _VOCAB = (
     "second eyes soon times story boys since white days paper hard near sentence better best "
     "across during today others however sure means knew try told young miles sun ways thing "
     "whole hear example heard several change answer room sea against top turned learn point "
-    "city play toward five using himself usually").split()
+    "city play toward five using himself usually"
+).split()
 
 
 class BenchError(Exception):
@@ -92,8 +94,12 @@ def _has_output(obj: dict) -> bool:
         if choice.get("text"):
             return True
         delta = choice.get("delta") or {}
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
-                                        or delta.get("reasoning") or delta.get("tool_calls")):
+        if isinstance(delta, dict) and (
+            delta.get("content")
+            or delta.get("reasoning_content")
+            or delta.get("reasoning")
+            or delta.get("tool_calls")
+        ):
             return True
     return False
 
@@ -105,17 +111,25 @@ class Client:
         base = url.rstrip("/")
         self.base = base[:-3] if base.endswith("/v1") else base
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=self.base, headers=headers,
-                                      timeout=httpx.Timeout(timeout, connect=10.0),
-                                      limits=httpx.Limits(max_connections=256))
+        self.http = httpx.AsyncClient(
+            base_url=self.base,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=256),
+        )
         self.ignore_eos = ignore_eos
 
     async def aclose(self) -> None:
         await self.http.aclose()
 
     def body(self, model: str, prompt: str, max_tokens: int, stream: bool = True) -> dict:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.ignore_eos and max_tokens > 1:
@@ -126,8 +140,9 @@ class Client:
         s = Shot()
         s.t_start = t0 = time.perf_counter()
         t_last = None
-        async with self.http.stream("POST", "/v1/chat/completions",
-                                    json=self.body(model, prompt, max_tokens)) as resp:
+        async with self.http.stream(
+            "POST", "/v1/chat/completions", json=self.body(model, prompt, max_tokens)
+        ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:500]
                 raise BenchError(f"{model}: HTTP {resp.status_code}: {text}")
@@ -167,7 +182,9 @@ class Client:
         return s
 
     async def usage_prompt_tokens(self, model: str, prompt: str) -> int | None:
-        resp = await self.http.post("/v1/chat/completions", json=self.body(model, prompt, 1, stream=False))
+        resp = await self.http.post(
+            "/v1/chat/completions", json=self.body(model, prompt, 1, stream=False)
+        )
         if resp.status_code != 200:
             raise BenchError(f"{model}: HTTP {resp.status_code}: {resp.text[:500]}")
         usage = resp.json().get("usage") or {}
@@ -194,11 +211,15 @@ class Prompts:
     def method(self) -> str:
         if self.kind in ("vllm", "llamacpp"):
             return "exact: the engine's /tokenize" + (
-                f" (checked against usage, offset {self.offset:+d})" if self.offset else
-                " (checked against usage)")
+                f" (checked against usage, offset {self.offset:+d})"
+                if self.offset
+                else " (checked against usage)"
+            )
         if self.kind == "calibrated":
-            return (f"estimate: calibrated on usage ({self.per_word:.3f} tokens/word + "
-                    f"{self.overhead:.0f}), no tokenizer endpoint")
+            return (
+                f"estimate: calibrated on usage ({self.per_word:.3f} tokens/word + "
+                f"{self.overhead:.0f}), no tokenizer endpoint"
+            )
         return "rough estimate: no tokenizer endpoint and no usage (1.3 tokens/word assumed)"
 
     def words(self, n: int) -> str:
@@ -208,8 +229,13 @@ class Prompts:
     async def setup(self) -> None:
         http = self.client.http
         try:
-            resp = await http.post("/tokenize", json={"model": self.model, "messages": [
-                {"role": "user", "content": "hello world"}]})
+            resp = await http.post(
+                "/tokenize",
+                json={
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": "hello world"}],
+                },
+            )
             data = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             data = None
@@ -226,7 +252,9 @@ class Prompts:
             self.kind = "llamacpp"
             try:  # the context a slot has (prompts beyond it are refused)
                 props = (await http.get("/props")).json()
-                n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or props.get("n_ctx")
+                n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or props.get(
+                    "n_ctx"
+                )
                 if isinstance(n_ctx, int) and n_ctx > 0:
                     self.max_model_len = n_ctx
             except (httpx.HTTPError, ValueError, AttributeError):
@@ -246,13 +274,17 @@ class Prompts:
     async def count(self, text: str) -> int | None:
         http = self.client.http
         if self.kind == "vllm":
-            resp = await http.post("/tokenize", json={"model": self.model, "messages": [
-                {"role": "user", "content": text}]})
+            resp = await http.post(
+                "/tokenize",
+                json={"model": self.model, "messages": [{"role": "user", "content": text}]},
+            )
             return resp.json()["count"] + self.offset
         if self.kind == "llamacpp":
             prompt = text
             try:  # the chat template's own tokens, where the server can apply it
-                r = await http.post("/apply-template", json={"messages": [{"role": "user", "content": text}]})
+                r = await http.post(
+                    "/apply-template", json={"messages": [{"role": "user", "content": text}]}
+                )
                 if r.status_code == 200 and isinstance(r.json().get("prompt"), str):
                     prompt = r.json()["prompt"]
             except (httpx.HTTPError, ValueError):
@@ -268,11 +300,12 @@ class Prompts:
             return self.words(n), tokens
         pool = [self.rng.choice(_VOCAB) for _ in range(int(tokens * 1.5) + 64)]
         n = max(1, tokens)
-        best = None
+        best: tuple[str, int] | None = None
         for _ in range(10):
             n = max(1, min(n, len(pool)))
             text = " ".join(pool[:n])
             got = await self.count(text)
+            assert got is not None  # counting works for the engines with a tokenizer
             if best is None or abs(got - tokens) < abs(best[1] - tokens):
                 best = (text, got)
             if got == tokens:
@@ -281,6 +314,7 @@ class Prompts:
             n += int(step) if abs(step) >= 1 else (1 if step > 0 else -1)
             if got > 0 and n > 1:
                 self.per_word = max(0.2, min(5.0, got / max(1, n)))
+        assert best is not None
         return best
 
     async def check(self, usage_tokens: int | None, counted: int) -> None:
@@ -360,8 +394,10 @@ async def _model_list(client: Client) -> list[dict]:
 
 def _context_length(model: dict) -> int | None:
     """vLLM's max_model_len, or llama-server's meta.n_ctx, from a /v1/models entry."""
-    for value in (model.get("max_model_len"), (model.get("meta") or {}).get("n_ctx")
-                  if isinstance(model.get("meta"), dict) else None):
+    for value in (
+        model.get("max_model_len"),
+        (model.get("meta") or {}).get("n_ctx") if isinstance(model.get("meta"), dict) else None,
+    ):
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -381,18 +417,23 @@ def _decode_watts(samples: Samples | None, model: str) -> tuple[float, float]:
     if samples is None:
         return 0.0, 0.0
     lab = {"model": model, "phase": "decode"}
-    return (samples.total("phasewatch_gpu_power_watts_sum", **lab),
-            samples.total("phasewatch_gpu_power_watts_count", **lab))
+    return (
+        samples.total("phasewatch_gpu_power_watts_sum", **lab),
+        samples.total("phasewatch_gpu_power_watts_count", **lab),
+    )
 
 
-async def bench_model(client: Client, model: str, meta: dict, opts, progress: Progress,
-                      seed: int) -> ModelResult:
+async def bench_model(
+    client: Client, model: str, meta: dict, opts, progress: Progress, seed: int
+) -> ModelResult:
     res = ModelResult(model)
     info = meta.get("phasewatch", {}).get(model)
     if info:
         res.precision, res.quant, res.precision_source = info
     else:
-        p = from_name(model) or (from_name(meta["roots"][model]) if meta["roots"].get(model) else None)
+        p = from_name(model) or (
+            from_name(meta["roots"][model]) if meta["roots"].get(model) else None
+        )
         if p is not None:
             res.precision, res.quant, res.precision_source = p.precision, p.quant, "name"
     prompts = Prompts(client, model, seed)
@@ -408,7 +449,9 @@ async def bench_model(client: Client, model: str, meta: dict, opts, progress: Pr
     res.token_counting = prompts.method
 
     # decode: short prompt, long output
-    before = _decode_watts(await _phasewatch_samples(client), model) if meta["is_phasewatch"] else None
+    before = (
+        _decode_watts(await _phasewatch_samples(client), model) if meta["is_phasewatch"] else None
+    )
     shots = []
     for i in range(opts.repeat):
         text, _ = await prompts.make(opts.decode_prompt)
@@ -428,15 +471,17 @@ async def bench_model(client: Client, model: str, meta: dict, opts, progress: Pr
         n = after[1] - before[1]
         if n > 0:
             watts = (after[0] - before[0]) / n
-            res.power = {"decode_watts": watts,
-                         "joules_per_token": watts / res.decode["tok_s"] if res.decode["tok_s"] else None,
-                         "source": "phasewatch_gpu_power_watts{phase=decode} during the decode runs"}
+            res.power = {
+                "decode_watts": watts,
+                "joules_per_token": watts / res.decode["tok_s"] if res.decode["tok_s"] else None,
+                "source": "phasewatch_gpu_power_watts{phase=decode} during the decode runs",
+            }
 
     # prefill / TTFT
     for size in opts.prompt_tokens:
         if limit and size >= limit - 1:
             res.notes.append(f"prefill: {size}-token prompt skipped (max_model_len {limit})")
-            for i in range(opts.repeat):
+            for _ in range(opts.repeat):
                 progress.step(f"{model}: prefill {size} skipped")
             continue
         shots = []
@@ -449,22 +494,34 @@ async def bench_model(client: Client, model: str, meta: dict, opts, progress: Pr
             if "HTTP 400" not in str(exc):
                 raise
             # most likely longer than the context the engine gives a request
-            res.notes.append(f"prefill: {size}-token prompt refused by the engine ({str(exc)[:200]})")
+            res.notes.append(
+                f"prefill: {size}-token prompt refused by the engine ({str(exc)[:200]})"
+            )
             for _ in range(opts.repeat - len(shots)):
                 progress.step(f"{model}: prefill {size} refused")
             continue
-        counted = _median(s.prompt_tokens for s in shots)
-        if counted is not None and abs(counted - size) > 0.05 * size:
-            res.notes.append(f"prefill: asked for {size} prompt tokens, the engine counted {counted:.0f} "
-                             "(a truncated context, or the estimate is off)")
-        res.prefill.append({
-            "target_tokens": size,
-            "prompt_tokens": _median(s.prompt_tokens for s in shots),
-            "ttft_s": _median(s.ttft_s for s in shots),
-            "ms_per_token": _median(s.ttft_s * 1000 / s.prompt_tokens for s in shots if s.prompt_tokens),
-            "tok_s": _median(s.prompt_tokens / s.ttft_s for s in shots if s.prompt_tokens),
-            "runs_ttft_s": [round(s.ttft_s, 4) for s in shots],
-        })
+        counted_median = _median(s.prompt_tokens for s in shots)
+        if counted_median is not None and abs(counted_median - size) > 0.05 * size:
+            res.notes.append(
+                f"prefill: asked for {size} prompt tokens, the engine counted {counted_median:.0f} "
+                "(a truncated context, or the estimate is off)"
+            )
+        res.prefill.append(
+            {
+                "target_tokens": size,
+                "prompt_tokens": _median(s.prompt_tokens for s in shots),
+                "ttft_s": _median(s.ttft_s for s in shots),
+                "ms_per_token": _median(
+                    s.ttft_s * 1000 / s.prompt_tokens
+                    for s in shots
+                    if s.prompt_tokens and s.ttft_s is not None
+                ),
+                "tok_s": _median(
+                    s.prompt_tokens / s.ttft_s for s in shots if s.prompt_tokens and s.ttft_s
+                ),
+                "runs_ttft_s": [round(s.ttft_s, 4) for s in shots if s.ttft_s is not None],
+            }
+        )
 
     # concurrency sweep
     for level in opts.concurrency:
@@ -475,16 +532,22 @@ async def bench_model(client: Client, model: str, meta: dict, opts, progress: Pr
             shots = await asyncio.gather(*(client.shot(model, t, opts.sweep_tokens) for t in texts))
             wall = max(s.t_end for s in shots) - t0
             tokens = sum(s.completion_tokens or s.content_events for s in shots)
-            runs.append({"aggregate_tok_s": tokens / wall,
-                         "per_stream_tok_s": _median(s.decode_tok_s for s in shots),
-                         "ttft_s": _median(s.ttft_s for s in shots)})
+            runs.append(
+                {
+                    "aggregate_tok_s": tokens / wall,
+                    "per_stream_tok_s": _median(s.decode_tok_s for s in shots),
+                    "ttft_s": _median(s.ttft_s for s in shots),
+                }
+            )
             progress.step(f"{model}: {level} concurrent run {i + 1}/{opts.repeat}")
-        res.concurrency.append({
-            "concurrency": level,
-            "aggregate_tok_s": _median(r["aggregate_tok_s"] for r in runs),
-            "per_stream_tok_s": _median(r["per_stream_tok_s"] for r in runs),
-            "ttft_s": _median(r["ttft_s"] for r in runs),
-        })
+        res.concurrency.append(
+            {
+                "concurrency": level,
+                "aggregate_tok_s": _median(r["aggregate_tok_s"] for r in runs),
+                "per_stream_tok_s": _median(r["per_stream_tok_s"] for r in runs),
+                "ttft_s": _median(r["ttft_s"] for r in runs),
+            }
+        )
     return res
 
 
@@ -494,7 +557,9 @@ def compare(results: list[ModelResult]) -> None:
         fam = model_family(r.model)
         base = None
         for p in BASELINES:
-            base = next((b for b in results if b.precision == p and model_family(b.model) == fam), None)
+            base = next(
+                (b for b in results if b.precision == p and model_family(b.model) == fam), None
+            )
             if base:
                 break
         if base is None:
@@ -518,9 +583,12 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
         models = opts.model or [m["id"] for m in listed]
         if not models:
             raise BenchError(f"no model given and {client.base}/v1/models lists none; pass --model")
-        meta = {"roots": {m["id"]: m.get("root") for m in listed if isinstance(m.get("root"), str)},
-                "max_len": {m["id"]: _context_length(m) for m in listed if _context_length(m)},
-                "phasewatch": {}, "is_phasewatch": False}
+        meta: dict[str, Any] = {
+            "roots": {m["id"]: m.get("root") for m in listed if isinstance(m.get("root"), str)},
+            "max_len": {m["id"]: _context_length(m) for m in listed if _context_length(m)},
+            "phasewatch": {},
+            "is_phasewatch": False,
+        }
         if len(models) == 1 and models[0] not in meta["roots"]:
             try:  # llama-server names its GGUF file here (the precision is in it)
                 props = (await client.http.get("/props")).json()
@@ -533,23 +601,34 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
             meta["is_phasewatch"] = True
             for s in pw.get("phasewatch_model_info"):
                 meta["phasewatch"][s.labels.get("model")] = (
-                    s.labels.get("precision", "unknown"), s.labels.get("quant", ""), "phasewatch")
-        per_model = (max(1, opts.warmup) + opts.repeat * (1 + len(opts.prompt_tokens)
-                                                           + len(opts.concurrency)))
+                    s.labels.get("precision", "unknown"),
+                    s.labels.get("quant", ""),
+                    "phasewatch",
+                )
+        per_model = max(1, opts.warmup) + opts.repeat * (
+            1 + len(opts.prompt_tokens) + len(opts.concurrency)
+        )
         progress = Progress(per_model * len(models), opts.quiet, progress_stream)
         if opts.repeat < 3:
-            progress.note(f"note: {opts.repeat} repetition(s); medians need at least 3 to mean much")
+            progress.note(
+                f"note: {opts.repeat} repetition(s); medians need at least 3 to mean much"
+            )
         started = time.time()
         results = []
         for i, model in enumerate(models):
             results.append(await bench_model(client, model, meta, opts, progress, opts.seed + i))
         compare(results)
-        return {"tool": f"phasewatch bench {__version__}", "url": client.base,
-                "through_phasewatch": meta["is_phasewatch"], "started": started,
-                "seconds": round(time.time() - started, 2), "repetitions": opts.repeat,
-                "method": "median of repetitions; client-side timing (httpx streaming); TTFT at "
-                          "the first event carrying content; prefill ms/token = TTFT / prompt tokens",
-                "models": [asdict(r) for r in results]}
+        return {
+            "tool": f"phasewatch bench {__version__}",
+            "url": client.base,
+            "through_phasewatch": meta["is_phasewatch"],
+            "started": started,
+            "seconds": round(time.time() - started, 2),
+            "repetitions": opts.repeat,
+            "method": "median of repetitions; client-side timing (httpx streaming); TTFT at "
+            "the first event carrying content; prefill ms/token = TTFT / prompt tokens",
+            "models": [asdict(r) for r in results],
+        }
     finally:
         await client.aclose()
 
@@ -571,8 +650,11 @@ def table(result: dict) -> str:
     levels = sorted({c["concurrency"] for m in models for c in m["concurrency"]})
     power = any(m["power"] for m in models)
     na = "—" if power else "n/a"
-    out = [f"phasewatch bench: {result['url']}, median of {result['repetitions']} runs "
-           f"({result['seconds']:.0f} s)", ""]
+    out = [
+        f"phasewatch bench: {result['url']}, median of {result['repetitions']} runs "
+        f"({result['seconds']:.0f} s)",
+        "",
+    ]
     head = ["model", "precision", "decode tok/s"]
     head += [f"prefill ms/tok {_size(s)}" for s in sizes]
     head += [f"TTFT {_size(s)}" for s in sizes]
@@ -581,14 +663,19 @@ def table(result: dict) -> str:
     out.append("|" + "---|" * len(head))
     for m in models:
         pre = {p["target_tokens"]: p for p in m["prefill"]}
-        prec = m["precision"] + (f" ({m['quant']})" if m["quant"] and m["quant"].lower() != m["precision"] else "")
+        prec = m["precision"] + (
+            f" ({m['quant']})" if m["quant"] and m["quant"].lower() != m["precision"] else ""
+        )
         cells = [m["model"], prec, _f(m["decode"].get("tok_s"))]
         cells += [_f(pre.get(s, {}).get("ms_per_token"), "{:.3f}") for s in sizes]
         cells += [_f(pre.get(s, {}).get("ttft_s"), "{:.2f} s") for s in sizes]
-        cells += [_f(m["power"].get("decode_watts"), "{:.0f}", na),
-                  _f(m["power"].get("joules_per_token"), "{:.2f}", na),
-                  _f(m["decode_speedup"], "{:.2f}×"), _f(m["prefill_speedup"], "{:.2f}×"),
-                  _f(None if m["power_saving"] is None else m["power_saving"] * 100, "{:.0f}%", na)]
+        cells += [
+            _f(m["power"].get("decode_watts"), "{:.0f}", na),
+            _f(m["power"].get("joules_per_token"), "{:.2f}", na),
+            _f(m["decode_speedup"], "{:.2f}×"),
+            _f(m["prefill_speedup"], "{:.2f}×"),
+            _f(None if m["power_saving"] is None else m["power_saving"] * 100, "{:.0f}%", na),
+        ]
         out.append("| " + " | ".join(cells) + " |")
     if levels:
         out += ["", "Concurrency sweep (aggregate tok/s; per-stream decode tok/s in brackets):", ""]
@@ -596,8 +683,12 @@ def table(result: dict) -> str:
         out.append("|" + "---|" * (2 + len(levels)))
         for m in models:
             by = {c["concurrency"]: c for c in m["concurrency"]}
-            cells = [f"{_f(by[c]['aggregate_tok_s'])} ({_f(by[c]['per_stream_tok_s'])})" if c in by else "—"
-                     for c in levels]
+            cells = [
+                f"{_f(by[c]['aggregate_tok_s'])} ({_f(by[c]['per_stream_tok_s'])})"
+                if c in by
+                else "—"
+                for c in levels
+            ]
             out.append(f"| {m['model']} | {m['precision']} | " + " | ".join(cells) + " |")
     out.append("")
     for m in models:
@@ -606,7 +697,9 @@ def table(result: dict) -> str:
             out.append(f"- {m['model']}: {n}")
     out.append("- " + result["method"] + ".")
     if not power:
-        out.append("- Power: n/a (bench through a phasewatch proxy that samples GPU power to get it).")
+        out.append(
+            "- Power: n/a (bench through a phasewatch proxy that samples GPU power to get it)."
+        )
     return "\n".join(out) + "\n"
 
 
@@ -629,30 +722,75 @@ def add_arguments(parser) -> None:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
 
-    parser.add_argument("--url", default="http://127.0.0.1:8090",
-                        help="OpenAI-compatible base URL, usually phasewatch's [default http://127.0.0.1:8090].")
-    parser.add_argument("--model", action="append", default=None,
-                        help="Model to benchmark (repeatable; default: every model the endpoint lists).")
-    parser.add_argument("--repeat", type=int, default=3, help="Repetitions per scenario; the median "
-                        "is reported [default 3].")
-    parser.add_argument("--warmup", type=int, default=1, help="Warm-up requests per model [default 1].")
-    parser.add_argument("--decode-tokens", type=int, default=256,
-                        help="Output tokens of the decode scenario [default 256].")
-    parser.add_argument("--decode-prompt", type=int, default=128,
-                        help="Prompt tokens of the decode scenario [default 128].")
-    parser.add_argument("--prompt-tokens", type=ints, default=[4096, 8192, 16384],
-                        help="Prompt sizes of the prefill/TTFT scenario [default 4096,8192,16384].")
-    parser.add_argument("--concurrency", type=ints, default=[1, 2, 4, 8],
-                        help="Concurrency levels of the sweep [default 1,2,4,8]; '' skips it.")
-    parser.add_argument("--sweep-tokens", type=int, default=128,
-                        help="Output tokens per request in the sweep [default 128].")
-    parser.add_argument("--sweep-prompt", type=int, default=128,
-                        help="Prompt tokens per request in the sweep [default 128].")
-    parser.add_argument("--no-ignore-eos", action="store_true",
-                        help="Do not send ignore_eos (for servers that reject unknown fields).")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="Bearer token [env OPENAI_API_KEY].")
-    parser.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout, seconds.")
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8090",
+        help="OpenAI-compatible base URL, usually phasewatch's [default http://127.0.0.1:8090].",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="Model to benchmark (repeatable; default: every model the endpoint lists).",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="Repetitions per scenario; the median is reported [default 3].",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="Warm-up requests per model [default 1]."
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=256,
+        help="Output tokens of the decode scenario [default 256].",
+    )
+    parser.add_argument(
+        "--decode-prompt",
+        type=int,
+        default=128,
+        help="Prompt tokens of the decode scenario [default 128].",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=ints,
+        default=[4096, 8192, 16384],
+        help="Prompt sizes of the prefill/TTFT scenario [default 4096,8192,16384].",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=ints,
+        default=[1, 2, 4, 8],
+        help="Concurrency levels of the sweep [default 1,2,4,8]; '' skips it.",
+    )
+    parser.add_argument(
+        "--sweep-tokens",
+        type=int,
+        default=128,
+        help="Output tokens per request in the sweep [default 128].",
+    )
+    parser.add_argument(
+        "--sweep-prompt",
+        type=int,
+        default=128,
+        help="Prompt tokens per request in the sweep [default 128].",
+    )
+    parser.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="Do not send ignore_eos (for servers that reject unknown fields).",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="Bearer token [env OPENAI_API_KEY].",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="Per-request timeout, seconds."
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the prompt words.")
     parser.add_argument("--json", action="store_true", help="Print JSON instead of the table.")
     parser.add_argument("--output", default=None, help="Also write the JSON result to this file.")
@@ -662,7 +800,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     for name in ("repeat", "decode_tokens", "decode_prompt", "sweep_tokens", "sweep_prompt"):
         if getattr(args, name) < 1:
-            print(f"phasewatch bench: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            print(
+                f"phasewatch bench: --{name.replace('_', '-')} must be at least 1", file=sys.stderr
+            )
             return 2
     try:
         result = asyncio.run(run_bench(args))

@@ -32,21 +32,34 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description} [env {env}; default {default!r}]"
         if _is_list(annotation):
-            parser.add_argument(flag, dest=name, action="append", default=None, help=help_text,
-                                metavar="VALUE")
+            parser.add_argument(
+                flag, dest=name, action="append", default=None, help=help_text, metavar="VALUE"
+            )
         elif annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            choices = (typing.get_args(annotation)
-                       if typing.get_origin(annotation) is typing.Literal else None)
-            parser.add_argument(flag, dest=name, default=None, help=help_text, choices=choices,
-                                metavar=None if choices else name.upper())
+            choices = (
+                typing.get_args(annotation)
+                if typing.get_origin(annotation) is typing.Literal
+                else None
+            )
+            parser.add_argument(
+                flag,
+                dest=name,
+                default=None,
+                help=help_text,
+                choices=choices,
+                metavar=None if choices else name.upper(),
+            )
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given as flags (the environment fills the rest)."""
-    return {k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None}
+    return {
+        k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None
+    }
 
 
 def fail(message: str) -> NoReturn:
@@ -65,7 +78,9 @@ def validation_line(exc: ValidationError) -> str:
             continue
         where = "--" + "-".join(names).replace("_", "-")
         value = err.get("input")
-        shown = f" (got {value!r})" if value is not None and not isinstance(value, (list, dict)) else ""
+        shown = (
+            f" (got {value!r})" if value is not None and not isinstance(value, (list, dict)) else ""
+        )
         parts.append(f"{where}: {msg}{shown}")
     return "; ".join(parts)
 
@@ -81,8 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         fail(str(exc))
     if not settings.upstream:
-        fail("no upstream: give --upstream URL (or PHASEWATCH_UPSTREAM), e.g. "
-             "--upstream http://127.0.0.1:8000")
+        fail(
+            "no upstream: give --upstream URL (or PHASEWATCH_UPSTREAM), e.g. "
+            "--upstream http://127.0.0.1:8000"
+        )
     from ..app import ProxyApp
     from ..runtime.logs import configure_logging
 
@@ -159,45 +176,63 @@ def build_parser() -> argparse.ArgumentParser:
     from ..sim import command as sim_command
     from . import bench, demo, report
 
-    parser = argparse.ArgumentParser(prog=_PROG, description="Instrumenting reverse proxy for "
-                                     "self-hosted LLM engines: per-request queue, TTFT, prefill and "
-                                     "decode rates, precision and GPU power, as Prometheus metrics.")
+    parser = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Instrumenting reverse proxy for "
+        "self-hosted LLM engines: per-request queue, TTFT, prefill and "
+        "decode rates, precision and GPU power, as Prometheus metrics.",
+    )
     parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the proxy in front of one or more engines",
-                           description="Run the proxy. Every flag can also be set as a "
-                           "PHASEWATCH_* environment variable; flags win.")
+    serve = sub.add_parser(
+        "serve",
+        help="run the proxy in front of one or more engines",
+        description="Run the proxy. Every flag can also be set as a "
+        "PHASEWATCH_* environment variable; flags win.",
+    )
     add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    sim = sub.add_parser("simulate", help="run the built-in engine simulator",
-                         description="A simulated engine (vLLM, Ollama or llama-server, "
-                         "--engine) with faithful wire format and physics-based timing: one 8B "
-                         "model at bf16, fp8 and int4 (Ollama: F16, Q8_0, Q4_K_M; llama-server: "
-                         "one Q4_K_M model), the engines' own timing fields filled from it.")
+    sim = sub.add_parser(
+        "simulate",
+        help="run the built-in engine simulator",
+        description="A simulated engine (vLLM, Ollama or llama-server, "
+        "--engine) with faithful wire format and physics-based timing: one 8B "
+        "model at bf16, fp8 and int4 (Ollama: F16, Q8_0, Q4_K_M; llama-server: "
+        "one Q4_K_M model), the engines' own timing fields filled from it.",
+    )
     sim.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     sim.add_argument("--port", type=int, default=8000, help="Port to listen on [default 8000].")
     sim_command.add_arguments(sim)
     sim.set_defaults(func=cmd_simulate)
 
-    d = sub.add_parser("demo", help="simulator + proxy + gentle traffic: metrics with no GPU",
-                       description="Runs the simulator, the proxy (on --port) in front of it, "
-                       "and a gentle traffic generator, so /metrics fills with no GPU.")
+    d = sub.add_parser(
+        "demo",
+        help="simulator + proxy + gentle traffic: metrics with no GPU",
+        description="Runs the simulator, the proxy (on --port) in front of it, "
+        "and a gentle traffic generator, so /metrics fills with no GPU.",
+    )
     demo.add_arguments(d)
     sim_command.add_arguments(d)
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmark an endpoint: decode, prefill, TTFT, concurrency",
-                       description="Warm-up, then decode tok/s, prefill ms/token and TTFT at ~4K, "
-                       "~8K and ~16K-token prompts, and a concurrency sweep, each repeated "
-                       "(median reported).")
+    b = sub.add_parser(
+        "bench",
+        help="benchmark an endpoint: decode, prefill, TTFT, concurrency",
+        description="Warm-up, then decode tok/s, prefill ms/token and TTFT at ~4K, "
+        "~8K and ~16K-token prompts, and a concurrency sweep, each repeated "
+        "(median reported).",
+    )
     bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
-    r = sub.add_parser("report", help="the benchmark table from phasewatch's own metrics",
-                       description="Per model x precision: decode tok/s, prefill ms/token and "
-                       "TTFT by prompt band, power, J/token, phase shares and speed-ups, from a "
-                       "phasewatch /metrics URL or a Prometheus server.")
+    r = sub.add_parser(
+        "report",
+        help="the benchmark table from phasewatch's own metrics",
+        description="Per model x precision: decode tok/s, prefill ms/token and "
+        "TTFT by prompt band, power, J/token, phase shares and speed-ups, from a "
+        "phasewatch /metrics URL or a Prometheus server.",
+    )
     report.add_arguments(r)
     r.set_defaults(func=cmd_report)
     return parser

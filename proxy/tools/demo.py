@@ -8,10 +8,8 @@ import logging
 import signal
 import socket
 
-import uvicorn
-
 from ..app import ProxyApp
-from ..runtime.server import uvicorn_config
+from ..runtime.server import SignalFreeServer, uvicorn_config
 from ..settings import Settings
 from ..sim.command import from_args
 from ..sim.power import gpu_models
@@ -22,14 +20,24 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="Address the proxy listens on.")
-    parser.add_argument("--port", type=int, default=8090,
-                        help="Port the proxy listens on [default 8090].")
-    parser.add_argument("--sim-port", type=int, default=0,
-                        help="Port of the simulator (default: any free port).")
-    parser.add_argument("--rate", type=float, default=1.0,
-                        help="Mean requests per second of the traffic generator [default 1].")
-    parser.add_argument("--duration", type=float, default=0,
-                        help="Stop after this many seconds (default: run until interrupted).")
+    parser.add_argument(
+        "--port", type=int, default=8090, help="Port the proxy listens on [default 8090]."
+    )
+    parser.add_argument(
+        "--sim-port", type=int, default=0, help="Port of the simulator (default: any free port)."
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=1.0,
+        help="Mean requests per second of the traffic generator [default 1].",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=0,
+        help="Stop after this many seconds (default: run until interrupted).",
+    )
 
 
 def _free_port(host: str) -> int:
@@ -47,15 +55,20 @@ async def run_demo(args: argparse.Namespace) -> None:
     sim_app = from_args(args)
     sim_config = uvicorn_config(sim_app, "127.0.0.1", sim_port, "warning")
     sim_config.server_header, sim_config.date_header = True, True
-    sim_server = uvicorn.Server(sim_config)
+    sim_server = SignalFreeServer(sim_config)
     # power from the simulator's dcgm-exporter lines, each simulated GPU mapped to its model
     power_gpu = [f"{gpu}={model}" for gpu, model in gpu_models(sim_app.engine).items()]
-    settings = Settings(upstream=[f"sim=http://127.0.0.1:{sim_port}"], host=args.host,
-                        port=args.port, power_source="dcgm",
-                        power_dcgm_url=f"http://127.0.0.1:{sim_port}/metrics", power_gpu=power_gpu)
-    proxy_server = uvicorn.Server(uvicorn_config(ProxyApp(settings), args.host, args.port, "info"))
-    for server in (sim_server, proxy_server):
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    settings = Settings(
+        upstream=[f"sim=http://127.0.0.1:{sim_port}"],
+        host=args.host,
+        port=args.port,
+        power_source="dcgm",
+        power_dcgm_url=f"http://127.0.0.1:{sim_port}/metrics",
+        power_gpu=power_gpu,
+    )
+    proxy_server = SignalFreeServer(
+        uvicorn_config(ProxyApp(settings), args.host, args.port, "info")
+    )
     sim_task = asyncio.create_task(sim_server.serve())
     while not sim_server.started:
         await asyncio.sleep(0.05)
@@ -67,8 +80,14 @@ async def run_demo(args: argparse.Namespace) -> None:
             return
         await asyncio.sleep(0.05)
     url = f"http://{args.host}:{args.port}"
-    log.info("demo: proxy on %s (status page %s/phasewatch/, metrics %s/metrics), "
-             "simulator on http://127.0.0.1:%d", url, url, url, sim_port)
+    log.info(
+        "demo: proxy on %s (status page %s/phasewatch/, metrics %s/metrics), "
+        "simulator on http://127.0.0.1:%d",
+        url,
+        url,
+        url,
+        sim_port,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -8,18 +8,33 @@ page or a Prometheus server's HTTP API.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from ..measure.metrics import PREFIX, PROMPT_BANDS
-from ..measure.summary import BAND_4K, BAND_8K, BAND_16K, BAND_TITLES, Report, Sample, Samples, build
+from ..measure.summary import (
+    BAND_4K,
+    BAND_8K,
+    BAND_16K,
+    BAND_TITLES,
+    Report,
+    Sample,
+    Samples,
+    build,
+)
 
 # --- reading ---------------------------------------------------------------------------------
 
 #: Every metric the report reads, by type (for the Prometheus API, which needs names).
-_HISTOGRAMS = ("decode_tokens_per_second", "prefill_tokens_per_second", "ttft_seconds",
-               "prefill_seconds", "decode_seconds", "gpu_power_watts", "gpu_power_sample_watts")
+_HISTOGRAMS = (
+    "decode_tokens_per_second",
+    "prefill_tokens_per_second",
+    "ttft_seconds",
+    "prefill_seconds",
+    "decode_seconds",
+    "gpu_power_watts",
+    "gpu_power_sample_watts",
+)
 _COUNTERS = ("requests_total", "tokens_total", "gpu_energy_joules_total")
 _GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
 
@@ -99,27 +114,49 @@ def markdown(rep: Report) -> str:
     out = []
     if not rep.rows:
         return "No measured requests yet: send some traffic through phasewatch first.\n"
-    head = ("| upstream | model | precision | decode tok/s | prefill ms/tok ~4K | prefill ms/tok ~16K "
-            "| TTFT ~8K | decode W | idle W | J/tok | prefill / decode time | decode speed-up "
-            "| prefill speed-up | power saving |")
+    head = (
+        "| upstream | model | precision | decode tok/s | prefill ms/tok ~4K | prefill ms/tok ~16K "
+        "| TTFT ~8K | decode W | idle W | J/tok | prefill / decode time | decode speed-up "
+        "| prefill speed-up | power saving |"
+    )
     out.append(head)
     out.append("|" + "---|" * head.count(" | ") + "---|")
     for r in rep.rows:
         prec = r.precision + (f" ({r.quant})" if r.quant and r.quant.lower() != r.precision else "")
-        share = (f"{r.share_prefill * 100:.0f}% / {r.share_decode * 100:.0f}%"
-                 if r.share_prefill is not None else "—")
-        out.append(" | ".join([
-            "", r.upstream, r.model, prec, _f(r.decode_tok_s),
-            _f(r.prefill_ms_per_token.get(BAND_4K), "{:.3f}"),
-            _f(r.prefill_ms_per_token.get(BAND_16K), "{:.3f}"),
-            _f(r.ttft_s.get(BAND_8K), "{:.2f} s"),
-            _f(r.decode_watts, "{:.0f}", na), _f(r.idle_watts, "{:.0f}", na),
-            _f(r.joules_per_token, "{:.2f}", na), share,
-            _x(r.decode_speedup), _x(r.prefill_speedup),
-            _pct(r.power_saving) if rep.power else "n/a", ""]).strip())
+        share = (
+            f"{r.share_prefill * 100:.0f}% / {r.share_decode * 100:.0f}%"
+            if r.share_prefill is not None and r.share_decode is not None
+            else "—"
+        )
+        out.append(
+            " | ".join(
+                [
+                    "",
+                    r.upstream,
+                    r.model,
+                    prec,
+                    _f(r.decode_tok_s),
+                    _f(r.prefill_ms_per_token.get(BAND_4K), "{:.3f}"),
+                    _f(r.prefill_ms_per_token.get(BAND_16K), "{:.3f}"),
+                    _f(r.ttft_s.get(BAND_8K), "{:.2f} s"),
+                    _f(r.decode_watts, "{:.0f}", na),
+                    _f(r.idle_watts, "{:.0f}", na),
+                    _f(r.joules_per_token, "{:.2f}", na),
+                    share,
+                    _x(r.decode_speedup),
+                    _x(r.prefill_speedup),
+                    _pct(r.power_saving) if rep.power else "n/a",
+                    "",
+                ]
+            ).strip()
+        )
     out.append("")
     # prompt-band detail: every band that has data
-    bands = [b for b in PROMPT_BANDS if any(b in r.ttft_s or b in r.prefill_ms_per_token for r in rep.rows)]
+    bands = [
+        b
+        for b in PROMPT_BANDS
+        if any(b in r.ttft_s or b in r.prefill_ms_per_token for r in rep.rows)
+    ]
     if bands:
         out.append("By prompt band (median TTFT s / prefill ms per token / decode tok/s):")
         out.append("")
@@ -129,24 +166,31 @@ def markdown(rep: Report) -> str:
         for r in rep.rows:
             cells = []
             for b in bands:
-                cells.append(f"{_f(r.ttft_s.get(b), '{:.2f}')} / "
-                             f"{_f(r.prefill_ms_per_token.get(b), '{:.3f}')} / "
-                             f"{_f(r.decode_tok_s_by_band.get(b))}")
+                cells.append(
+                    f"{_f(r.ttft_s.get(b), '{:.2f}')} / "
+                    f"{_f(r.prefill_ms_per_token.get(b), '{:.3f}')} / "
+                    f"{_f(r.decode_tok_s_by_band.get(b))}"
+                )
             out.append(f"| {r.upstream} | {r.model} | {r.precision} | " + " | ".join(cells) + " |")
         out.append("")
     notes = ["Medians from phasewatch's histograms (source: " + (rep.source or "metrics") + ")."]
     srcs = {r.prefill_source for r in rep.rows if r.prefill_source}
     if srcs:
-        notes.append("Prefill ms/token = 1000 / median prefill tok/s ("
-                     + ", ".join(f"source={s}" for s in sorted(srcs))
-                     + "; proxy-side prefill includes any engine-side queueing).")
+        notes.append(
+            "Prefill ms/token = 1000 / median prefill tok/s ("
+            + ", ".join(f"source={s}" for s in sorted(srcs))
+            + "; proxy-side prefill includes any engine-side queueing)."
+        )
     if rep.power:
-        notes.append("J/tok = decode-window watts / decode tok/s (one stream); power saving compares "
-                     "decode-window watts.")
+        notes.append(
+            "J/tok = decode-window watts / decode tok/s (one stream); power saving compares "
+            "decode-window watts."
+        )
     else:
         notes.append("Power: n/a (phasewatch is not sampling GPU power here).")
-    notes.append("Speed-ups and savings are against the bf16/fp16 row of the same upstream and "
-                 "model family.")
+    notes.append(
+        "Speed-ups and savings are against the bf16/fp16 row of the same upstream and model family."
+    )
     out.extend("- " + n for n in notes)
     return "\n".join(out) + "\n"
 
@@ -169,11 +213,22 @@ def run(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--from", dest="source", default="http://127.0.0.1:8090",
-                        help="phasewatch base or /metrics URL, or a Prometheus server URL "
-                        "[default http://127.0.0.1:8090].")
-    parser.add_argument("--format", choices=("markdown", "json"), default="markdown",
-                        help="Output format [default markdown].")
-    parser.add_argument("--window", default=None,
-                        help="With a Prometheus server: only traffic of the last WINDOW "
-                        "(a PromQL duration such as 15m or 1h); default: everything since start.")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        default="http://127.0.0.1:8090",
+        help="phasewatch base or /metrics URL, or a Prometheus server URL "
+        "[default http://127.0.0.1:8090].",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("markdown", "json"),
+        default="markdown",
+        help="Output format [default markdown].",
+    )
+    parser.add_argument(
+        "--window",
+        default=None,
+        help="With a Prometheus server: only traffic of the last WINDOW "
+        "(a PromQL duration such as 15m or 1h); default: everything since start.",
+    )

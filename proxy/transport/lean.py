@@ -23,9 +23,10 @@ import asyncio
 import ssl as _ssl
 import time
 from collections import deque
+from typing import cast
 
-import httpx
 import httptools
+import httpx
 
 _HIGH_WATER = 256 * 1024
 
@@ -37,9 +38,10 @@ class _Stale(Exception):
 class _Conn(asyncio.Protocol):
     """One upstream connection, one response at a time."""
 
+    transport: asyncio.Transport  # set by connection_made, before anything uses it
+
     def __init__(self, key: tuple) -> None:
         self.key = key
-        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.loop = asyncio.get_running_loop()
         self.closed = False
@@ -67,8 +69,8 @@ class _Conn(asyncio.Protocol):
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -76,8 +78,11 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response from upstream: {exc}",
-                                                 request=self.request))
+            self._fail(
+                httpx.RemoteProtocolError(
+                    f"malformed response from upstream: {exc}", request=self.request
+                )
+            )
             self.transport.close()
             return
         if self.size > _HIGH_WATER and not self.paused:
@@ -103,9 +108,12 @@ class _Conn(asyncio.Protocol):
             self._fail(_Stale())
         else:
             why = f": {exc}" if exc else ""
-            self._fail(httpx.RemoteProtocolError(
-                f"upstream closed the connection before the response ended{why}",
-                request=self.request))
+            self._fail(
+                httpx.RemoteProtocolError(
+                    f"upstream closed the connection before the response ended{why}",
+                    request=self.request,
+                )
+            )
 
     # --- httptools callbacks ------------------------------------------------------------
 
@@ -164,11 +172,13 @@ class _Conn(asyncio.Protocol):
         due = self.last + self.timeout
         now = self.loop.time()
         if self.waiter is not None and now >= due:
-            self._fail(httpx.ReadTimeout(f"upstream sent nothing for {self.timeout:g}s",
-                                         request=self.request))
+            self._fail(
+                httpx.ReadTimeout(
+                    f"upstream sent nothing for {self.timeout:g}s", request=self.request
+                )
+            )
         else:  # data came since, or the client is slow to take it: look again later
-            self.timer = self.loop.call_at(due if due > now else now + self.timeout,
-                                           self._on_timer)
+            self.timer = self.loop.call_at(due if due > now else now + self.timeout, self._on_timer)
 
     def start(self, request: httpx.Request, read_timeout: float | None) -> None:
         self._reset()
@@ -205,7 +215,7 @@ class _Conn(asyncio.Protocol):
 class _Body(httpx.AsyncByteStream):
     __slots__ = ("conn", "pool", "released")
 
-    def __init__(self, conn: _Conn, pool: "LeanTransport") -> None:
+    def __init__(self, conn: _Conn, pool: LeanTransport) -> None:
         self.conn = conn
         self.pool = pool
         self.released = False
@@ -277,11 +287,15 @@ class LeanTransport(httpx.AsyncBaseTransport):
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(key), host, port, ssl=ssl,
-                                       server_hostname=host if ssl else None), timeout)
-        except asyncio.TimeoutError:
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out",
-                                       request=request) from None
+                loop.create_connection(
+                    lambda: _Conn(key), host, port, ssl=ssl, server_hostname=host if ssl else None
+                ),
+                timeout,
+            )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(
+                f"connecting to {host}:{port} timed out", request=request
+            ) from None
         except OSError as exc:
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
         return conn
@@ -293,17 +307,18 @@ class LeanTransport(httpx.AsyncBaseTransport):
         try:
             body = request.content
         except httpx.RequestNotRead:
-            body = b"".join([part async for part in request.stream])
+            stream = request.stream
+            assert isinstance(stream, httpx.AsyncByteStream)
+            body = b"".join([part async for part in stream])
         head = [request.method.encode(), b" ", url.raw_path, b" HTTP/1.1\r\n"]
         for k, v in request.headers.raw:
             head += [k, b": ", v, b"\r\n"]
         head.append(b"\r\n")
         wire = b"".join(head) + body
         for attempt in range(3):
-            conn = self._get(key)
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(request, key, timeouts.get("connect"))
+            idle = self._get(key)
+            reused = idle is not None
+            conn = idle or await self._connect(request, key, timeouts.get("connect"))
             conn.start(request, timeouts.get("read"))
             conn.transport.write(wire)
             try:
@@ -315,16 +330,20 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 conn.finish()
                 if reused and attempt < 2:
                     continue  # the engine closed an idle connection as we picked it
-                raise httpx.RemoteProtocolError("upstream closed the connection without "
-                                                "a response", request=request) from None
+                raise httpx.RemoteProtocolError(
+                    "upstream closed the connection without a response", request=request
+                ) from None
             except BaseException:
                 conn.finish()
                 conn.transport.close()
                 raise
             break
-        return httpx.Response(conn.status, headers=conn.headers, stream=_Body(conn, self),
-                              extensions={"http_version": b"HTTP/1.1",
-                                          "reason_phrase": conn.reason})
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(conn, self),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": conn.reason},
+        )
 
     async def aclose(self) -> None:
         for idle in self._idle.values():

@@ -142,8 +142,13 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.
 
 def spawn(name: str, argv: list[str], port: int, ready: str, env: dict | None = None) -> Proc:
     log = Path(tempfile.mkstemp(prefix=f"pw-bench-{name}-", suffix=".log")[1])
-    popen = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})},
-                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    popen = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + ready, popen, log)
     return Proc(name, url, popen, log, [lambda: log.unlink(missing_ok=True)])
@@ -156,14 +161,29 @@ def start_upstream() -> Proc:
 
 def start_plain(upstream: str) -> Proc:
     port = free_port()
-    return spawn("plain", [PY, str(HERE / "plain_passthrough.py"), str(port), upstream], port,
-                 "/health")
+    return spawn(
+        "plain", [PY, str(HERE / "plain_passthrough.py"), str(port), upstream], port, "/health"
+    )
 
 
 def start_phasewatch(upstream: str, workers: int) -> Proc:
     port = free_port()
-    argv = [PY, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port),
-            "--log-format", "none", "--log-level", "warning", "--power-source", "none"]
+    argv = [
+        PY,
+        "-m",
+        "proxy",
+        "serve",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--log-format",
+        "none",
+        "--log-level",
+        "warning",
+        "--power-source",
+        "none",
+    ]
     if workers != 1:
         argv += ["--workers", str(workers)]
     return spawn(f"pw×{workers}", argv, port, "/phasewatch/health")
@@ -200,7 +220,9 @@ http {{
 
 
 def nginx_binary() -> str | None:
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None
+    )
 
 
 def start_nginx(upstream: str) -> Proc:
@@ -210,8 +232,11 @@ def start_nginx(upstream: str) -> Proc:
     conf = Path(d) / "nginx.conf"
     conf.write_text(NGINX_CONF.format(d=d, port=port, upstream=upstream.removeprefix("http://")))
     log = Path(d) / "stdout.log"
-    popen = subprocess.Popen([binary, "-c", str(conf), "-p", d, "-e", f"{d}/error.log"],
-                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    popen = subprocess.Popen(
+        [binary, "-c", str(conf), "-p", d, "-e", f"{d}/error.log"],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", popen, log)
     return Proc("nginx", url, popen, log, [lambda: shutil.rmtree(d, ignore_errors=True)])
@@ -223,7 +248,7 @@ def start_nginx(upstream: str) -> Proc:
 class Stream:
     """What the client saw of one streamed response."""
 
-    __slots__ = ("t0", "t_first", "t_last", "t_last_seen", "events", "gaps", "tokens", "ok")
+    __slots__ = ("events", "gaps", "ok", "t0", "t_first", "t_last", "t_last_seen", "tokens")
 
     def __init__(self, tokens: int, t0: float) -> None:
         self.t0 = t0
@@ -270,8 +295,10 @@ class Conn(asyncio.Protocol):
         self.head = True
         self.remaining = -1  # -1: expecting a chunk-size line; -2: expecting CRLF after data
         self.newlines = 0
-        self.transport.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json"
-                             b"\r\ncontent-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        self.transport.write(
+            b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+        )
         return self.fut
 
     def data_received(self, data: bytes) -> None:
@@ -349,14 +376,26 @@ async def open_conn(url: str) -> Conn:
 
 
 def chat_body(tokens: int, interval: float) -> bytes:
-    return json.dumps({"model": "bench-model", "stream": True, "max_tokens": tokens,
-                       "messages": [{"role": "user", "content": "hello"}],
-                       "x_interval": interval}).encode()
+    return json.dumps(
+        {
+            "model": "bench-model",
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "hello"}],
+            "x_interval": interval,
+        }
+    ).encode()
 
 
-async def run_streams(url: str, concurrency: int, per_conn: int, tokens: int,
-                      interval: float = 0.0, gaps: bool = False,
-                      spread: float = 0.0) -> tuple[list[Stream], float]:
+async def run_streams(
+    url: str,
+    concurrency: int,
+    per_conn: int,
+    tokens: int,
+    interval: float = 0.0,
+    gaps: bool = False,
+    spread: float = 0.0,
+) -> tuple[list[Stream], float]:
     """`concurrency` connections, `per_conn` streams each, back to back; connection k
     starts after spread * k / concurrency seconds (a steady state rather than a burst)."""
     body = chat_body(tokens, interval)
@@ -403,7 +442,7 @@ async def scenario_ttft(targets: list[Proc], n: int, tokens: int) -> dict[str, l
         for c in conns.values():  # warm
             await c.request("/v1/chat/completions", body, tokens, False)
         for i in range(n):
-            order = targets[i % len(targets):] + targets[:i % len(targets)]
+            order = targets[i % len(targets) :] + targets[: i % len(targets)]
             for t in order:
                 s = await conns[t.name].request("/v1/chat/completions", body, tokens, False)
                 ttft[t.name].append(s.t_first - s.t0)
@@ -413,23 +452,38 @@ async def scenario_ttft(targets: list[Proc], n: int, tokens: int) -> dict[str, l
     return ttft
 
 
-async def scenario_load(t: Proc, concurrency: int, per_conn: int, tokens: int,
-                        interval: float = 0.0, spread: float = 0.0) -> dict:
+async def scenario_load(
+    t: Proc,
+    concurrency: int,
+    per_conn: int,
+    tokens: int,
+    interval: float = 0.0,
+    spread: float = 0.0,
+) -> dict:
     """(b)/(c): one contender under load; CPU from /proc of all its processes."""
     pids = t.pids()
     cpu0 = cpu_seconds(pids)
-    streams, wall = await run_streams(t.url, concurrency, per_conn, tokens, interval,
-                                      gaps=interval > 0, spread=spread)
+    streams, wall = await run_streams(
+        t.url, concurrency, per_conn, tokens, interval, gaps=interval > 0, spread=spread
+    )
     cpu = cpu_seconds(pids) - cpu0
     events = sum(s.events for s in streams)
-    res = {"events": events, "wall": wall, "eps": events / wall,
-           "us_per_event": cpu * 1e6 / events if pids else float("nan"),
-           "bad": sum(not s.ok for s in streams)}
+    res = {
+        "events": events,
+        "wall": wall,
+        "eps": events / wall,
+        "us_per_event": cpu * 1e6 / events if pids else float("nan"),
+        "bad": sum(not s.ok for s in streams),
+    }
     if interval > 0:
         rates = [r for s in streams if (r := s.rate()) is not None]
         gaps = [g for s in streams for g in (s.gaps or ())]
-        res.update(rate_mean=statistics.fmean(rates), rate_p1=pct(rates, 0.01),
-                   gap_p99=pct(gaps, 0.99), gap_p50=pct(gaps, 0.5))
+        res.update(
+            rate_mean=statistics.fmean(rates),
+            rate_p1=pct(rates, 0.01),
+            gap_p99=pct(gaps, 0.99),
+            gap_p50=pct(gaps, 0.5),
+        )
     return res
 
 
@@ -454,20 +508,31 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}×"
 
 
-def print_table(names: list[str], rows: list[tuple[str, dict[str, float], str]], pw: str,
-                targets: list[tuple[str, str]]) -> None:
+def print_table(
+    names: list[str],
+    rows: list[tuple[str, dict[str, float], str]],
+    pw: str,
+    targets: list[tuple[str, str]],
+) -> None:
     head = ["metric"] + names + [f"{pw}/direct", f"{pw}/plain", "target"]
     table = [head]
     for label, vals, unit in rows:
         line = [label] + [fmt(vals.get(n, float("nan")), unit) for n in names]
-        line += [ratio(vals.get(pw, float("nan")), vals.get("direct", float("nan"))),
-                 ratio(vals.get(pw, float("nan")), vals.get("plain", float("nan")))]
+        line += [
+            ratio(vals.get(pw, float("nan")), vals.get("direct", float("nan"))),
+            ratio(vals.get(pw, float("nan")), vals.get("plain", float("nan"))),
+        ]
         line.append(dict(targets).get(label, ""))
         table.append(line)
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     for k, r in enumerate(table):
-        print("  " + "  ".join(c.ljust(widths[i]) if i in (0, len(head) - 1) else c.rjust(widths[i])
-                               for i, c in enumerate(r)))
+        print(
+            "  "
+            + "  ".join(
+                c.ljust(widths[i]) if i in (0, len(head) - 1) else c.rjust(widths[i])
+                for i, c in enumerate(r)
+            )
+        )
         if k == 0:
             print("  " + "  ".join("-" * w for w in widths))
 
@@ -497,7 +562,7 @@ async def bench(args) -> int:
             t_round = time.perf_counter()
             for n, values in (await scenario_ttft(targets, args.ttft_requests, 64)).items():
                 ttft[n].append(values)
-            order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+            order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
             for c in args.concurrency:
                 for t in order:
                     r = await scenario_load(t, c, max(1, args.streams // c), args.tokens)
@@ -505,59 +570,135 @@ async def bench(args) -> int:
             for t in order:
                 # Steady state: stream starts spread over one stream's duration, then
                 # each connection streams again at once, so ~N streams are always open.
-                r = await scenario_load(t, args.paced_streams, args.paced_repeat,
-                                        args.paced_tokens, 1.0 / args.paced_rate,
-                                        spread=args.paced_tokens / args.paced_rate)
+                r = await scenario_load(
+                    t,
+                    args.paced_streams,
+                    args.paced_repeat,
+                    args.paced_tokens,
+                    1.0 / args.paced_rate,
+                    spread=args.paced_tokens / args.paced_rate,
+                )
                 loads.setdefault(("paced", t.name), []).append(r)
-            print(f"(round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.1f} s)",
-                  flush=True)
+            print(
+                f"(round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.1f} s)",
+                flush=True,
+            )
 
         rows: list[tuple[str, dict[str, float], str]] = []
         d = "direct"
-        rows.append(("(a) TTFT p50 ms", {n: med([pct(v, .5) * 1e3 for v in ttft[n]]) for n in names}, ""))
-        rows.append(("(a) added TTFT p50 ms", {n: med([(pct(v, .5) - pct(dv, .5)) * 1e3
-                     for v, dv in zip(ttft[n], ttft[d])]) for n in names if n != d}, ""))
-        rows.append(("(a) added TTFT p99 ms", {n: med([(pct(v, .99) - pct(dv, .99)) * 1e3
-                     for v, dv in zip(ttft[n], ttft[d])]) for n in names if n != d}, ""))
+        rows.append(
+            ("(a) TTFT p50 ms", {n: med([pct(v, 0.5) * 1e3 for v in ttft[n]]) for n in names}, "")
+        )
+        rows.append(
+            (
+                "(a) added TTFT p50 ms",
+                {
+                    n: med([(pct(v, 0.5) - pct(dv, 0.5)) * 1e3 for v, dv in zip(ttft[n], ttft[d])])
+                    for n in names
+                    if n != d
+                },
+                "",
+            )
+        )
+        rows.append(
+            (
+                "(a) added TTFT p99 ms",
+                {
+                    n: med(
+                        [(pct(v, 0.99) - pct(dv, 0.99)) * 1e3 for v, dv in zip(ttft[n], ttft[d])]
+                    )
+                    for n in names
+                    if n != d
+                },
+                "",
+            )
+        )
         for c in args.concurrency:
-            rows.append((f"(b) c{c} events/s", {n: med([r["eps"] for r in loads[(f"c{c}", n)]])
-                                                 for n in names}, ""))
-            rows.append((f"(b) c{c} CPU µs/event", {n: med([r["us_per_event"] for r in
-                         loads[(f"c{c}", n)]]) for n in names if n != d}, ""))
+            rows.append(
+                (
+                    f"(b) c{c} events/s",
+                    {n: med([r["eps"] for r in loads[(f"c{c}", n)]]) for n in names},
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    f"(b) c{c} CPU µs/event",
+                    {
+                        n: med([r["us_per_event"] for r in loads[(f"c{c}", n)]])
+                        for n in names
+                        if n != d
+                    },
+                    "",
+                )
+            )
         p = "paced"
-        rows.append((f"(c) paced CPU µs/event", {n: med([r["us_per_event"] for r in loads[(p, n)]])
-                                                 for n in names if n != d}, ""))
-        rows.append((f"(c) decode tok/s mean", {n: med([r["rate_mean"] for r in loads[(p, n)]])
-                                                for n in names}, ""))
-        rows.append((f"(c) decode tok/s p1", {n: med([r["rate_p1"] for r in loads[(p, n)]])
-                                              for n in names}, ""))
-        rows.append((f"(c) gap p99 ms", {n: med([r["gap_p99"] * 1e3 for r in loads[(p, n)]])
-                                         for n in names}, ""))
+        rows.append(
+            (
+                "(c) paced CPU µs/event",
+                {n: med([r["us_per_event"] for r in loads[(p, n)]]) for n in names if n != d},
+                "",
+            )
+        )
+        rows.append(
+            (
+                "(c) decode tok/s mean",
+                {n: med([r["rate_mean"] for r in loads[(p, n)]]) for n in names},
+                "",
+            )
+        )
+        rows.append(
+            (
+                "(c) decode tok/s p1",
+                {n: med([r["rate_p1"] for r in loads[(p, n)]]) for n in names},
+                "",
+            )
+        )
+        rows.append(
+            (
+                "(c) gap p99 ms",
+                {n: med([r["gap_p99"] * 1e3 for r in loads[(p, n)]]) for n in names},
+                "",
+            )
+        )
         rows.append(("(d) peak RSS MiB/proc", {t.name: peak_rss_mib(t.pids()) for t in procs}, ""))
-        goals = [("(a) added TTFT p50 ms", "≤ 1"), ("(a) added TTFT p99 ms", "≤ 3"),
-                 ("(c) paced CPU µs/event", "≤ 78 and ≤ plain"),
-                 ("(c) decode tok/s mean", f"{args.paced_rate:g} ± 1 %"),
-                 ("(c) gap p99 ms", "< 40"), ("(d) peak RSS MiB/proc", "≤ 100")]
+        goals = [
+            ("(a) added TTFT p50 ms", "≤ 1"),
+            ("(a) added TTFT p99 ms", "≤ 3"),
+            ("(c) paced CPU µs/event", "≤ 78 and ≤ plain"),
+            ("(c) decode tok/s mean", f"{args.paced_rate:g} ± 1 %"),
+            ("(c) gap p99 ms", "< 40"),
+            ("(d) peak RSS MiB/proc", "≤ 100"),
+        ]
         goals += [(f"(b) c{c} CPU µs/event", "≤ plain") for c in args.concurrency]
 
         bad = sum(r["bad"] for rs in loads.values() for r in rs)
         print()
-        print(f"relay benchmark: {args.rounds} round(s), medians; (a) {args.ttft_requests} "
-              f"sequential 64-token streams per contender and round; (b) {args.tokens}-token "
-              f"streams, {args.streams} per concurrency level, no delay; (c) {args.paced_streams} "
-              f"connections × {args.paced_repeat} streams × {args.paced_tokens} tokens at "
-              f"{args.paced_rate:g} tok/s, starts spread (steady state); "
-              f"{os.cpu_count()} CPUs{'; INCOMPLETE STREAMS: %d' % bad if bad else ''}")
-        print("CPU columns: utime+stime of the contender's processes only (not the client, "
-              "not the upstream); the direct column's events/s is the client+upstream ceiling")
+        print(
+            f"relay benchmark: {args.rounds} round(s), medians; (a) {args.ttft_requests} "
+            f"sequential 64-token streams per contender and round; (b) {args.tokens}-token "
+            f"streams, {args.streams} per concurrency level, no delay; (c) {args.paced_streams} "
+            f"connections × {args.paced_repeat} streams × {args.paced_tokens} tokens at "
+            f"{args.paced_rate:g} tok/s, starts spread (steady state); "
+            f"{os.cpu_count()} CPUs{f'; INCOMPLETE STREAMS: {bad}' if bad else ''}"
+        )
+        print(
+            "CPU columns: utime+stime of the contender's processes only (not the client, "
+            "not the upstream); the direct column's events/s is the client+upstream ceiling"
+        )
         print_table(names, rows, pw, goals)
         ws = [t.name for t in procs if t.name.startswith("pw")]
         if len(ws) > 1:
             for c in args.concurrency:
                 base = med([r["eps"] for r in loads[(f"c{c}", ws[0])]])
-                print(f"  scaling c{c}: " + ", ".join(
-                    f"{w} {med([r['eps'] for r in loads[(f'c{c}', w)]]):,.0f} events/s "
-                    f"({med([r['eps'] for r in loads[(f'c{c}', w)]]) / base:.2f}×)" for w in ws))
+                print(
+                    f"  scaling c{c}: "
+                    + ", ".join(
+                        f"{w} {med([r['eps'] for r in loads[(f'c{c}', w)]]):,.0f} events/s "
+                        f"({med([r['eps'] for r in loads[(f'c{c}', w)]]) / base:.2f}×)"
+                        for w in ws
+                    )
+                )
         return 1 if bad else 0
     finally:
         for p in procs:
@@ -569,19 +710,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds, tiny loads (CI)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
-                   help="phasewatch worker counts to run, comma separated [1,2]")
+    p.add_argument(
+        "--workers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2],
+        help="phasewatch worker counts to run, comma separated [1,2]",
+    )
     p.add_argument("--no-nginx", dest="nginx", action="store_false")
     p.add_argument("--ttft-requests", type=int, default=100)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[64, 256])
-    p.add_argument("--streams", type=int, default=256,
-                   help="streams per contender in (b), spread over the connections")
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256]
+    )
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=256,
+        help="streams per contender in (b), spread over the connections",
+    )
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--paced-streams", type=int, default=256)
     p.add_argument("--paced-tokens", type=int, default=100)
-    p.add_argument("--paced-repeat", type=int, default=3,
-                   help="streams per connection in (c), back to back")
+    p.add_argument(
+        "--paced-repeat", type=int, default=3, help="streams per connection in (c), back to back"
+    )
     p.add_argument("--paced-rate", type=float, default=50.0)
     args = p.parse_args(argv)
     if args.smoke:
@@ -589,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens, args.paced_streams, args.paced_tokens, args.paced_repeat = 32, 8, 10, 1
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass

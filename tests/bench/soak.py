@@ -28,10 +28,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.servers import start_proxy, start_sim  # noqa: E402
+from tests.servers import start_proxy, start_sim
 
-MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "RedHatAI/Llama-3.1-8B-Instruct-FP8",
-          "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4")
+MODELS = (
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "RedHatAI/Llama-3.1-8B-Instruct-FP8",
+    "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4",
+)
 
 
 def rss_mib(pid: int) -> float:
@@ -42,8 +45,13 @@ def rss_mib(pid: int) -> float:
 
 
 def body_for(i: int, tokens: int) -> dict:
-    return {"model": MODELS[i % 3], "messages": [{"role": "user", "content": f"stream number {i}"}],
-            "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    return {
+        "model": MODELS[i % 3],
+        "messages": [{"role": "user", "content": f"stream number {i}"}],
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
 
 async def fetch(client: httpx.AsyncClient, url: str, body: dict) -> bytes:
@@ -54,8 +62,10 @@ async def fetch(client: httpx.AsyncClient, url: str, body: dict) -> bytes:
 async def wave(url: str, n: int, tokens: int, offset: int = 0) -> list[bytes | BaseException]:
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        return await asyncio.gather(*(fetch(client, url, body_for(offset + i, tokens)) for i in range(n)),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(fetch(client, url, body_for(offset + i, tokens)) for i in range(n)),
+            return_exceptions=True,
+        )
 
 
 def stall(url: str, n: int, tokens: int) -> list[socket.socket]:
@@ -66,14 +76,18 @@ def stall(url: str, n: int, tokens: int) -> list[socket.socket]:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect((host, int(port)))
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
         socks.append(s)
     return socks
 
 
 async def run(args) -> int:
-    sim = start_sim("vllm", speed=args.speed, deterministic=True, max_num_seqs=max(16, args.streams))
+    sim = start_sim(
+        "vllm", speed=args.speed, deterministic=True, max_num_seqs=max(16, args.streams)
+    )
     proxy = start_proxy(f"sim={sim.url}", args=["--log-format", "none"])
     pid = proxy.proc.pid
     try:
@@ -83,34 +97,45 @@ async def run(args) -> int:
         via = await wave(proxy.url, args.streams, args.tokens)
         elapsed = time.monotonic() - t0
         lost = sum(1 for v in via if isinstance(v, BaseException))
-        corrupted = sum(1 for d, v in zip(direct, via)
-                        if not isinstance(v, BaseException) and not isinstance(d, BaseException) and d != v)
+        corrupted = sum(
+            1
+            for d, v in zip(direct, via)
+            if not isinstance(v, BaseException) and not isinstance(d, BaseException) and d != v
+        )
         direct_failed = sum(1 for d in direct if isinstance(d, BaseException))
         events = sum(v.count(b"\n\n") for v in via if isinstance(v, bytes))
-        print(f"load: {args.streams} concurrent streams x {args.tokens} tokens through phasewatch: "
-              f"{lost} lost, {corrupted} corrupted (direct failures {direct_failed}), "
-              f"{events} events in {elapsed:.1f} s (both passes); proxy RSS {rss0:.0f} -> "
-              f"{rss_mib(pid):.0f} MiB")
+        print(
+            f"load: {args.streams} concurrent streams x {args.tokens} tokens through phasewatch: "
+            f"{lost} lost, {corrupted} corrupted (direct failures {direct_failed}), "
+            f"{events} events in {elapsed:.1f} s (both passes); proxy RSS {rss0:.0f} -> "
+            f"{rss_mib(pid):.0f} MiB"
+        )
 
         samples = [rss_mib(pid)]
         soak_end = time.monotonic() + args.duration
         waves = 0
         while time.monotonic() < soak_end:
-            results = await wave(proxy.url, args.soak_concurrency, args.tokens, offset=waves * 10_000)
+            results = await wave(
+                proxy.url, args.soak_concurrency, args.tokens, offset=waves * 10_000
+            )
             lost += sum(1 for r in results if isinstance(r, BaseException))
             waves += 1
             samples.append(rss_mib(pid))
-        print(f"soak: {waves} waves of {args.soak_concurrency} streams over {args.duration:.0f} s: "
-              f"proxy RSS start {samples[0]:.0f} MiB, max {max(samples):.0f} MiB, end {samples[-1]:.0f} MiB")
+        print(
+            f"soak: {waves} waves of {args.soak_concurrency} streams over {args.duration:.0f} s: "
+            f"proxy RSS start {samples[0]:.0f} MiB, max {max(samples):.0f} MiB, end {samples[-1]:.0f} MiB"
+        )
 
         if args.stalled:
             before = rss_mib(pid)
             socks = stall(proxy.url, args.stalled, args.stalled_tokens)
             await asyncio.sleep(args.stall_seconds)
             after = rss_mib(pid)
-            print(f"stalled readers: {args.stalled} clients not reading {args.stalled_tokens}-token "
-                  f"streams: proxy RSS {before:.0f} -> {after:.0f} MiB "
-                  f"({(after - before) * 1024 / args.stalled:.0f} KiB per stalled stream)")
+            print(
+                f"stalled readers: {args.stalled} clients not reading {args.stalled_tokens}-token "
+                f"streams: proxy RSS {before:.0f} -> {after:.0f} MiB "
+                f"({(after - before) * 1024 / args.stalled:.0f} KiB per stalled stream)"
+            )
             for s in socks:
                 s.close()
         return 1 if (lost or corrupted) else 0

@@ -18,8 +18,10 @@ import sys
 
 MODEL = "bench-model"
 
-_HEAD_SSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+_HEAD_SSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+)
 
 
 def _chunk(data: bytes) -> bytes:
@@ -32,28 +34,70 @@ def _event(obj) -> bytes:
 
 _ID = "chatcmpl-bench0123456789abcdef"
 _BASE = {"id": _ID, "object": "chat.completion.chunk", "created": 1700000000, "model": MODEL}
-ROLE = _event({**_BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]})
-TOKEN = _event({**_BASE, "choices": [{"index": 0, "delta": {"content": " tok"},
-                                       "logprobs": None, "finish_reason": None}]})
-LAST = _event({**_BASE, "choices": [{"index": 0, "delta": {"content": " end"},
-                                      "logprobs": None, "finish_reason": "length"}]})
+ROLE = _event(
+    {
+        **_BASE,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+)
+TOKEN = _event(
+    {
+        **_BASE,
+        "choices": [
+            {"index": 0, "delta": {"content": " tok"}, "logprobs": None, "finish_reason": None}
+        ],
+    }
+)
+LAST = _event(
+    {
+        **_BASE,
+        "choices": [
+            {"index": 0, "delta": {"content": " end"}, "logprobs": None, "finish_reason": "length"}
+        ],
+    }
+)
 DONE = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
 
 def usage_event(prompt: int, completion: int) -> bytes:
-    return _event({**_BASE, "choices": [], "usage": {
-        "prompt_tokens": prompt, "total_tokens": prompt + completion,
-        "completion_tokens": completion}})
+    return _event(
+        {
+            **_BASE,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + completion,
+                "completion_tokens": completion,
+            },
+        }
+    )
 
 
 def _plain(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-            % (status.encode(), ctype, len(body), body))
+    return b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
+        status.encode(),
+        ctype,
+        len(body),
+        body,
+    )
 
 
-MODELS = _plain("200 OK", json.dumps({"object": "list", "data": [
-    {"id": MODEL, "object": "model", "owned_by": "bench", "root": MODEL}]}).encode())
+MODELS = _plain(
+    "200 OK",
+    json.dumps(
+        {
+            "object": "list",
+            "data": [{"id": MODEL, "object": "model", "owned_by": "bench", "root": MODEL}],
+        }
+    ).encode(),
+)
 
 
 class Conn(asyncio.Protocol):
@@ -98,8 +142,8 @@ class Conn(asyncio.Protocol):
                 length = int(v)
         if len(self.buf) < end + 4 + length:
             return
-        body = self.buf[end + 4:end + 4 + length]
-        self.buf = self.buf[end + 4 + length:]
+        body = self.buf[end + 4 : end + 4 + length]
+        self.buf = self.buf[end + 4 + length :]
         method, path = head[0].split(" ")[:2]
         if method == "POST" and path.startswith("/v1/chat/completions"):
             self.busy = True
@@ -151,6 +195,7 @@ def main() -> None:
     port = int(sys.argv[1])
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass

@@ -21,6 +21,7 @@ def _after_one_more(proxy_url: str, before: dict) -> dict:
         s = prom(proxy_url)
         d = total(s, "phasewatch_requests_total") - total(before, "phasewatch_requests_total")
         return s if d >= 1 else None
+
     after, _ = wait_for(grown, 10, what="request recorded")
     return after
 
@@ -45,8 +46,9 @@ def test_plain_stream_is_byte_exact_with_default_settings(llama, llama_proxy):
 @pytest.mark.parametrize("stream", [True, False])
 def test_engine_figures_equal_the_timings(llama_proxy, stream):
     before = prom(llama_proxy.url)
-    cap = capture(llama_proxy.url, "/v1/chat/completions",
-                  chat(max_tokens=24, stream=stream, ignore_eos=True))
+    cap = capture(
+        llama_proxy.url, "/v1/chat/completions", chat(max_tokens=24, stream=stream, ignore_eos=True)
+    )
     timings = payloads(cap.body)[-2]["timings"] if stream else json.loads(cap.body)["timings"]
     after = _after_one_more(llama_proxy.url, before)
 
@@ -54,34 +56,54 @@ def test_engine_figures_equal_the_timings(llama_proxy, stream):
         lbl = dict(upstream="llama", source="engine", **labels)
         return total(after, name, **lbl) - total(before, name, **lbl)
 
-    assert grew("phasewatch_prefill_seconds_sum") == pytest.approx(timings["prompt_ms"] / 1000, rel=1e-9)
-    assert grew("phasewatch_decode_seconds_sum") == pytest.approx(timings["predicted_ms"] / 1000, rel=1e-9)
+    assert grew("phasewatch_prefill_seconds_sum") == pytest.approx(
+        timings["prompt_ms"] / 1000, rel=1e-9
+    )
+    assert grew("phasewatch_decode_seconds_sum") == pytest.approx(
+        timings["predicted_ms"] / 1000, rel=1e-9
+    )
     assert grew("phasewatch_decode_tokens_per_second_sum") == pytest.approx(
-        timings["predicted_per_second"], rel=1e-9)
+        timings["predicted_per_second"], rel=1e-9
+    )
     assert grew("phasewatch_prefill_tokens_per_second_sum") == pytest.approx(
-        timings["prompt_n"] / (timings["prompt_ms"] / 1000), rel=1e-9)
+        timings["prompt_n"] / (timings["prompt_ms"] / 1000), rel=1e-9
+    )
     if stream:  # the proxy's own decode rate beside the engine's
-        proxy_rate = (total(after, "phasewatch_decode_tokens_per_second_sum", upstream="llama", source="proxy")
-                      - total(before, "phasewatch_decode_tokens_per_second_sum", upstream="llama",
-                              source="proxy"))
-        print(f"\nllama decode: engine {timings['predicted_per_second']:.2f} tok/s, "
-              f"proxy {proxy_rate:.2f} tok/s")
+        proxy_rate = total(
+            after, "phasewatch_decode_tokens_per_second_sum", upstream="llama", source="proxy"
+        ) - total(
+            before, "phasewatch_decode_tokens_per_second_sum", upstream="llama", source="proxy"
+        )
+        print(
+            f"\nllama decode: engine {timings['predicted_per_second']:.2f} tok/s, "
+            f"proxy {proxy_rate:.2f} tok/s"
+        )
         assert proxy_rate == pytest.approx(timings["predicted_per_second"], rel=0.10)
-        waited = (total(after, "phasewatch_queue_seconds_count", upstream="llama", where="upstream")
-                  - total(before, "phasewatch_queue_seconds_count", upstream="llama", where="upstream"))
+        waited = total(
+            after, "phasewatch_queue_seconds_count", upstream="llama", where="upstream"
+        ) - total(before, "phasewatch_queue_seconds_count", upstream="llama", where="upstream")
         assert waited == 1  # (t_first - t_sent) - prompt_ms, observed once
     else:  # a non-streamed answer has no proxy-side phase figures
-        assert (total(after, "phasewatch_decode_tokens_per_second_count", upstream="llama", source="proxy")
-                == total(before, "phasewatch_decode_tokens_per_second_count", upstream="llama",
-                         source="proxy"))
+        assert total(
+            after, "phasewatch_decode_tokens_per_second_count", upstream="llama", source="proxy"
+        ) == total(
+            before, "phasewatch_decode_tokens_per_second_count", upstream="llama", source="proxy"
+        )
 
 
 def test_prompt_cache_hits_are_not_prefill(llama_proxy):
     """Same long prompt twice with the prefix cache on: the second request's cached tokens
     count as `cached`, not as prefill work, and its prefill rate uses prompt_n only."""
     prompt = "Here is a long shared system preamble about colours. " * 12 + "Name one colour."
-    body = {"model": LLAMA_ALIAS, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4,
-            "temperature": 0, "seed": 42, "cache_prompt": True, "stream": True}
+    body = {
+        "model": LLAMA_ALIAS,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "seed": 42,
+        "cache_prompt": True,
+        "stream": True,
+    }
     capture(llama_proxy.url, "/v1/chat/completions", body)
     before = prom(llama_proxy.url)
     cap = capture(llama_proxy.url, "/v1/chat/completions", body)
@@ -90,9 +112,12 @@ def test_prompt_cache_hits_are_not_prefill(llama_proxy):
     assert timings["cache_n"] > 0, timings
 
     def grew(name, **labels):
-        return total(after, name, upstream="llama", **labels) - total(before, name, upstream="llama", **labels)
+        return total(after, name, upstream="llama", **labels) - total(
+            before, name, upstream="llama", **labels
+        )
 
     assert grew("phasewatch_tokens_total", phase="prefill") == timings["prompt_n"]
     assert grew("phasewatch_tokens_total", phase="cached") == timings["cache_n"]
     assert grew("phasewatch_prefill_tokens_per_second_sum", source="engine") == pytest.approx(
-        timings["prompt_n"] / (timings["prompt_ms"] / 1000), rel=1e-9)
+        timings["prompt_n"] / (timings["prompt_ms"] / 1000), rel=1e-9
+    )

@@ -18,8 +18,7 @@ import openai
 import pytest
 
 from .engines import LLAMA_ALIAS
-from .wire import (capture, hang_up_after, normalize, output_times, payloads, prom, total,
-                   wait_for)
+from .wire import capture, hang_up_after, normalize, output_times, payloads, prom, total, wait_for
 
 pytestmark = pytest.mark.real_engine
 
@@ -27,8 +26,14 @@ PROMPT = "Name three colours of the rainbow."
 
 
 def chat(max_tokens: int = 16, stream: bool = True, content: str = PROMPT, **extra) -> dict:
-    body = {"model": LLAMA_ALIAS, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "seed": 42, "cache_prompt": False}
+    body = {
+        "model": LLAMA_ALIAS,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 42,
+        "cache_prompt": False,
+    }
     if stream:
         body["stream"] = True
     body.update(extra)
@@ -40,10 +45,12 @@ def assert_same(direct, via, what: str) -> None:
     assert via.end_to_end_headers() == direct.end_to_end_headers(), what
     assert normalize(via.body) == normalize(direct.body), (
         f"{what}: body differs beyond ids/created/timings values\n"
-        f"direct: {direct.body[-1500:]!r}\nvia:    {via.body[-1500:]!r}")
+        f"direct: {direct.body[-1500:]!r}\nvia:    {via.body[-1500:]!r}"
+    )
 
 
 # --- passthrough ---------------------------------------------------------------------------
+
 
 def test_chat_stream_with_client_usage_is_byte_exact(llama, llama_proxy):
     """The client asks for usage itself, so the proxy injects nothing: same bytes, same
@@ -68,8 +75,15 @@ def test_chat_stream_without_injection_is_byte_exact(llama, llama_proxy_no_injec
 
 
 def test_completions_stream_is_byte_exact(llama, llama_proxy):
-    body = {"model": LLAMA_ALIAS, "prompt": "The colours of the rainbow are", "max_tokens": 12,
-            "temperature": 0, "seed": 42, "stream": True, "cache_prompt": False}
+    body = {
+        "model": LLAMA_ALIAS,
+        "prompt": "The colours of the rainbow are",
+        "max_tokens": 12,
+        "temperature": 0,
+        "seed": 42,
+        "stream": True,
+        "cache_prompt": False,
+    }
     direct = capture(llama.url, "/v1/completions", body)
     via = capture(llama_proxy.url, "/v1/completions", body)
     assert_same(direct, via, "completions stream")
@@ -85,8 +99,14 @@ def test_nonstream_chat_is_byte_exact(llama, llama_proxy):
 
 def test_native_completion_stream_is_byte_exact(llama, llama_proxy):
     """llama-server's own /completion (no [DONE], `timings` on the last event)."""
-    body = {"prompt": "The colours of the rainbow are", "n_predict": 8, "temperature": 0,
-            "seed": 42, "stream": True, "cache_prompt": False}
+    body = {
+        "prompt": "The colours of the rainbow are",
+        "n_predict": 8,
+        "temperature": 0,
+        "seed": 42,
+        "stream": True,
+        "cache_prompt": False,
+    }
     direct = capture(llama.url, "/completion", body)
     via = capture(llama_proxy.url, "/completion", body)
     assert_same(direct, via, "native /completion stream")
@@ -99,11 +119,14 @@ def test_info_endpoints_pass_through(llama, llama_proxy, path):
     assert_same(direct, via, f"GET {path}")
 
 
-@pytest.mark.parametrize("case, body", [
-    ("malformed JSON", b'{"model": "gemma-3-270m", "messages": [, "stream": true}'),
-    ("missing messages", b'{"model": "gemma-3-270m", "stream": true}'),
-    ("prompt over the slot context", None),
-])
+@pytest.mark.parametrize(
+    "case, body",
+    [
+        ("malformed JSON", b'{"model": "gemma-3-270m", "messages": [, "stream": true}'),
+        ("missing messages", b'{"model": "gemma-3-270m", "stream": true}'),
+        ("prompt over the slot context", None),
+    ],
+)
 def test_errors_pass_through(llama, llama_proxy, case, body):
     if body is None:
         body = chat(content="red green blue " * 2000)
@@ -115,13 +138,20 @@ def test_errors_pass_through(llama, llama_proxy, case, body):
 
 # --- the openai SDK ---------------------------------------------------------------------------
 
+
 def _sdk(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_openai_sdk_non_stream(llama, llama_proxy):
-    kw = dict(model=LLAMA_ALIAS, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
-              temperature=0, seed=42, extra_body={"cache_prompt": False})
+    kw = dict(
+        model=LLAMA_ALIAS,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
+        seed=42,
+        extra_body={"cache_prompt": False},
+    )
     direct = _sdk(llama.url).chat.completions.create(**kw)
     via = _sdk(llama_proxy.url).chat.completions.create(**kw)
     assert via.choices[0].message.content == direct.choices[0].message.content
@@ -133,8 +163,15 @@ def test_openai_sdk_non_stream(llama, llama_proxy):
 
 @pytest.mark.parametrize("usage", [False, True])
 def test_openai_sdk_stream(llama, llama_proxy, usage):
-    kw = dict(model=LLAMA_ALIAS, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
-              temperature=0, seed=42, stream=True, extra_body={"cache_prompt": False})
+    kw = dict(
+        model=LLAMA_ALIAS,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
+        seed=42,
+        stream=True,
+        extra_body={"cache_prompt": False},
+    )
     if usage:
         kw["stream_options"] = {"include_usage": True}
 
@@ -157,6 +194,7 @@ def test_openai_sdk_stream(llama, llama_proxy, usage):
 
 # --- hang-up ------------------------------------------------------------------------------------
 
+
 def _slots_idle(url: str) -> bool:
     slots = httpx.get(url + "/slots", timeout=5).json()
     return all(not s.get("is_processing") for s in slots)
@@ -170,25 +208,36 @@ def test_client_hang_up_frees_the_slot_and_counts_aborted(llama, llama_proxy):
     def check_busy():  # the stream is still open: its slot must be processing
         busy["seen"] = not _slots_idle(llama.url)
 
-    _, t_close = hang_up_after(llama_proxy.url, "/v1/chat/completions",
-                               chat(max_tokens=400, ignore_eos=True), events=4,
-                               before_close=check_busy)
-    wait_for(lambda: _slots_idle(llama.url), 5.0, interval=0.01,
-             what="llama-server slot freed after the client hung up")
+    _, t_close = hang_up_after(
+        llama_proxy.url,
+        "/v1/chat/completions",
+        chat(max_tokens=400, ignore_eos=True),
+        events=4,
+        before_close=check_busy,
+    )
+    wait_for(
+        lambda: _slots_idle(llama.url),
+        5.0,
+        interval=0.01,
+        what="llama-server slot freed after the client hung up",
+    )
     freed_after = time.monotonic() - t_close
     assert busy["seen"], "the slot was not processing while the stream was open"
     assert freed_after < 1.0, f"slot still busy {freed_after:.2f}s after the hang-up"
 
     def aborted():
         s = prom(llama_proxy.url)
-        return total(s, "phasewatch_requests_total", outcome="aborted") - \
-            total(before, "phasewatch_requests_total", outcome="aborted")
+        return total(s, "phasewatch_requests_total", outcome="aborted") - total(
+            before, "phasewatch_requests_total", outcome="aborted"
+        )
+
     n, _ = wait_for(aborted, 5.0, what="phasewatch counting the request aborted")
     assert n == 1
     print(f"\nllama-server slot idle {freed_after * 1000:.0f} ms after the hang-up")
 
 
 # --- per-request figures under concurrency --------------------------------------------------
+
 
 def _stream_timed(base: str, body: dict, rid: str, out: dict) -> None:
     cap = capture(base, "/v1/chat/completions", body, headers={"x-request-id": rid})
@@ -198,13 +247,20 @@ def _stream_timed(base: str, body: dict, rid: str, out: dict) -> None:
 def test_four_concurrent_streams_keep_per_request_figures(llama, llama_proxy):
     """Four streams at once (different prompts and lengths, usage asked by half of them):
     each log line matches its own request's counts and client-side timings."""
-    contents = ["Name three colours of the rainbow.", "Count from one to ten:",
-                "Write a short poem about the sea.", "What is the capital of France?"]
+    contents = [
+        "Name three colours of the rainbow.",
+        "Count from one to ten:",
+        "Write a short poem about the sea.",
+        "What is the capital of France?",
+    ]
     lengths = [6, 10, 14, 18]
     expected_prompt = {}
     for c in contents:  # the engine's own prompt count for each prompt
-        r = httpx.post(llama.url + "/v1/chat/completions", timeout=120,
-                       json=chat(max_tokens=1, stream=False, content=c))
+        r = httpx.post(
+            llama.url + "/v1/chat/completions",
+            timeout=120,
+            json=chat(max_tokens=1, stream=False, content=c),
+        )
         expected_prompt[c] = r.json()["usage"]["prompt_tokens"]
     reqs = {}
     for i, (c, n) in enumerate(zip(contents, lengths)):
@@ -213,8 +269,10 @@ def test_four_concurrent_streams_keep_per_request_figures(llama, llama_proxy):
             extra["stream_options"] = {"include_usage": True}
         reqs[f"pw-real-{uuid.uuid4().hex[:8]}-{i}"] = (c, n, chat(max_tokens=n, content=c, **extra))
     out: dict = {}
-    threads = [threading.Thread(target=_stream_timed, args=(llama_proxy.url, b, rid, out))
-               for rid, (_, _, b) in reqs.items()]
+    threads = [
+        threading.Thread(target=_stream_timed, args=(llama_proxy.url, b, rid, out))
+        for rid, (_, _, b) in reqs.items()
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -222,9 +280,13 @@ def test_four_concurrent_streams_keep_per_request_figures(llama, llama_proxy):
     assert set(out) == set(reqs)
 
     def lines():
-        got = {ln["request_id"]: ln for ln in llama_proxy.request_lines()
-               if ln.get("request_id") in reqs}
+        got = {
+            ln["request_id"]: ln
+            for ln in llama_proxy.request_lines()
+            if ln.get("request_id") in reqs
+        }
         return got if len(got) == len(reqs) else None
+
     logged, _ = wait_for(lines, 10, what="4 request log lines")
     for rid, (content, n, body) in reqs.items():
         cap, line = out[rid], logged[rid]
@@ -238,7 +300,6 @@ def test_four_concurrent_streams_keep_per_request_figures(llama, llama_proxy):
         # The proxy's marks agree with what this client saw of its own stream.
         out_times = output_times(cap)
         client_ttft = out_times[0]
-        client_decode = out_times[-1] - out_times[0]
         proxy_ttft = float(line["ttft_s"])
         # No decode window when the whole answer reached the proxy in one read (a
         # starved engine front end): then there is no decode figure to attribute.
@@ -250,8 +311,8 @@ def test_four_concurrent_streams_keep_per_request_figures(llama, llama_proxy):
         assert float(line["request_s"]) <= cap.chunks[-1][0] + 0.05, (rid, line)
 
 
-
 # --- the proxy's own decode figure against llama-server's timings ---------------------------
+
 
 def test_proxy_decode_and_prefill_windows_match_engine_timings(llama, llama_proxy):
     """Today's proxy measures source="proxy" only; llama-server reports its own
@@ -264,8 +325,11 @@ def test_proxy_decode_and_prefill_windows_match_engine_timings(llama, llama_prox
     tries = []
     for _ in range(3):
         before = prom(llama_proxy.url)
-        cap = capture(llama_proxy.url, "/v1/chat/completions",
-                      chat(max_tokens=n, ignore_eos=True, stream_options={"include_usage": True}))
+        cap = capture(
+            llama_proxy.url,
+            "/v1/chat/completions",
+            chat(max_tokens=n, ignore_eos=True, stream_options={"include_usage": True}),
+        )
         timings = payloads(cap.body)[-2]["timings"]
         assert timings["predicted_n"] == n
 
@@ -273,22 +337,30 @@ def test_proxy_decode_and_prefill_windows_match_engine_timings(llama, llama_prox
             s = prom(llama_proxy.url)
             d = total(s, "phasewatch_requests_total") - total(before, "phasewatch_requests_total")
             return s if d >= 1 else None
+
         after, _ = wait_for(grown, 10, what="request recorded")
         lbl = dict(upstream="llama", source="proxy")
 
         def grew(name):
             return total(after, name, **lbl) - total(before, name, **lbl)
-        t = dict(decode=grew("phasewatch_decode_seconds_sum"),
-                 prefill=grew("phasewatch_prefill_seconds_sum"),
-                 rate=grew("phasewatch_decode_tokens_per_second_sum"),
-                 e_decode=timings["predicted_ms"] / 1000, e_prefill=timings["prompt_ms"] / 1000,
-                 e_rate=timings["predicted_per_second"], prompt_n=timings["prompt_n"])
+
+        t = dict(
+            decode=grew("phasewatch_decode_seconds_sum"),
+            prefill=grew("phasewatch_prefill_seconds_sum"),
+            rate=grew("phasewatch_decode_tokens_per_second_sum"),
+            e_decode=timings["predicted_ms"] / 1000,
+            e_prefill=timings["prompt_ms"] / 1000,
+            e_rate=timings["predicted_per_second"],
+            prompt_n=timings["prompt_n"],
+        )
         t["err"] = abs(t["decode"] - t["e_decode"])
         tries.append(t)
-        print(f"\nllama decode: proxy {t['decode'] * 1000:.1f} ms ({t['rate']:.2f} tok/s) vs "
-              f"engine {t['e_decode'] * 1000:.1f} ms ({t['e_rate']:.2f} tok/s); prefill: proxy "
-              f"{t['prefill'] * 1000:.1f} ms vs engine {t['e_prefill'] * 1000:.1f} ms "
-              f"({t['prompt_n']} tokens)")
+        print(
+            f"\nllama decode: proxy {t['decode'] * 1000:.1f} ms ({t['rate']:.2f} tok/s) vs "
+            f"engine {t['e_decode'] * 1000:.1f} ms ({t['e_rate']:.2f} tok/s); prefill: proxy "
+            f"{t['prefill'] * 1000:.1f} ms vs engine {t['e_prefill'] * 1000:.1f} ms "
+            f"({t['prompt_n']} tokens)"
+        )
         if t["err"] < 0.01 + 0.01 * t["e_decode"]:
             break
     best = min(tries, key=lambda t: t["err"])

@@ -18,8 +18,7 @@ import openai
 import pytest
 
 from .engines import VLLM_MODEL
-from .wire import (capture, hang_up_after, normalize, output_times, payloads, prom, total,
-                   wait_for)
+from .wire import capture, hang_up_after, normalize, output_times, payloads, prom, total, wait_for
 
 pytestmark = pytest.mark.real_engine
 
@@ -27,8 +26,13 @@ PROMPT = "hello world"
 
 
 def chat(max_tokens: int = 8, stream: bool = True, content: str = PROMPT, **extra) -> dict:
-    body = {"model": VLLM_MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "seed": 42}
+    body = {
+        "model": VLLM_MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 42,
+    }
     if stream:
         body["stream"] = True
     body.update(extra)
@@ -40,7 +44,8 @@ def assert_same(direct, via, what: str) -> None:
     assert via.end_to_end_headers() == direct.end_to_end_headers(), what
     assert normalize(via.body) == normalize(direct.body), (
         f"{what}: body differs beyond id/created\n"
-        f"direct: {direct.body[-1500:]!r}\nvia:    {via.body[-1500:]!r}")
+        f"direct: {direct.body[-1500:]!r}\nvia:    {via.body[-1500:]!r}"
+    )
 
 
 def meaning(body: bytes) -> dict:
@@ -60,14 +65,16 @@ def meaning(body: bytes) -> dict:
         if p.get("usage") is not None and not p.get("choices"):
             out["usage"].append(p["usage"])
         if "system_fingerprint" in p:
-            kind = "usage" if not p.get("choices") else (
-                "finish" if any(c.get("finish_reason") for c in p["choices"]) else "other")
+            kind = (
+                "usage"
+                if not p.get("choices")
+                else ("finish" if any(c.get("finish_reason") for c in p["choices"]) else "other")
+            )
             out["fingerprint"].append((kind, p["system_fingerprint"]))
     return out
 
 
-def assert_stream_equals_direct(vllm, proxy, path: str, body: dict, what: str,
-                                tries: int = 8):
+def assert_stream_equals_direct(vllm, proxy, path: str, body: dict, what: str, tries: int = 8):
     """vLLM's API server merges several tokens into one event when it falls behind the
     engine (a busy machine; direct streams too), so event boundaries vary run to run.
     Every try must mean the same (text, finish, usage, fingerprint placement); at least one
@@ -81,6 +88,7 @@ def assert_stream_equals_direct(vllm, proxy, path: str, body: dict, what: str,
         if normalize(via.body) == normalize(direct.body):
             return via
     assert_same(direct, via, f"{what} (no byte-exact pair in {tries} tries)")
+    return via
 
 
 # --- passthrough, with the proxy's usage injection and strip ---------------------------------
@@ -101,8 +109,9 @@ def test_chat_stream_equals_direct(vllm, vllm_proxy, case):
     via = assert_stream_equals_direct(vllm, vllm_proxy, "/v1/chat/completions", body, case)
     events = payloads(via.body)
     assert events[-1] == "[DONE]"
-    fingerprinted = [i for i, e in enumerate(events) if isinstance(e, dict)
-                     and "system_fingerprint" in e]
+    fingerprinted = [
+        i for i, e in enumerate(events) if isinstance(e, dict) and "system_fingerprint" in e
+    ]
     assert len(fingerprinted) == 1  # once per stream, where vLLM puts it
     if opts is None or opts == {"include_usage": False}:
         assert b'"usage"' not in via.body
@@ -111,12 +120,19 @@ def test_chat_stream_equals_direct(vllm, vllm_proxy, case):
 
 @pytest.mark.parametrize("usage", [False, True])
 def test_completions_stream_equals_direct(vllm, vllm_proxy, usage):
-    body = {"model": VLLM_MODEL, "prompt": "the quick brown fox", "max_tokens": 8,
-            "temperature": 0, "seed": 42, "stream": True}
+    body = {
+        "model": VLLM_MODEL,
+        "prompt": "the quick brown fox",
+        "max_tokens": 8,
+        "temperature": 0,
+        "seed": 42,
+        "stream": True,
+    }
     if usage:
         body["stream_options"] = {"include_usage": True}
-    via = assert_stream_equals_direct(vllm, vllm_proxy, "/v1/completions", body,
-                                      f"completions stream, usage={usage}")
+    via = assert_stream_equals_direct(
+        vllm, vllm_proxy, "/v1/completions", body, f"completions stream, usage={usage}"
+    )
     assert (b'"usage"' in via.body) == usage
 
 
@@ -135,14 +151,21 @@ def test_info_endpoints_pass_through(vllm, vllm_proxy, path):
     assert_same(direct, via, f"GET {path}")
 
 
-@pytest.mark.parametrize("case, body, status", [
-    ("prompt over max-model-len", chat(content="hello world " * 400), 400),
-    ("unknown model", {**chat(), "model": "nope"}, 404),
-    ("stream_options without stream", chat(stream=False, stream_options={"include_usage": True}), 400),
-    # usage is injected only into a request with messages: vLLM's validation message of an
-    # invalid one counts the body's keys, and must count the client's
-    ("missing messages", {"model": VLLM_MODEL, "stream": True}, 400),
-])
+@pytest.mark.parametrize(
+    "case, body, status",
+    [
+        ("prompt over max-model-len", chat(content="hello world " * 400), 400),
+        ("unknown model", {**chat(), "model": "nope"}, 404),
+        (
+            "stream_options without stream",
+            chat(stream=False, stream_options={"include_usage": True}),
+            400,
+        ),
+        # usage is injected only into a request with messages: vLLM's validation message of an
+        # invalid one counts the body's keys, and must count the client's
+        ("missing messages", {"model": VLLM_MODEL, "stream": True}, 400),
+    ],
+)
 def test_errors_pass_through(vllm, vllm_proxy, case, body, status):
     direct = capture(vllm.url, "/v1/chat/completions", body)
     via = capture(vllm_proxy.url, "/v1/chat/completions", body)
@@ -152,13 +175,19 @@ def test_errors_pass_through(vllm, vllm_proxy, case, body, status):
 
 # --- the openai SDK ---------------------------------------------------------------------------
 
+
 def _sdk(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_openai_sdk_non_stream(vllm, vllm_proxy):
-    kw = dict(model=VLLM_MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
-              temperature=0, seed=42)
+    kw = dict(
+        model=VLLM_MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=0,
+        seed=42,
+    )
     direct = _sdk(vllm.url).chat.completions.create(**kw)
     via = _sdk(vllm_proxy.url).chat.completions.create(**kw)
     assert via.choices[0].message.content == direct.choices[0].message.content
@@ -169,8 +198,14 @@ def test_openai_sdk_non_stream(vllm, vllm_proxy):
 
 @pytest.mark.parametrize("usage", [False, True])
 def test_openai_sdk_stream(vllm, vllm_proxy, usage):
-    kw = dict(model=VLLM_MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
-              temperature=0, seed=42, stream=True)
+    kw = dict(
+        model=VLLM_MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=8,
+        temperature=0,
+        seed=42,
+        stream=True,
+    )
     if usage:
         kw["stream_options"] = {"include_usage": True}
 
@@ -194,13 +229,21 @@ def test_openai_sdk_stream(vllm, vllm_proxy, usage):
 
 # --- phasewatch's figures against vLLM's own metrics ------------------------------------------
 
+
 def _vllm_sums(url: str) -> dict:
     s = prom(url)
-    return {k: total(s, f"vllm:{k}") for k in (
-        "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
-        "request_decode_time_seconds_sum", "request_decode_time_seconds_count",
-        "e2e_request_latency_seconds_count", "generation_tokens_total",
-        "num_requests_running")}
+    return {
+        k: total(s, f"vllm:{k}")
+        for k in (
+            "time_to_first_token_seconds_sum",
+            "time_to_first_token_seconds_count",
+            "request_decode_time_seconds_sum",
+            "request_decode_time_seconds_count",
+            "e2e_request_latency_seconds_count",
+            "generation_tokens_total",
+            "num_requests_running",
+        )
+    }
 
 
 def _pw_sums(url: str) -> dict:
@@ -232,36 +275,52 @@ def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words,
     tries = []
     for _ in range(8):
         v0, p0 = _vllm_sums(vllm.url), _pw_sums(vllm_proxy.url)
-        cap = capture(vllm_proxy.url, "/v1/chat/completions",
-                      chat(max_tokens=max_tokens, content=content, ignore_eos=True))
+        cap = capture(
+            vllm_proxy.url,
+            "/v1/chat/completions",
+            chat(max_tokens=max_tokens, content=content, ignore_eos=True),
+        )
         assert cap.status == 200
 
         def settled():
             v, p = _vllm_sums(vllm.url), _pw_sums(vllm_proxy.url)
-            ok = (v["e2e_request_latency_seconds_count"]
-                  - v0["e2e_request_latency_seconds_count"] >= 1
-                  and p["requests"] - p0["requests"] >= 1)
+            ok = (
+                v["e2e_request_latency_seconds_count"] - v0["e2e_request_latency_seconds_count"]
+                >= 1
+                and p["requests"] - p0["requests"] >= 1
+            )
             return (v, p) if ok else None
+
         (v1, p1), _ = wait_for(settled, 10, what="both sides recording the request")
-        assert v1["time_to_first_token_seconds_count"] - v0["time_to_first_token_seconds_count"] == 1
+        assert (
+            v1["time_to_first_token_seconds_count"] - v0["time_to_first_token_seconds_count"] == 1
+        )
         assert v1["generation_tokens_total"] - v0["generation_tokens_total"] == max_tokens
         assert p1["ok"] - p0["ok"] == 1
-        t = dict(v_ttft=v1["time_to_first_token_seconds_sum"] - v0["time_to_first_token_seconds_sum"],
-                 v_dec=v1["request_decode_time_seconds_sum"] - v0["request_decode_time_seconds_sum"],
-                 p_ttft=p1["ttft"] - p0["ttft"], p_dec=p1["decode"] - p0["decode"])
-        t["ok"] = (-0.002 < t["p_ttft"] - t["v_ttft"] < 0.040
-                   and abs(t["p_dec"] - t["v_dec"]) < 0.010 + 0.03 * t["v_dec"])
+        t = dict(
+            v_ttft=v1["time_to_first_token_seconds_sum"] - v0["time_to_first_token_seconds_sum"],
+            v_dec=v1["request_decode_time_seconds_sum"] - v0["request_decode_time_seconds_sum"],
+            p_ttft=p1["ttft"] - p0["ttft"],
+            p_dec=p1["decode"] - p0["decode"],
+        )
+        t["ok"] = (
+            -0.002 < t["p_ttft"] - t["v_ttft"] < 0.040
+            and abs(t["p_dec"] - t["v_dec"]) < 0.010 + 0.03 * t["v_dec"]
+        )
         tries.append(t)
-        print(f"\nvLLM {prompt_words}-word prompt, {max_tokens} tokens: TTFT phasewatch "
-              f"{t['p_ttft'] * 1000:.1f} ms vs vLLM {t['v_ttft'] * 1000:.1f} ms; decode "
-              f"phasewatch {t['p_dec'] * 1000:.1f} ms vs vLLM {t['v_dec'] * 1000:.1f} ms; "
-              f"sum {(t['p_ttft'] + t['p_dec']) * 1000:.1f} vs {(t['v_ttft'] + t['v_dec']) * 1000:.1f} ms")
+        print(
+            f"\nvLLM {prompt_words}-word prompt, {max_tokens} tokens: TTFT phasewatch "
+            f"{t['p_ttft'] * 1000:.1f} ms vs vLLM {t['v_ttft'] * 1000:.1f} ms; decode "
+            f"phasewatch {t['p_dec'] * 1000:.1f} ms vs vLLM {t['v_dec'] * 1000:.1f} ms; "
+            f"sum {(t['p_ttft'] + t['p_dec']) * 1000:.1f} vs {(t['v_ttft'] + t['v_dec']) * 1000:.1f} ms"
+        )
         if t["ok"]:
             break
     assert tries[-1]["ok"], f"no try agreed within a few ms: {tries}"
 
 
 # --- hang-up ----------------------------------------------------------------------------------
+
 
 def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
     """Hang up after 4 events of a 480-token answer. A try counts only if vLLM was still
@@ -275,20 +334,36 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
         def check_running():  # the stream is still open: is vLLM still generating it?
             running["n"] = total(prom(vllm.url), "vllm:num_requests_running")
 
-        _, t_close = hang_up_after(vllm_proxy.url, "/v1/chat/completions",
-                                   chat(max_tokens=480, ignore_eos=True), events=4,
-                                   before_close=check_running)
-        wait_for(lambda: total(prom(vllm.url), "vllm:num_requests_running") == 0, 5.0,
-                 interval=0.01, what="vllm:num_requests_running back to 0")
+        _, t_close = hang_up_after(
+            vllm_proxy.url,
+            "/v1/chat/completions",
+            chat(max_tokens=480, ignore_eos=True),
+            events=4,
+            before_close=check_running,
+        )
+        wait_for(
+            lambda: total(prom(vllm.url), "vllm:num_requests_running") == 0,
+            5.0,
+            interval=0.01,
+            what="vllm:num_requests_running back to 0",
+        )
         idle_after = time.monotonic() - t_close
         if running["n"] != 1:
             print(f"\ntry {attempt}: vLLM had finished before the 4th event reached the client")
-            wait_for(lambda: _pw_sums(vllm_proxy.url)["requests"] > p0["requests"], 5.0,
-                     what="phasewatch recording the request")
+            wait_for(
+                lambda: _pw_sums(vllm_proxy.url)["requests"] > p0["requests"],
+                5.0,
+                what="phasewatch recording the request",
+            )
             continue
-        assert idle_after < 1.0, f"vLLM still running the request {idle_after:.2f}s after the hang-up"
-        p1, _ = wait_for(lambda: (p := _pw_sums(vllm_proxy.url))["aborted"] > p0["aborted"] and p,
-                         5.0, what="phasewatch counting the request aborted")
+        assert idle_after < 1.0, (
+            f"vLLM still running the request {idle_after:.2f}s after the hang-up"
+        )
+        p1, _ = wait_for(
+            lambda: (p := _pw_sums(vllm_proxy.url))["aborted"] > p0["aborted"] and p,
+            5.0,
+            what="phasewatch counting the request aborted",
+        )
         assert p1["aborted"] - p0["aborted"] == 1
         assert p1["requests"] - p0["requests"] == 1
         time.sleep(0.5)
@@ -296,25 +371,35 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
         generated = v1["generation_tokens_total"] - v0["generation_tokens_total"]
         assert generated < 480, f"vLLM generated {generated} of 480 tokens: not cancelled"
         # vLLM itself counts no abort: a TTFT observation with no e2e observation.
-        print(f"\nvLLM idle {idle_after * 1000:.0f} ms after the hang-up, {generated:.0f} of "
-              f"480 tokens generated; vLLM TTFT count +"
-              f"{v1['time_to_first_token_seconds_count'] - v0['time_to_first_token_seconds_count']:.0f}"
-              f", e2e count +"
-              f"{v1['e2e_request_latency_seconds_count'] - v0['e2e_request_latency_seconds_count']:.0f}")
+        print(
+            f"\nvLLM idle {idle_after * 1000:.0f} ms after the hang-up, {generated:.0f} of "
+            f"480 tokens generated; vLLM TTFT count +"
+            f"{v1['time_to_first_token_seconds_count'] - v0['time_to_first_token_seconds_count']:.0f}"
+            f", e2e count +"
+            f"{v1['e2e_request_latency_seconds_count'] - v0['e2e_request_latency_seconds_count']:.0f}"
+        )
         return
     pytest.fail("in 5 tries vLLM never was still generating when the client hung up")
 
 
 # --- per-request figures under concurrency --------------------------------------------------
 
+
 def test_four_concurrent_streams_keep_per_request_figures(vllm, vllm_proxy):
-    contents = ["hello world", "the quick brown fox jumps over the lazy dog",
-                "name three colour of the rainbow", "proxy engine metric time " * 10]
+    contents = [
+        "hello world",
+        "the quick brown fox jumps over the lazy dog",
+        "name three colour of the rainbow",
+        "proxy engine metric time " * 10,
+    ]
     lengths = [24, 40, 56, 72]
     expected_prompt = {}
     for c in contents:
-        r = httpx.post(vllm.url + "/v1/chat/completions", timeout=60,
-                       json=chat(max_tokens=1, stream=False, content=c))
+        r = httpx.post(
+            vllm.url + "/v1/chat/completions",
+            timeout=60,
+            json=chat(max_tokens=1, stream=False, content=c),
+        )
         expected_prompt[c] = r.json()["usage"]["prompt_tokens"]
     reqs = {}
     for i, (c, n) in enumerate(zip(contents, lengths)):
@@ -325,8 +410,9 @@ def test_four_concurrent_streams_keep_per_request_figures(vllm, vllm_proxy):
     out: dict = {}
 
     def run(rid, body):
-        out[rid] = capture(vllm_proxy.url, "/v1/chat/completions", body,
-                           headers={"x-request-id": rid})
+        out[rid] = capture(
+            vllm_proxy.url, "/v1/chat/completions", body, headers={"x-request-id": rid}
+        )
 
     threads = [threading.Thread(target=run, args=(rid, b)) for rid, (_, _, b) in reqs.items()]
     for t in threads:
@@ -336,15 +422,21 @@ def test_four_concurrent_streams_keep_per_request_figures(vllm, vllm_proxy):
     assert set(out) == set(reqs)
 
     def lines():
-        got = {ln["request_id"]: ln for ln in vllm_proxy.request_lines()
-               if ln.get("request_id") in reqs}
+        got = {
+            ln["request_id"]: ln
+            for ln in vllm_proxy.request_lines()
+            if ln.get("request_id") in reqs
+        }
         return got if len(got) == len(reqs) else None
+
     logged, _ = wait_for(lines, 10, what="4 request log lines")
     for rid, (content, n, body) in reqs.items():
         cap, line = out[rid], logged[rid]
         assert cap.status == 200
         events = payloads(cap.body)
-        assert any(isinstance(e, dict) and "usage" in e for e in events) == ("stream_options" in body)
+        assert any(isinstance(e, dict) and "usage" in e for e in events) == (
+            "stream_options" in body
+        )
         assert all(e == "[DONE]" or rid in e["id"] for e in events)  # vLLM echoes x-request-id
         assert line["outcome"] == "ok"
         assert int(line["completion_tokens"]) == n, (rid, line)

@@ -71,20 +71,34 @@ def build(out_dir: str | os.PathLike) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False
+    )
     tok.train_from_iterator(_corpus(rng), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=512)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=512,
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=512, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=64, intermediate_size=2048,
-        max_position_embeddings=512, bos_token_id=tok.token_to_id("<s>"),
-        eos_token_id=tok.token_to_id("</s>"), pad_token_id=None, tie_word_embeddings=False,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2048,
+        max_position_embeddings=512,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+        pad_token_id=None,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)

@@ -14,8 +14,16 @@ import httpx
 
 #: Connection-level headers (RFC 9110 §7.6.1) and the per-response `date`: everything
 #: else is end-to-end and must reach the client unchanged.
-HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-       "upgrade", "date"}
+HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "date",
+}
 
 _ID = re.compile(rb'"id":"[^"]*"')
 _CREATED = re.compile(rb'"created":\d+')
@@ -52,20 +60,33 @@ class Captured:
         return json.loads(self.body)
 
 
-def capture(base: str, path: str, body: dict | bytes | None = None, *, method: str = "POST",
-            headers: dict | None = None, timeout: float = 300.0) -> Captured:
+def capture(
+    base: str,
+    path: str,
+    body: dict | bytes | None = None,
+    *,
+    method: str = "POST",
+    headers: dict | None = None,
+    timeout: float = 300.0,
+) -> Captured:
     """One request; every byte of the response with the arrival time of each read."""
     content = json.dumps(body).encode() if isinstance(body, dict) else body
-    hdrs = {"content-type": "application/json", **(headers or {})} if content is not None \
+    hdrs = (
+        {"content-type": "application/json", **(headers or {})}
+        if content is not None
         else dict(headers or {})
+    )
     with httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), trust_env=False) as client:
         t0 = time.monotonic()
         with client.stream(method, base + path, content=content, headers=hdrs) as resp:
             chunks = [(time.monotonic() - t0, c) for c in resp.iter_raw()]
-            return Captured(resp.status_code,
-                            [(k.decode("latin-1").lower(), v.decode("latin-1"))
-                             for k, v in resp.headers.raw],
-                            b"".join(c for _, c in chunks), chunks, t0)
+            return Captured(
+                resp.status_code,
+                [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in resp.headers.raw],
+                b"".join(c for _, c in chunks),
+                chunks,
+                t0,
+            )
 
 
 def sse_events(body: bytes) -> list[bytes]:
@@ -100,7 +121,7 @@ def event_times(cap: Captured) -> list[tuple[float, bytes]]:
         buf += chunk
         while (i := buf.find(b"\n\n")) >= 0:
             out.append((t, buf[:i]))
-            buf = buf[i + 2:]
+            buf = buf[i + 2 :]
     return out
 
 
@@ -109,18 +130,26 @@ def output_times(cap: Captured) -> list[float]:
     return [t for t, ev in event_times(cap) if _OUTPUT.search(ev)]
 
 
-def hang_up_after(base: str, path: str, body: dict, events: int, *,
-                  headers: dict | None = None, timeout: float = 120.0,
-                  before_close=None) -> tuple[bytes, float]:
+def hang_up_after(
+    base: str,
+    path: str,
+    body: dict,
+    events: int,
+    *,
+    headers: dict | None = None,
+    timeout: float = 120.0,
+    before_close=None,
+) -> tuple[bytes, float]:
     """Open a stream with a plain socket, read until `events` output events arrived, call
     `before_close()` (the stream still open), then close the socket (FIN) mid-stream.
     Returns (bytes read, time.monotonic() at close)."""
     u = urlsplit(base)
     raw = json.dumps(body).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    req = (f"POST {path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
-           f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n{extra}\r\n"
-           ).encode() + raw
+    req = (
+        f"POST {path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n{extra}\r\n"
+    ).encode() + raw
     sock = socket.create_connection((u.hostname, u.port), timeout=timeout)
     got = b""
     try:
@@ -128,7 +157,9 @@ def hang_up_after(base: str, path: str, body: dict, events: int, *,
         while len(_OUTPUT.findall(got)) < events:
             data = sock.recv(65536)
             if not data:
-                raise AssertionError(f"stream ended before {events} output events:\n{got[-2000:]!r}")
+                raise AssertionError(
+                    f"stream ended before {events} output events:\n{got[-2000:]!r}"
+                )
             got += data
         if before_close is not None:
             before_close()
@@ -151,8 +182,11 @@ def prom(url: str, path: str = "/metrics") -> dict[tuple[str, tuple], float]:
 
 def total(samples: dict, name: str, **labels) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
-    return sum(v for (n, items), v in samples.items()
-               if n == name and all(dict(items).get(k) == val for k, val in labels.items()))
+    return sum(
+        v
+        for (n, items), v in samples.items()
+        if n == name and all(dict(items).get(k) == val for k, val in labels.items())
+    )
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):

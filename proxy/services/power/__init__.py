@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 from ...measure.metrics import Metrics
 from .energy import EnergyMeter, Ring, integrate
 from .sampler import GpuMap, Owner, PowerSampler, classify
-from .sources import DcgmSource, NvmlSource, PowerUnavailable, Reading, Source, choose_source, parse_dcgm
+from .sources import (
+    DcgmSource,
+    NvmlSource,
+    PowerUnavailable,
+    Reading,
+    Source,
+    choose_source,
+    parse_dcgm,
+)
 
 if TYPE_CHECKING:
     from ...core.upstreams import Upstreams
@@ -43,8 +51,9 @@ class PowerService:
             log.info("GPU power is not sampled (--power-source none)")
             return
         gpus = GpuMap(options.gpu_map, upstreams.all, upstreams.route)
-        self.sampler = PowerSampler(source, metrics, gpus, interval=options.interval,
-                                    timeout=max(1.0, 4 * options.interval))
+        self.sampler = PowerSampler(
+            source, metrics, gpus, interval=options.interval, timeout=max(1.0, 4 * options.interval)
+        )
 
     def start(self) -> None:
         if self.sampler is not None:
@@ -74,6 +83,21 @@ class PowerService:
         return fields
 
 
-__all__ = ["DcgmSource", "EnergyMeter", "GpuMap", "NvmlSource", "Owner", "PowerOptions",
-           "PowerSampler", "PowerService", "PowerUnavailable", "Reading", "Ring", "Source",
-           "choose_source", "classify", "integrate", "parse_dcgm"]
+__all__ = [
+    "DcgmSource",
+    "EnergyMeter",
+    "GpuMap",
+    "NvmlSource",
+    "Owner",
+    "PowerOptions",
+    "PowerSampler",
+    "PowerService",
+    "PowerUnavailable",
+    "Reading",
+    "Ring",
+    "Source",
+    "choose_source",
+    "classify",
+    "integrate",
+    "parse_dcgm",
+]

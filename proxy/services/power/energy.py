@@ -22,7 +22,7 @@ class EnergyMeter:
     takes it for a reset (driver reload) and integrates power for that interval.
     """
 
-    __slots__ = ("t", "watts", "counter")
+    __slots__ = ("counter", "t", "watts")
 
     def __init__(self) -> None:
         self.t: float | None = None
@@ -37,9 +37,15 @@ class EnergyMeter:
             if counter is not None and self.counter is not None:
                 delta = counter - self.counter
                 if delta < 0:
-                    delta = next((m - self.counter + counter for m in (1 << 32, 1 << 64)
-                                  if self.counter < m and 0 <= m - self.counter + counter
-                                  <= MAX_GPU_WATTS * 1000.0 * dt), None)
+                    delta = next(
+                        (
+                            m - self.counter + counter
+                            for m in (1 << 32, 1 << 64)
+                            if self.counter < m
+                            and 0 <= m - self.counter + counter <= MAX_GPU_WATTS * 1000.0 * dt
+                        ),
+                        None,
+                    )
             if delta is not None:
                 joules = delta / 1000.0
             elif dt <= MAX_INTEGRATION_GAP:

@@ -14,8 +14,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ...measure.metrics import Metrics
 from .energy import EnergyMeter, Ring, integrate
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, eq=False)
 class Owner:
-    upstream: object  # proxy.upstreams.Upstream (duck-typed: name, active, models, precision_of)
+    upstream: Any  # proxy.core.Upstream (duck-typed: name, active, models, precision_of)
     model: str | None  # None: the whole upstream
 
 
@@ -54,7 +55,9 @@ class GpuMap:
             else:
                 target = self.pairs[gpu]
                 by_name = [u for u in self.upstreams if u.name == target]
-                found = (Owner(by_name[0], None),) if by_name else (Owner(self.route(target), target),)
+                found = (
+                    (Owner(by_name[0], None),) if by_name else (Owner(self.route(target), target),)
+                )
             self._owners[gpu] = found
         return found
 
@@ -64,17 +67,21 @@ class GpuMap:
         has model ``all`` and their common precision, or ``mixed``."""
         owners = self.owners(gpu)
         upstream = "+".join(sorted({o.upstream.name for o in owners}))
-        models: dict[tuple[str, str | None], object] = {}  # (upstream name, model) -> upstream
+        models: dict[tuple[str, str | None], Any] = {}  # (upstream name, model) -> upstream
         for o in owners:
-            listed = [o.model] if o.model is not None else sorted(
-                o.upstream.models | o.upstream.configured_models) or [None]
+            listed = (
+                [o.model]
+                if o.model is not None
+                else sorted(o.upstream.models | o.upstream.configured_models) or [None]
+            )
             models.update(((o.upstream.name, m), o.upstream) for m in listed)
         if len(models) == 1:
             (_, model), up = next(iter(models.items()))
             if model is not None:
                 return upstream, model, up.precision_of(model).precision
-        precisions = {up.precision_of(m).precision if m else "unknown"
-                      for (_, m), up in models.items()}
+        precisions = {
+            up.precision_of(m).precision if m else "unknown" for (_, m), up in models.items()
+        }
         return upstream, "all", precisions.pop() if len(precisions) == 1 else "mixed"
 
     def in_flight(self, gpu: str) -> list:
@@ -84,12 +91,16 @@ class GpuMap:
                 active = list(o.upstream.active)
             except RuntimeError:  # changed while copied: take the next tick's view
                 active = []
-            out.extend(active if o.model is None else [ex for ex in active if ex.model_label == o.model])
+            out.extend(
+                active if o.model is None else [ex for ex in active if ex.model_label == o.model]
+            )
         return out
 
     def serves(self, gpu: str, ex) -> bool:
-        return any(o.upstream is ex.upstream and (o.model is None or o.model == ex.model_label)
-                   for o in self.owners(gpu))
+        return any(
+            o.upstream is ex.upstream and (o.model is None or o.model == ex.model_label)
+            for o in self.owners(gpu)
+        )
 
 
 def classify(in_flight: Iterable) -> str:
@@ -144,8 +155,16 @@ class PowerSampler:
     Tests drive :meth:`tick` with their own clock.
     """
 
-    def __init__(self, source: Source, metrics: Metrics, gpus: GpuMap, *, interval: float,
-                 timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        source: Source,
+        metrics: Metrics,
+        gpus: GpuMap,
+        *,
+        interval: float,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.source = source
         self.metrics = metrics
         self.gpus = gpus
@@ -198,7 +217,7 @@ class PowerSampler:
         while not self._stop.is_set():
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - the sampler must outlive its bugs
+            except Exception:
                 log.exception("power sampler tick failed")
             next_t += self.interval
             delay = next_t - time.monotonic()
@@ -241,13 +260,20 @@ class PowerSampler:
         if seen:
             self._set_up(len(readings), seen)
         else:
-            self._set_down(f"{self.source.name} reports GPUs {sorted(readings)}, none of them "
-                           "mapped by --power-gpu")
+            self._set_down(
+                f"{self.source.name} reports GPUs {sorted(readings)}, none of them "
+                "mapped by --power-gpu"
+            )
 
     def _set_up(self, visible: int, used: int) -> None:
         if self.up is None:
-            log.info("GPU power sampled from %s every %gs: %d of %d GPUs", self.source.name,
-                     self.interval, used, visible)
+            log.info(
+                "GPU power sampled from %s every %gs: %d of %d GPUs",
+                self.source.name,
+                self.interval,
+                used,
+                visible,
+            )
         elif self.up is False:
             log.info("GPU power sampling from %s resumed", self.source.name)
         self.up = True
@@ -256,12 +282,18 @@ class PowerSampler:
     def _set_down(self, why: str, permanent: bool = False) -> None:
         if self.up is not False:
             if permanent:
-                log.info("GPU power is not sampled: %s. Requests are relayed and measured as "
-                         "usual; for a GPU on another host use --power-source dcgm "
-                         "--power-dcgm-url URL", why)
+                log.info(
+                    "GPU power is not sampled: %s. Requests are relayed and measured as "
+                    "usual; for a GPU on another host use --power-source dcgm "
+                    "--power-dcgm-url URL",
+                    why,
+                )
             else:
-                log.warning("GPU power is not being sampled: %s. Requests are still relayed "
-                            "and measured; power metrics stay stale until it recovers", why)
+                log.warning(
+                    "GPU power is not being sampled: %s. Requests are still relayed "
+                    "and measured; power metrics stay stale until it recovers",
+                    why,
+                )
         self.up = False
         self._up_gauge.set(0)
         for labels in self._current.values():

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import httpx
 
+
 class PowerUnavailable(Exception):
     """Power cannot be read from this source at all (no library, no GPU)."""
 
@@ -48,7 +49,7 @@ class NvmlSource:
     name = "nvml"
 
     def __init__(self) -> None:
-        self.nvml = None
+        self.nvml: Any = None
         self.handles: dict[str, object] = {}
         self.has_counter: dict[str, bool] = {}
 
@@ -94,7 +95,8 @@ class NvmlSource:
 
 _DCGM_LINE = re.compile(
     r"^(DCGM_FI_DEV_POWER_USAGE|DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)\{([^}]*)\}\s+(\S+)",
-    re.MULTILINE)
+    re.MULTILINE,
+)
 _GPU_LABEL = re.compile(r'(?:^|,)\s*gpu="([^"]*)"')
 
 
@@ -160,7 +162,8 @@ def choose_source(kind: str, dcgm_url: str | None, interval: float) -> Source | 
         return None
     if kind == "dcgm":
         if not dcgm_url:
-            raise ValueError("--power-source dcgm needs --power-dcgm-url "
-                             "(e.g. http://gpu-host:9400/metrics)")
+            raise ValueError(
+                "--power-source dcgm needs --power-dcgm-url (e.g. http://gpu-host:9400/metrics)"
+            )
         return DcgmSource(dcgm_url, timeout=max(1.0, 4 * interval))
     return NvmlSource()
