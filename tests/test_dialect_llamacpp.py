@@ -305,10 +305,12 @@ def test_proxy_figures_within_a_few_percent_of_the_engines():
             # prefill: proxy's window = engine wait + prompt_ms + the first write
             proxy_prefill = float(line["ttft_s"]) - float(line["queue_s"])
             assert proxy_prefill == pytest.approx(rep["prompt_ms"] / 1000, rel=0.25, abs=0.02)
-            waits.append(float(line["upstream_queue_s"]))
+            waits.append(float(line["upstream_queue_s"]) / (rep["predicted_ms"] / 1000))
         # within a few percent (a busy 2-core machine delays single writes now and then)
         assert statistics.median(decode_err) < 0.03 and max(decode_err) < 0.08, decode_err
-        assert statistics.median(waits) < 0.02, waits  # nothing queued: network + first write
+        # nothing queued: the upstream wait (network, the first write) is a sliver of the
+        # request's own decode time
+        assert statistics.median(waits) < 0.05, waits
         s = metric_samples(proxy.url)
         assert (
             sample(

@@ -541,8 +541,9 @@ def test_engine_and_proxy_figures(stack):
         # proxy: (n-1)/(t_last-t_first); engine: n/eval_duration -> 299/300 apart, plus noise
         assert float(line["decode_tps"]) == pytest.approx(engine_tps * 299 / 300, rel=0.05)
         assert float(line["upstream_queue_s"]) == pytest.approx(t["engine_wait_seconds"], abs=0.02)
-    # the queued one waited about as long as the other took to generate
-    assert waits[1] > 0.2 and waits[0] < 0.01
+    # the queued one waited (each wait equals the engine's truth, checked above); the first
+    # hardly did
+    assert waits[0] < 0.05 * waits[1], waits
 
 
 def test_load_request_passes_unmeasured(stack):

@@ -347,11 +347,12 @@ class LlamaServerSim:
                     truth.aborted = True
                     return
                 eos = plan.finish_reason == "stop" and i == n - 1
+                now = time.monotonic()  # the truth's marks: before the token is written
                 if not eos:
                     await w.token(piece, tokenize(piece or "x")[0], i + 1, prompt_total)
                     if truth.t_first is None:
-                        truth.t_first = time.monotonic()
-                truth.t_last = time.monotonic()
+                        truth.t_first = now
+                truth.t_last = now
             end_ns = time.monotonic_ns()
             t = timings(cached, prompt_n, prompt_ms, n, (end_ns - (first_ns or end_ns)) / 1e6)
             truth.reported = t

@@ -305,11 +305,12 @@ class OllamaSim:
                     )
                     truth.aborted = True
                     return
+                now = time.monotonic()  # the truth's marks: before the token is written
                 if piece or i < n - 1:
                     await writer.chunk(piece)
                     if truth.t_first is None:
-                        truth.t_first = time.monotonic()
-                truth.t_last = time.monotonic()
+                        truth.t_first = now
+                truth.t_last = now
             end_ns = time.monotonic_ns()
             metrics = {
                 "total_duration": end_ns - start_ns,

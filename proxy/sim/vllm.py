@@ -333,10 +333,12 @@ class VLLMSim:
             async for i in me.steps(key, prompt_tokens, n):
                 piece, last = plan.pieces[i], i == n - 1
                 truth.completion_tokens = i + 1
+                # the truth's marks are taken as the token is produced, before it is
+                # written: a client necessarily sees it later
+                now = time.monotonic()
                 if stream:
                     await writer.token(piece, i + 1, plan.finish_reason if last else None, i == 0)
                 pieces.append(piece)
-                now = time.monotonic()
                 if i == 0:
                     truth.t_first = now
                 truth.t_last = now
