@@ -18,6 +18,7 @@ from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
 from .core.asgi import Receive, Scope, Send
 from .core.errors import send_error
+from .core.host import Host
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder
 from .services import engine_state
@@ -34,12 +35,13 @@ class ProxyApp:
     """The phasewatch proxy as one ASGI application."""
 
     def __init__(
-        self, settings: Settings, metrics: Metrics | None = None, primary: bool = True
+        self, settings: Settings, metrics: Metrics | None = None, host: Host | None = None
     ) -> None:
         self.settings = settings
-        #: The one process per host that runs host-wide side services (the GPU power
-        #: sampler): False in all but worker 0 under --workers N (proxy.runtime.workers).
-        self.primary = primary
+        #: Under --workers N, this worker's place on the host (proxy.runtime.workers): the
+        #: primary (worker 0) alone samples power and probes the engines for all of them.
+        self.host = host
+        self.primary = host is None or host.primary
         self.metrics = metrics or Metrics()
         options = settings.upstream_options()
         self.upstreams = Upstreams(
@@ -47,7 +49,7 @@ class ProxyApp:
         )
         self.recorder = Recorder(self.metrics, access_lines=settings.log_format != "none")
         # GPU power: a side service sampling on its own thread, hooked into the recorder.
-        self.power = PowerService(settings.power_options(), self.metrics, self.upstreams)
+        self.power = PowerService(settings.power_options(), self.metrics, self.upstreams, host)
         self.recorder.listeners.append(self.power.on_request)
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
@@ -71,10 +73,10 @@ class ProxyApp:
         """Start the background work; the proxy serves from the first moment, each engine
         is detected and its models read in the background."""
         s = self.settings
-        self.upstreams.start(s.model_refresh)
-        engine_state.start(self.upstreams, self.metrics, s.engine_scrape)
-        if self.primary:  # once per host, not per worker: energy must not count N times
-            self.power.start()
+        self.upstreams.start(s.model_refresh, self.host)
+        if self.primary:  # once per host, not per worker: the engines are scraped once
+            engine_state.start(self.upstreams, self.metrics, s.engine_scrape)
+        self.power.start()  # samples in the primary only: energy must not count N times
         for u in self.upstreams.all:
             log.info(
                 "phasewatch %s relaying to %s = %s (engine %s)",

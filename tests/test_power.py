@@ -328,6 +328,7 @@ def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
 
     service = PowerService.__new__(PowerService)
     service.metrics, service.sampler = metrics, sampler
+    service.rings, service.gpus = sampler.rings, sampler.gpus
     fields = service.on_request(sc.exchanges[0], SimpleNamespace(completion_tokens=100))
     assert fields["prefill_watts"] == pytest.approx(400.0, rel=0.01)
     assert fields["decode_watts"] == pytest.approx(300.0, rel=0.01)

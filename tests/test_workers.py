@@ -114,3 +114,93 @@ def _alive(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
     except OSError:
         return False
+
+
+def test_every_workers_requests_carry_phase_power_from_one_sampler():
+    """--workers 2: one process samples GPU power for the host, every worker's requests
+    get their prefill/decode power and energy share, and the engines are probed once."""
+    from proxy.sim.physics import RTX_4090, power_watts
+
+    from .test_power_e2e import GPU, MODELS, TOKENS, stream, wait_for
+
+    sim = start_sim("vllm", speed=1.0, jitter=0.0, max_num_seqs=64)
+    args = [
+        "--workers",
+        "2",
+        "--power-source",
+        "dcgm",
+        "--power-dcgm-url",
+        sim.url + "/metrics",
+        "--power-interval",
+        "0.05",
+    ]
+    for p, m in MODELS.items():
+        args += ["--power-gpu", f"{GPU[p]}={m.id}"]
+    proxy = start_proxy(f"sim={sim.url}", args=args)
+    try:
+        wait_for(
+            lambda: (
+                sample(metric_samples(proxy.url), "phasewatch_power_sampling_up", source="dcgm")
+                == 1.0
+            ),
+            what="power sampling",
+        )
+        # Rounds of two concurrent streams per precision (each on a fresh connection, so
+        # the kernel spreads them) until both workers have served some.
+        pids: set[str] = set()
+        for _ in range(6):
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                jobs = [
+                    pool.submit(
+                        stream,
+                        proxy.url,
+                        m.id,
+                        f"workers power {p} {i} {len(pids)}",
+                        TOKENS[p] // 2,
+                    )
+                    for p, m in MODELS.items()
+                    for i in range(2)
+                ]
+                for job in jobs:
+                    job.result()
+            pids = {
+                line.split(" pid=", 1)[1].split(" ", 1)[0]
+                for line in proxy.log().splitlines()
+                if "msg=request " in line
+            }
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2, "all requests went to one worker"
+        time.sleep(0.3)  # samples past the end
+        truth = sim.truth()
+        lines = proxy.request_lines()
+        assert len(lines) == len(truth)
+        assert lines and all("decode_watts" in ln and "energy_j" in ln for ln in lines), lines
+        per_pid: dict[str, list[dict]] = {}
+        for raw in proxy.log().splitlines():
+            if "msg=request " in raw:
+                pid = raw.split(" pid=", 1)[1].split(" ", 1)[0]
+                per_pid.setdefault(pid, []).append(raw)
+        assert all(per_pid[p] for p in pids)
+        # every worker's requests: decode power at a batch of two, from the one sampler
+        for line in lines:
+            p = line["precision"]
+            assert float(line["decode_watts"]) == pytest.approx(
+                power_watts(MODELS[p], RTX_4090, "decode", 2), rel=0.05
+            ), line
+        # energy shares against the simulator's, per precision (samples are classified by
+        # what both workers have in flight: a share split over the wrong count would be off)
+        for p, m in MODELS.items():
+            mine = [ln for ln in lines if ln["model"] == m.id]
+            proxy_j = sum(float(ln["energy_j"]) for ln in mine)
+            true_j = sum(t["energy_joules"] for t in truth if t["model"] == m.id)
+            assert proxy_j == pytest.approx(true_j, rel=0.05), p
+        # decode-state samples were taken while requests of either worker decoded
+        s = metric_samples(proxy.url)
+        assert sample(s, "phasewatch_gpu_power_sample_watts_count", state="decode") > 20
+        # the engine was probed by one worker only
+        probes = [ln for ln in proxy.log().splitlines() if "upstream sim" in ln and " is up" in ln]
+        assert len(probes) == 1 and " worker=0 " in probes[0], probes
+    finally:
+        proxy.stop()
+        sim.stop()

@@ -10,15 +10,17 @@ labelled ``other``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import astuple, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
 from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
 from ..transport import ClientOptions, make_client
 from .gate import AdmissionGate
+from .host import Board, Host
 from .supervisor import every
 
 if TYPE_CHECKING:
@@ -189,6 +191,33 @@ class Upstream:
         self.up = up
         self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
 
+    def state(self) -> dict[str, Any]:
+        """What the other workers of the host need to know of this upstream."""
+        return {
+            "engine": self.engine,
+            "up": self.up,
+            "models": sorted(self.models),
+            "precision": {m: list(astuple(self.precision.get(m))) for m in sorted(self.models)},
+        }
+
+    def apply(self, state: dict[str, Any]) -> None:
+        """Take the primary worker's view of this upstream (see :meth:`state`)."""
+        engine = state.get("engine")
+        if isinstance(engine, str) and engine != UNKNOWN and self.spec.engine is None:
+            self.set_engine(engine)
+        for model, p in (state.get("precision") or {}).items():
+            self.precision.set_engine(model, Precision(*p))
+        models = set(state.get("models") or ())
+        if models != self.models:
+            self.models = models
+            self._label_cache.clear()
+            self.publish_models()
+        up = state.get("up")
+        if up is not None:
+            self.up = bool(up)
+            self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
+        self.probed.set()
+
     def publish_models(self) -> None:
         for model in sorted(self.models | self.configured_models):
             p = self.precision.get(model)
@@ -231,14 +260,39 @@ class Upstreams:
                     return u
         return self.all[0]
 
-    def start(self, refresh_interval: float) -> None:
+    def start(self, refresh_interval: float, host: Host | None = None) -> None:
         """Detect each engine and read its models now, then every `refresh_interval`,
-        in the background: the proxy serves from the first moment."""
+        in the background: the proxy serves from the first moment. Under --workers N only
+        the primary probes; the others take its results from a shared board."""
         for u in self.all:
             u.publish_models()
+        board = Board(host.path("upstreams.json")) if host is not None else None
+        if host is not None and not host.primary:
+            assert board is not None
+            self.spawn(every(0.5, lambda: self._follow(board), "reading the primary's upstreams"))
+            return
+        for u in self.all:
             self.spawn(
-                every(refresh_interval, u.refresh, f"model-list refresh of upstream {u.name}")
+                every(
+                    refresh_interval,
+                    functools.partial(self._refresh, u, board),
+                    f"model-list refresh of upstream {u.name}",
+                )
             )
+
+    async def _refresh(self, u: Upstream, board: Board | None) -> None:
+        try:
+            await u.refresh()
+        finally:
+            if board is not None:
+                board.write({"upstreams": {x.name: x.state() for x in self.all}})
+
+    async def _follow(self, board: Board) -> None:
+        doc = board.read_if_changed()
+        states = doc.get("upstreams") if doc else None
+        for u in self.all:
+            if isinstance(states, dict) and isinstance(states.get(u.name), dict):
+                u.apply(states[u.name])
 
     def spawn(self, coro) -> None:
         self._tasks.append(asyncio.create_task(coro))

@@ -12,10 +12,13 @@ gauges are combined per their ``multiprocess_mode`` (in-flight and queued: ``liv
 only the living workers). When a worker dies its live gauges are dropped
 (``mark_process_dead``) and it is started again with the same index.
 
-One per host: worker 0 is the *primary*. Only the primary runs the GPU power sampler
-(``ProxyApp(primary=True)``), so energy is counted once, not N times; and only the primary
-listens on the separate metrics address (--metrics-host/--metrics-port) when one is set.
-A restarted worker 0 is primary again.
+One per host: worker 0 is the *primary* (:class:`proxy.core.host.Host`). Only the primary
+samples GPU power, so energy is counted once, not N times; it writes the samples to memory
+shared with every worker, and each worker publishes what it has in flight there, so every
+worker's requests get their phase power and every sample is classified by what all of
+them run. Only the primary probes and scrapes the engines (the others read its model lists
+from a shared board), and only it listens on the separate metrics address
+(--metrics-host/--metrics-port) when one is set. A restarted worker 0 is primary again.
 
 Signals: the first SIGTERM/SIGINT is passed on to every worker (each drains its streams);
 a second one is passed on too (the workers then exit at once).
@@ -36,6 +39,7 @@ from types import FrameType
 from typing import Any
 
 from ..app import ProxyApp
+from ..core.host import Host
 from ..measure.metrics import MULTIPROC_ENV
 from ..settings import Settings
 from .logs import configure_logging
@@ -50,7 +54,7 @@ def _worker(given: dict[str, Any], index: int, sock: socket.socket) -> None:
     settings = Settings(**given)
     configure_logging(settings.log_level, settings.log_format, worker=index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns ^C into SIGTERM
-    app = ProxyApp(settings, primary=index == 0)
+    app = ProxyApp(settings, host=Host(os.environ[MULTIPROC_ENV], index, settings.workers))
     run_server(app, sockets=[sock], with_metrics=index == 0)
 
 

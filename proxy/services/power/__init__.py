@@ -6,13 +6,15 @@ zero), ``phasewatch_power_sampling_up`` is 0, and one log line says why.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...measure.metrics import Metrics
-from .energy import EnergyMeter, Ring, integrate
-from .sampler import GpuMap, Owner, PowerSampler, classify
+from .energy import RING_SECONDS, EnergyMeter, Ring, integrate
+from .sampler import GpuMap, Owner, PowerSampler, classify, request_power
+from .shared import SharedInFlight, SharedRings
 from .sources import (
     DcgmSource,
     NvmlSource,
@@ -24,6 +26,7 @@ from .sources import (
 )
 
 if TYPE_CHECKING:
+    from ...core.host import Host
     from ...core.upstreams import Upstreams
 
 log = logging.getLogger(__name__)
@@ -40,34 +43,93 @@ class PowerOptions:
 
 
 class PowerService:
-    """The power side service as the app sees it: start, stop, and a recorder listener."""
+    """The power side service as the app sees it: start, stop, and a recorder listener.
 
-    def __init__(self, options: PowerOptions, metrics: Metrics, upstreams: Upstreams) -> None:
+    In one process it samples and computes each request's power itself. Under
+    ``--workers N`` the primary samples into memory shared with every worker
+    (:mod:`.shared`), and each worker publishes what it has in flight and computes its
+    own requests' power from the shared samples.
+    """
+
+    def __init__(
+        self,
+        options: PowerOptions,
+        metrics: Metrics,
+        upstreams: Upstreams,
+        host: Host | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.options = options
+        self.host = host
         self.sampler: PowerSampler | None = None
+        self.rings: Any = None
+        self.shared_in_flight: SharedInFlight | None = None
+        self._publisher: asyncio.Task[None] | None = None
         source = choose_source(options.source, options.dcgm_url, options.interval)
         if source is None:
             metrics.power_sampling_up.labels("none").set(0)
-            log.info("GPU power is not sampled (--power-source none)")
+            if host is None or host.primary:
+                log.info("GPU power is not sampled (--power-source none)")
             return
-        gpus = GpuMap(options.gpu_map, upstreams.all, upstreams.route)
-        self.sampler = PowerSampler(
-            source, metrics, gpus, interval=options.interval, timeout=max(1.0, 4 * options.interval)
-        )
+        self.gpus = GpuMap(options.gpu_map, upstreams.all, upstreams.route)
+        in_flight = None
+        if host is not None:
+            capacity = int(RING_SECONDS / options.interval) + 1
+            self.rings = SharedRings(host.path("power-rings.bin"), capacity)
+            self.shared_in_flight = SharedInFlight(
+                host.path("power-in-flight.bin"), host.workers, stale_after=5 * options.interval + 1
+            )
+            in_flight = self._host_in_flight
+        else:
+            self.rings = {}
+        if host is None or host.primary:
+            self.sampler = PowerSampler(
+                source,
+                metrics,
+                self.gpus,
+                interval=options.interval,
+                timeout=max(1.0, 4 * options.interval),
+                rings=self.rings,
+                in_flight=in_flight,
+            )
+
+    def _host_in_flight(self, gpu: str) -> tuple[int, int]:
+        """Every worker's (prefill, decode) on `gpu`, from their published rows."""
+        assert self.shared_in_flight is not None and self.rings is not None
+        slot = self.rings.slot(gpu)
+        if slot is None:  # first sample of this GPU: the workers have not seen it yet
+            return self.gpus.counts(gpu)
+        return self.shared_in_flight.counts(slot)
+
+    async def _publish_forever(self) -> None:
+        """Tell the sampler what this worker has in flight, every sampling interval."""
+        assert self.host is not None and self.shared_in_flight is not None
+        while True:
+            counts = {}
+            for gpu, _ in self.rings.items():
+                slot = self.rings.slot(gpu)
+                if slot is not None:
+                    counts[slot] = self.gpus.counts(gpu)
+            self.shared_in_flight.publish(self.host.index, counts)
+            await asyncio.sleep(self.options.interval / 2)
 
     def start(self) -> None:
         if self.sampler is not None:
             self.sampler.start()
+        if self.shared_in_flight is not None:
+            self._publisher = asyncio.create_task(self._publish_forever())
 
     def stop(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
         if self.sampler is not None:
             self.sampler.stop()
 
     def on_request(self, ex: Any, f: Any) -> dict | None:
         """Recorder listener: observes per-phase power and returns the log-line fields."""
-        if self.sampler is None or not self.sampler.rings:
+        if not self.rings:
             return None
-        got = self.sampler.request_power(ex, f.completion_tokens)
+        got = request_power(self.rings, self.gpus, ex, f.completion_tokens)
         if not got:
             return None
         base = (ex.upstream_name, ex.model_label, ex.precision)

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,16 @@ class GpuMap:
             )
         return out
 
+    def counts(self, gpu: str) -> tuple[int, int]:
+        """(prefill, decode): this process's requests in flight on `gpu`, by phase."""
+        prefill = decode = 0
+        for ex in self.in_flight(gpu):
+            if ex.marks.t_first is None and ex.prepared.stream:
+                prefill += 1
+            else:
+                decode += 1
+        return prefill, decode
+
     def serves(self, gpu: str, ex) -> bool:
         return any(
             o.upstream is ex.upstream and (o.model is None or o.model == ex.model_label)
@@ -103,16 +113,15 @@ class GpuMap:
         )
 
 
-def classify(in_flight: Iterable) -> str:
+def classify(prefill: int, decode: int) -> str:
     """idle / prefill / decode for what a GPU's upstream has in flight. Any request before
     its first token makes it prefill (the engine runs that prompt now); a non-streamed
     request shows no first token, and counts as decode, where it spends most of its time."""
-    state = "idle"
-    for ex in in_flight:
-        if ex.marks.t_first is None and ex.prepared.stream:
-            return "prefill"
-        state = "decode"
-    return state
+    return "prefill" if prefill else "decode" if decode else "idle"
+
+
+#: What a GPU's ring of samples offers (a local Ring, or the workers' shared one).
+RingStore = Any
 
 
 # --- the sampler -------------------------------------------------------------------------------
@@ -164,6 +173,8 @@ class PowerSampler:
         interval: float,
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        rings: RingStore = None,
+        in_flight: Callable[[str], tuple[int, int]] | None = None,
     ) -> None:
         self.source = source
         self.metrics = metrics
@@ -171,7 +182,10 @@ class PowerSampler:
         self.interval = interval
         self.timeout = timeout
         self.clock = clock
-        self.rings: dict[str, Ring] = {}
+        #: gpu -> its samples: this process's, or (--workers N) the shared file's
+        self.rings: RingStore = rings if rings is not None else {}
+        #: gpu -> (prefill, decode) in flight: this process's, or every worker's
+        self.in_flight = in_flight or gpus.counts
         self.meters: dict[str, EnergyMeter] = {}
         self.up: bool | None = None  # None until the first tick
         self.opened = False
@@ -245,8 +259,9 @@ class PowerSampler:
                 continue
             seen += 1
             labels = self.gpus.labels(gpu)
-            in_flight = self.gpus.in_flight(gpu)
-            m.gpu_power_sample_watts.labels(*labels, gpu, classify(in_flight)).observe(r.watts)
+            prefill, decode = self.in_flight(gpu)
+            state = classify(prefill, decode)
+            m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(r.watts)
             current = labels + (gpu,)
             old = self._current.get(gpu)
             if old is not None and old != current:
@@ -256,7 +271,10 @@ class PowerSampler:
             joules = self.meters.setdefault(gpu, EnergyMeter()).step(t, r.watts, r.energy_mj)
             if joules > 0:
                 m.gpu_energy_joules_total.labels(*current).inc(joules)
-            self.rings.setdefault(gpu, Ring()).append(t, r.watts, len(in_flight))
+            ring = self.rings.get(gpu)
+            if ring is None:
+                ring = self.rings.setdefault(gpu, Ring())
+            ring.append(t, r.watts, prefill + decode)
         if seen:
             self._set_up(len(readings), seen)
         else:
@@ -302,36 +320,40 @@ class PowerSampler:
 
     # --- per request ------------------------------------------------------------------------
 
-    def request_power(self, ex, completion_tokens: int | None) -> dict:
-        """Mean watts over the request's prefill and decode windows (its GPUs summed) and its
-        share of their energy (split evenly among the requests in flight on them)."""
-        rings = [ring for gpu, ring in list(self.rings.items()) if self.gpus.serves(gpu, ex)]
-        mk = ex.marks
-        if not rings or mk.t_sent is None:
-            return {}
-        out: dict = {}
-        for phase, a, b in (("prefill", mk.t_sent, mk.t_first), ("decode", mk.t_first, mk.t_last)):
-            if a is None or b is None or b <= a:
-                continue
-            total, inside = 0.0, 0
-            for ring in rings:
-                ts, ws, _, k = ring.window(a, b)
-                total += integrate(ts, ws, a, b)
-                inside = max(inside, k)
-            if inside:  # a window between two samples has no measurement of its own
-                out[phase] = total / (b - a)
-        end = mk.t_last if mk.t_last is not None else mk.t_end
-        if end is not None and end > mk.t_sent:
-            joules, inside = 0.0, 0
-            for ring in rings:
-                ts, ws, ns, k = ring.window(mk.t_sent, end)
-                joules += integrate(ts, [w / max(1, n) for w, n in zip(ws, ns)], mk.t_sent, end)
-                inside = max(inside, k)
-            if inside:
-                out["energy"] = joules
-                if completion_tokens:
-                    out["joules_per_token"] = joules / completion_tokens
-        return out
+    def request_power(self, ex: Any, completion_tokens: int | None) -> dict:
+        return request_power(self.rings, self.gpus, ex, completion_tokens)
+
+
+def request_power(rings: RingStore, gpus: GpuMap, ex: Any, completion_tokens: int | None) -> dict:
+    """Mean watts over the request's prefill and decode windows (its GPUs summed) and its
+    share of their energy (split evenly among the requests in flight on them)."""
+    mine = [ring for gpu, ring in list(rings.items()) if gpus.serves(gpu, ex)]
+    mk = ex.marks
+    if not mine or mk.t_sent is None:
+        return {}
+    out: dict = {}
+    for phase, a, b in (("prefill", mk.t_sent, mk.t_first), ("decode", mk.t_first, mk.t_last)):
+        if a is None or b is None or b <= a:
+            continue
+        total, inside = 0.0, 0
+        for ring in mine:
+            ts, ws, _, k = ring.window(a, b)
+            total += integrate(ts, ws, a, b)
+            inside = max(inside, k)
+        if inside:  # a window between two samples has no measurement of its own
+            out[phase] = total / (b - a)
+    end = mk.t_last if mk.t_last is not None else mk.t_end
+    if end is not None and end > mk.t_sent:
+        joules, inside = 0.0, 0
+        for ring in mine:
+            ts, ws, ns, k = ring.window(mk.t_sent, end)
+            joules += integrate(ts, [w / max(1, n) for w, n in zip(ws, ns)], mk.t_sent, end)
+            inside = max(inside, k)
+        if inside:
+            out["energy"] = joules
+            if completion_tokens:
+                out["joules_per_token"] = joules / completion_tokens
+    return out
 
 
 def _remove(metric, labels: tuple) -> None:
