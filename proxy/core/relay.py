@@ -346,13 +346,12 @@ class Relay:
         headers (httpx's client would add its defaults and keep cookies)."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
-        url = upstream.url + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
         headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
         where = f"upstream {upstream.name} ({upstream.url})"
         try:
             req = httpx.Request(
                 scope["method"],
-                url,
+                _upstream_url(upstream.url, target, qs),
                 headers=headers,
                 content=body,
                 extensions=upstream.request_extensions,
@@ -387,6 +386,24 @@ class Relay:
                 502, "protocol", f"{where} switched protocols (101), which is not relayed"
             )
         return resp
+
+
+#: Parsed upstream URLs by (base, target, query): parsing one is over half the cost of
+#: building a request, and a proxy sees the same few targets again and again.
+_URLS: dict[tuple[str, bytes, bytes], httpx.URL] = {}
+_MAX_URLS = 1024
+
+
+def _upstream_url(base: str, target: bytes, qs: bytes) -> httpx.URL:
+    key = (base, target, qs)
+    url = _URLS.get(key)
+    if url is None:
+        text = base + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
+        url = httpx.URL(text)
+        if len(_URLS) >= _MAX_URLS:
+            _URLS.clear()  # bounded: a client making up targets only loses the cache
+        _URLS[key] = url
+    return url
 
 
 class _Watch:
