@@ -8,13 +8,16 @@ import json
 import ssl
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 import trustme
 
 from .fake_engine import FakeEngine, Reply, Request, default_answer, response
-from .servers import ROOT, metric_samples, sample, start_proxy
+from .servers import ROOT, free_port, metric_samples, sample, start_proxy
 from .test_relay_unit import EVENTS
 
 
@@ -23,9 +26,84 @@ def tls(tmp_path_factory):
     ca = trustme.CA()
     d = tmp_path_factory.mktemp("tls")
     ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(d / "key.pem"))
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("localhost", "127.0.0.1").configure_cert(ctx)
-    return {"ca": str(d / "ca.pem"), "server": ctx}
+    cert.configure_cert(ctx)
+    return {"ca": str(d / "ca.pem"), "server": ctx, "cert": str(d / "cert.pem"),
+            "key": str(d / "key.pem")}  # fmt: skip
+
+
+def test_the_simulator_over_https_with_a_private_ca(tls):
+    """The simulated vLLM behind TLS: detected, streamed byte-exact (the proxy's usage
+    injection included), and its figures agree with the engine's own truth."""
+    port = free_port()
+    truth_log = Path(tempfile.mkstemp(prefix="pw-tls-truth-", suffix=".jsonl")[1])
+    log = Path(tempfile.mkstemp(prefix="pw-tls-sim-", suffix=".log")[1])
+    args = [tls["cert"], tls["key"], str(port), "--engine", "vllm", "--speed", "4"]
+    args += ["--deterministic", "--jitter", "0", "--truth-log", str(truth_log)]
+    sim = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "tls_sim.py"), *args],
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    verify = ssl.create_default_context(cafile=tls["ca"])
+    url = f"https://localhost:{port}"
+    proxy = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert sim.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", verify=verify, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        proxy = start_proxy(f"sim={url}", args=["--upstream-ca", tls["ca"]])
+        model = httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {
+            "model": model,
+            "stream": True,
+            "max_tokens": 40,
+            "messages": [{"role": "user", "content": "tell me about TLS"}],
+        }
+        direct = httpx.post(url + "/v1/chat/completions", json=body, verify=verify, timeout=30)
+        relayed = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+        assert relayed.status_code == 200
+        assert relayed.content == direct.content  # usage asked for upstream, stripped again
+        (line,) = _lines(proxy, "sim")
+        truth = json.loads(truth_log.read_text().splitlines()[-1])
+        assert int(line["completion_tokens"]) == truth["completion_tokens"] > 1
+        assert int(line["prompt_tokens"]) == truth["prompt_tokens"]
+        assert abs(float(line["decode_tps"]) / truth["decode_tokens_per_second"] - 1) < 0.05
+        samples = metric_samples(proxy.url)
+        assert sample(samples, "phasewatch_upstream_up", upstream="sim", engine="vllm") == 1
+        print(
+            f"TLS engine figures: ttft {float(line['ttft_s']) * 1e3:.1f} ms, decode "
+            f"{float(line['decode_tps']):.1f} tok/s (engine truth "
+            f"{truth['decode_tokens_per_second']:.1f}), prefill {line['prefill_tps']} tok/s"
+        )
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        sim.terminate()
+        sim.wait(15)
+        truth_log.unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
+
+
+def _lines(proxy, upstream: str, n: int = 1, timeout: float = 10.0) -> list[dict]:
+    """The proxy's request log lines for `upstream`, once `n` are written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [r for r in proxy.request_lines() if r.get("upstream") == upstream]
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
 
 
 def stream_reply(req: Request) -> Reply:
@@ -61,10 +139,10 @@ def test_https_engine_with_a_private_ca_end_to_end(tls):
                 assert resp.status_code == 200
                 relayed = b"".join(resp.iter_raw())
             assert relayed == direct == b"".join(EVENTS)
+            (line,) = _lines(proxy, "eng")
             samples = metric_samples(proxy.url)
             assert sample(samples, "phasewatch_ttft_seconds_count", upstream="eng") == 1
             assert sample(samples, "phasewatch_requests_total", upstream="eng", outcome="ok") == 1
-            (line,) = [r for r in proxy.request_lines() if r.get("upstream") == "eng"]
             assert line["outcome"] == "ok" and float(line["ttft_s"]) > 0
             assert (line["prompt_tokens"], line["completion_tokens"]) == ("5", "2")
         finally:
