@@ -12,6 +12,8 @@ An empty variable (``PHASEWATCH_POWER_DCGM_URL=``) counts as unset.
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -21,7 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from .core.upstreams import UpstreamOptions, UpstreamSpec
 from .engines import ENGINES
 from .services.power import PowerOptions
-from .transport import ClientOptions
+from .transport import ClientOptions, TLSOptions
 
 
 def _split_list(value: Any) -> Any:
@@ -138,11 +140,60 @@ class Settings(BaseSettings):
         description="Seconds an upstream may stay silent (long prefills "
         "and cold loads need minutes).",
     )
-    upstream_client: Literal["lean", "httpx"] = Field(
+    write_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds one write of a request to an upstream may block (an engine "
+        "that stopped reading).",
+    )
+    upstream_client: Literal["lean"] = Field(
         "lean",
         description="HTTP client for the upstream connections: lean (an asyncio + "
-        "httptools HTTP/1.1 transport under httpx's API, several times cheaper per "
-        "streamed event) or httpx (httpx's own transport).",
+        "httptools HTTP/1.1 transport; library clients were measured against it, see the "
+        "README's benchmarks).",
+    )
+    upstream_max_connections: int = Field(
+        1024,
+        ge=0,
+        description="Most connections open to one upstream; more requests wait for one "
+        "(0: no limit).",
+    )
+    upstream_pool_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a request may wait for a free upstream connection before a 503.",
+    )
+    upstream_keepalive: float = Field(
+        4.0,
+        gt=0,
+        description="Seconds an idle upstream connection is kept for reuse: keep it below "
+        "the engine's own idle timeout (5 s for uvicorn-based engines such as vLLM).",
+    )
+    upstream_max_head_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Largest upstream response head (status line and headers) taken; a "
+        "larger one is a 502.",
+    )
+    upstream_ca: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="PEM file of the CA(s) an https upstream's certificate must chain to, "
+        "instead of the system's: [name=]FILE (without a name: every upstream; repeatable).",
+    )
+    upstream_cert: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="PEM client certificate for upstreams that require one (mTLS): "
+        "[name=]FILE (repeatable).",
+    )
+    upstream_key_file: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Private key of --upstream-cert, when not in the same file: "
+        "[name=]FILE (repeatable).",
+    )
+    upstream_insecure: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Upstream names whose TLS certificate is not verified, or '*' for all "
+        "(warned at start; for tests and trusted networks only).",
     )
     max_body_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
@@ -227,7 +278,17 @@ class Settings(BaseSettings):
                 raise ValueError("each upstream key must be name=KEY (value not shown)")
         return value
 
-    @field_validator("upstream", "engine", "precision", "models", mode="before")
+    @field_validator(
+        "upstream",
+        "engine",
+        "precision",
+        "models",
+        "upstream_ca",
+        "upstream_cert",
+        "upstream_key_file",
+        "upstream_insecure",
+        mode="before",
+    )
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
@@ -293,6 +354,7 @@ class Settings(BaseSettings):
                 name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
             specs.append(UpstreamSpec(name, url, engine=engines.get(name), api_key=keys.get(name)))
         names = {s.name for s in specs}
+        specs = self._with_tls(specs, names)
         for name, engine in engines.items():
             if engine not in ENGINES:
                 raise ValueError(
@@ -318,6 +380,49 @@ class Settings(BaseSettings):
         }
         return self
 
+    def _files(self, flag: str, values: list[str], names: set[str]) -> dict[str | None, str]:
+        """``[name=]FILE`` values by upstream name (None: every upstream)."""
+        out: dict[str | None, str] = {}
+        for item in values:
+            name, sep, path = item.partition("=")
+            key: str | None = name if sep and name in names else None
+            path = path if key is not None else item
+            if key in out:
+                raise ValueError(f"{flag}: given twice for {key or 'every upstream'}")
+            if not os.path.isfile(path):
+                raise ValueError(f"{flag}: {path!r} is not a readable file")
+            out[key] = path
+        return out
+
+    def _with_tls(self, specs: list[UpstreamSpec], names: set[str]) -> list[UpstreamSpec]:
+        """Each upstream's TLS options (its own file, else the one for every upstream)."""
+        ca = self._files("--upstream-ca", self.upstream_ca, names)
+        cert = self._files("--upstream-cert", self.upstream_cert, names)
+        key = self._files("--upstream-key-file", self.upstream_key_file, names)
+        for name in self.upstream_insecure:
+            if name != "*" and specs and name not in names:
+                raise ValueError(
+                    f"--upstream-insecure: no upstream is named {name!r} (upstreams: "
+                    f"{', '.join(sorted(names))})"
+                )
+        out = []
+        for spec in specs:
+            tls = TLSOptions(
+                ca=ca.get(spec.name, ca.get(None)),
+                cert=cert.get(spec.name, cert.get(None)),
+                key=key.get(spec.name, key.get(None)),
+                insecure="*" in self.upstream_insecure or spec.name in self.upstream_insecure,
+            )
+            if tls.key and not tls.cert:
+                raise ValueError(
+                    f"--upstream-key-file: upstream {spec.name} has no --upstream-cert"
+                )
+            if tls != TLSOptions():
+                tls.context()  # a bad file stops start-up here, with its reason
+                spec = replace(spec, tls=tls)
+            out.append(spec)
+        return out
+
     @property
     def upstreams(self) -> tuple[UpstreamSpec, ...]:
         """Every upstream, named (unnamed ones by host:port), with its engine and key."""
@@ -326,7 +431,16 @@ class Settings(BaseSettings):
     def upstream_options(self) -> UpstreamOptions:
         """What every upstream shares."""
         return UpstreamOptions(
-            client=ClientOptions(self.upstream_client, self.connect_timeout, self.read_timeout),
+            client=ClientOptions(
+                kind=self.upstream_client,
+                connect_timeout=self.connect_timeout,
+                read_timeout=self.read_timeout,
+                write_timeout=self.write_timeout,
+                max_connections=self.upstream_max_connections,
+                pool_timeout=self.upstream_pool_timeout,
+                keepalive_expiry=self.upstream_keepalive,
+                max_head_bytes=self.upstream_max_head_bytes,
+            ),
             max_concurrency=self.max_concurrency,
             max_queue=self.max_queue,
             queue_timeout=self.queue_timeout,

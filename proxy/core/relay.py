@@ -341,17 +341,27 @@ class Relay:
     async def _open(
         self, upstream: Upstream, scope: Scope, body: bytes, marks: Marks | None = None
     ) -> httpx.Response:
-        """Send the request upstream and return the response with its body unread."""
+        """Send the request upstream and return the response with its body unread. The
+        request goes straight to the upstream's transport: exactly the client's end-to-end
+        headers (httpx's client would add its defaults and keep cookies)."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
-        url = upstream.url + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
         headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
-        req = upstream.client.build_request(scope["method"], url, headers=headers, content=body)
-        if marks is not None:
-            marks.t_sent = time.monotonic()
         where = f"upstream {upstream.name} ({upstream.url})"
         try:
-            return await upstream.client.send(req, stream=True)
+            req = httpx.Request(
+                scope["method"],
+                _upstream_url(upstream.url, target, qs),
+                headers=headers,
+                content=body,
+                extensions=upstream.request_extensions,
+            )
+        except httpx.InvalidURL as exc:
+            raise UpstreamFailure(400, "bad_request", f"bad request target: {exc}") from None
+        if marks is not None:
+            marks.t_sent = time.monotonic()
+        try:
+            resp = await upstream.transport.handle_async_request(req)
         except httpx.ConnectTimeout as exc:
             raise UpstreamFailure(
                 504, "timeout", f"{where} did not accept a connection in time: {describe(exc)}"
@@ -360,12 +370,40 @@ class Relay:
             raise UpstreamFailure(
                 502, "connect", f"{where} is unreachable: {describe(exc)}"
             ) from None
+        except httpx.PoolTimeout as exc:
+            raise UpstreamFailure(
+                503, "pool", f"no free connection to {where}: {describe(exc)}"
+            ) from None
         except httpx.TimeoutException as exc:
             raise UpstreamFailure(
                 504, "timeout", f"{where} did not answer in time: {describe(exc)}"
             ) from None
         except httpx.HTTPError as exc:
             raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
+        if resp.status_code == 101:  # the connection now speaks another protocol
+            await resp.aclose()
+            raise UpstreamFailure(
+                502, "protocol", f"{where} switched protocols (101), which is not relayed"
+            )
+        return resp
+
+
+#: Parsed upstream URLs by (base, target, query): parsing one is over half the cost of
+#: building a request, and a proxy sees the same few targets again and again.
+_URLS: dict[tuple[str, bytes, bytes], httpx.URL] = {}
+_MAX_URLS = 1024
+
+
+def _upstream_url(base: str, target: bytes, qs: bytes) -> httpx.URL:
+    key = (base, target, qs)
+    url = _URLS.get(key)
+    if url is None:
+        text = base + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
+        url = httpx.URL(text)
+        if len(_URLS) >= _MAX_URLS:
+            _URLS.clear()  # bounded: a client making up targets only loses the cache
+        _URLS[key] = url
+    return url
 
 
 class _Watch:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
 from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
-from ..transport import ClientOptions, make_client
+from ..transport import ClientOptions, TLSOptions, make_client, make_transport
 from .gate import AdmissionGate
 from .host import Board, Host
 from .supervisor import every
@@ -43,6 +43,7 @@ class UpstreamSpec:
     url: str  # base URL, a base path included (http://host:8000/tenant-a)
     engine: str | None = None  # the operator's override; None: detected
     api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer
+    tls: TLSOptions | None = None  # this upstream's own TLS options (default: the shared ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,12 @@ class Upstream:
         #: for it, briefly: they are then read in the right engine's dialect).
         self.probed = asyncio.Event()
         self.gate = AdmissionGate(options.max_concurrency, options.max_queue, options.queue_timeout)
-        self.client = make_client(spec.url, options.client, spec.api_key)
+        client = options.client if spec.tls is None else replace(options.client, tls=spec.tls)
+        #: What the relay sends through (its own pool), and the timeouts each request takes.
+        self.transport = make_transport(client, spec.name)
+        self.request_extensions = {"timeout": client.timeouts()}
+        #: The proxy's own calls (probes, model lists, gauges), over the same transport.
+        self.client = make_client(spec.url, client, spec.api_key, self.transport)
         self._label_cache: dict[str, str] = {}
         #: Exchanges admitted and not finished. Side services (the power sampler) read it
         #: from their own thread to classify the GPU's state: a request with no first

@@ -294,7 +294,7 @@ class Metrics:
         )
         self.errors_total = Counter(
             PREFIX + "errors",
-            "Failed requests by kind: connect, timeout, "
+            "Failed requests by kind: connect, timeout, pool (no free upstream connection), "
             "upstream_status (engine answered >= 400), midstream (error event in a "
             "stream), truncated (stream ended without its terminator), protocol.",
             BASE + ("kind",),

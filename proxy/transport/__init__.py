@@ -1,55 +1,80 @@
-"""The upstream HTTP client(s), behind httpx's client API.
+"""The upstream HTTP client(s), behind httpx's transport API.
 
-The relay and the engines' probes talk to an ``httpx.AsyncClient``; what moves the
-bytes is its transport: :class:`~proxy.transport.lean.LeanTransport` (``lean``) or
-httpx's own (``httpx``). :func:`make_client` builds one client per upstream.
+The relay sends through an ``httpx.AsyncBaseTransport`` (one per upstream, its own pool);
+the engines' probes use an ``httpx.AsyncClient`` over the same transport. The one that
+moves the bytes is ``lean`` (:mod:`.lean`, asyncio + httptools): whole responses or an
+error, one send per non-idempotent request, TLS options, limits, no added headers, no
+decompression. Library clients (httpx's own transport, aiohttp's) were measured against it
+and run the same tests; why it stays is in the README's benchmark section. A test hands in
+its own transport (``httpx.MockTransport``) through ``ClientOptions.transport``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
 from .lean import LeanTransport
+from .options import IDEMPOTENT, ClientOptions, TLSOptions
 
-CLIENTS = ("lean", "httpx")
+log = logging.getLogger(__name__)
+
+#: Every client phasewatch ships, the default first.
+CLIENTS = ("lean",)
+
+#: httpx's client adds these to every request unless removed; a transparent proxy (and
+#: its probes, which an engine should see as plainly) sends none of them.
+_CLIENT_DEFAULTS = ("accept", "accept-encoding", "connection", "user-agent")
 
 
-@dataclass(frozen=True, slots=True)
-class ClientOptions:
-    """How one upstream's client connects and waits."""
-
-    kind: str = "lean"  # one of CLIENTS
-    connect_timeout: float = 10.0
-    read_timeout: float = 600.0
+def make_transport(options: ClientOptions, name: str = "") -> httpx.AsyncBaseTransport:
+    """The transport for one upstream (its own pool). A bad TLS file raises ValueError."""
+    if options.transport is not None:
+        return options.transport
+    if options.kind not in CLIENTS:
+        raise ValueError(f"unknown upstream client {options.kind!r} (one of {', '.join(CLIENTS)})")
+    tls = options.tls
+    context = tls.context() if (tls.ca or tls.cert or tls.insecure) else None
+    if tls.insecure:
+        log.warning(
+            "TLS certificate verification is off for this upstream (--upstream-insecure)",
+            extra={"fields": {"upstream": name}},
+        )
+    return LeanTransport(options, context, name)
 
 
 def make_client(
-    base_url: str, options: ClientOptions, api_key: str | None = None
+    base_url: str,
+    options: ClientOptions,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> httpx.AsyncClient:
-    """A pooled keep-alive client for one upstream. The engine key, when there is one,
-    also goes with the proxy's own calls (model lists, detection, gauge scrapes), so an
-    engine that requires one is not taken for down."""
-    transport = (
-        LeanTransport(max_keepalive=256, keepalive_expiry=60.0) if options.kind == "lean" else None
-    )
-    return httpx.AsyncClient(
+    """A client for the proxy's own calls to one upstream (model lists, detection, gauge
+    scrapes) over `transport` (default: a new one). The engine key, when there is one,
+    goes with them, so an engine that requires one is not taken for down. No cookies are
+    kept: an engine's Set-Cookie is its client's business."""
+    client = httpx.AsyncClient(
         base_url=base_url,
-        timeout=httpx.Timeout(
-            connect=options.connect_timeout,
-            read=options.read_timeout,
-            write=options.read_timeout,
-            pool=None,
-        ),
-        limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=256, keepalive_expiry=60.0
-        ),
+        timeout=httpx.Timeout(**options.timeouts()),
         follow_redirects=False,
         trust_env=False,
+        cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
         headers={"authorization": f"Bearer {api_key}"} if api_key else None,
-        transport=transport,
+        transport=transport or make_transport(options),
     )
+    for name in _CLIENT_DEFAULTS:
+        client.headers.pop(name, None)
+    return client
 
 
-__all__ = ["CLIENTS", "ClientOptions", "LeanTransport", "make_client"]
+__all__ = [
+    "CLIENTS",
+    "IDEMPOTENT",
+    "ClientOptions",
+    "LeanTransport",
+    "TLSOptions",
+    "make_client",
+    "make_transport",
+]

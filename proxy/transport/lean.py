@@ -1,25 +1,34 @@
 """A lean HTTP/1.1 transport for httpx, used for the upstream (engine) connections.
 
-Why: profiling the relay with 256 paced streams put over half of the proxy's
-CPU in httpx's default transport: httpcore's pool scans every connection on each
-release (quadratic with hundreds of streams) and every body chunk passes through anyio,
-h11 and several generator layers. This transport keeps httpx's client API (the relay
-still sees an ``httpx.Response`` with ``aiter_raw``, ``aclose`` and httpx's exceptions)
-and moves bytes with an asyncio protocol and httptools' C parser instead: one callback
-and one future wake-up per body chunk, and a per-host LIFO list of idle keep-alive
-connections.
+Why: profiling the relay with 256 paced streams put over half of the proxy's CPU in
+httpx's default transport (httpcore's pool scanning every connection on each release,
+anyio and h11 per chunk). This transport keeps httpx's API (the relay sees an
+``httpx.Response`` with ``aiter_raw``, ``aclose`` and httpx's exceptions) and moves bytes
+with an asyncio protocol and httptools' C parser: one callback and one future wake-up per
+body chunk, and a LIFO list of idle keep-alive connections.
 
-Behaviour kept from httpx: per-request connect/read timeouts from the request's
-``timeout`` extension (ConnectTimeout, ConnectError, ReadTimeout), RemoteProtocolError
-when the engine breaks a response off, keep-alive reuse with a stale-connection retry
-only when the engine closed a reused idle connection before answering a byte, and
-closing the connection (so the engine stops) when a response is closed before its end.
+What it promises, like the library clients it is tested beside:
+
+- a response is whole or an error: a reset or EOF before the end of a body
+  (Content-Length, chunked, or a close-delimited body ended by a reset) raises
+  ``httpx.RemoteProtocolError``, never a short body taken as complete;
+- a request is sent once: only idempotent methods are re-sent, once, and only when a
+  reused idle connection turned out closed before any response byte; idle connections
+  expire (``keepalive_expiry``) before the engine's own keep-alive, so that race is rare;
+- a connection that carried anything unexpected (bytes after a complete response, a
+  second response, a protocol switch) is closed, never reused;
+- limits: response head size, connections per upstream with a pool wait, and
+  connect/read/write timeouts, each raising httpx's matching exception;
+- ``1xx`` heads are skipped, ``HEAD``/``204``/``304`` have no body, trailers are dropped,
+  a ``101`` comes back as a bodiless response on a connection that is then closed.
+
 Backpressure: reading pauses when a slow client leaves more than 256 KiB unread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl as _ssl
 import time
 from collections import deque
@@ -28,11 +37,15 @@ from typing import cast
 import httptools
 import httpx
 
+from .options import IDEMPOTENT, ClientOptions
+
+log = logging.getLogger(__name__)
+
 _HIGH_WATER = 256 * 1024
 
 
 class _Stale(Exception):
-    """A reused keep-alive connection was closed by the engine before any response byte."""
+    """A connection closed before any response byte came."""
 
 
 class _Conn(asyncio.Protocol):
@@ -40,12 +53,14 @@ class _Conn(asyncio.Protocol):
 
     transport: asyncio.Transport  # set by connection_made, before anything uses it
 
-    def __init__(self, key: tuple) -> None:
+    def __init__(self, pool: LeanTransport, key: tuple) -> None:
+        self.pool = pool
         self.key = key
         self.parser = httptools.HttpResponseParser(self)
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self.idle_since = 0.0
+        self.write_paused = False
         self._reset()
 
     def _reset(self) -> None:
@@ -53,10 +68,12 @@ class _Conn(asyncio.Protocol):
         self.reason = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
+        self.head_bytes = 0
         self.chunks: list[bytes] = []
         self.size = 0
         self.complete = False
         self.keep_alive = False
+        self.unexpected = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future | None = None
         self.got_bytes = False
@@ -73,17 +90,32 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        if self.request is None or self.complete:
+            # nothing was asked: an unsolicited response or trailing bytes
+            self.unexpected = True
+            self.transport.close()
+            return
         self.got_bytes = True
         self.last = self.loop.time()
+        counting = not self.headers_done
+        if counting:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._upgraded()
         except httptools.HttpParserError as exc:
-            self._fail(
-                httpx.RemoteProtocolError(
-                    f"malformed response from upstream: {exc}", request=self.request
+            if not self.complete:
+                self._fail(
+                    httpx.RemoteProtocolError(
+                        f"malformed response from upstream: {exc}", request=self.request
+                    )
                 )
-            )
+            self.unexpected = True
             self.transport.close()
+            return
+        if counting and self.head_bytes > self.pool.max_head_bytes and not self.headers_done:
+            self._head_too_large()
             return
         if self.size > _HIGH_WATER and not self.paused:
             self.paused = True
@@ -99,10 +131,11 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.pool._lost()
         if self.request is None or self.complete:
             return
-        if self.headers_done and self._close_delimited():
-            self.complete = True  # the body ends with the connection
+        if exc is None and self.headers_done and self._close_delimited():
+            self.complete = True  # the body ends with the connection (a clean close only)
             self._wake()
         elif not self.got_bytes:
             self._fail(_Stale())
@@ -115,36 +148,80 @@ class _Conn(asyncio.Protocol):
                 )
             )
 
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake()
+
     # --- httptools callbacks ------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.unexpected = True  # a second response to one request
+
     def on_status(self, status: bytes) -> None:
-        self.reason += status
+        if not self.complete:
+            self.reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.headers_done:  # trailers and a second response's head are dropped
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            return
         status = self.parser.get_status_code()
-        if status < 200:  # 1xx: another head follows
+        if status < 200 and status != 101:  # 1xx: another head follows
             self.headers, self.reason = [], b""
             return
         self.status = status
         self.headers_done = True
+        if sum(len(k) + len(v) + 4 for k, v in self.headers) > self.pool.max_head_bytes:
+            self._head_too_large()
+            return
         if self.head or status in (204, 304):
-            self.complete = True  # no body (HEAD is closed after, see _Body.aclose)
+            self.complete = True  # no body (HEAD is closed after: its Content-Length lies)
             self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.size += len(body)
+        if not self.complete:
+            self.chunks.append(body)
+            self.size += len(body)
 
     def on_message_complete(self) -> None:
-        if self.status == 0:  # end of a 1xx message
+        if self.status == 0 or (self.complete and not self.head):  # 1xx, or a second one
             return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive() and not self.head
 
     # --- helpers --------------------------------------------------------------------------
+
+    def _upgraded(self) -> None:
+        """A 101 (or a CONNECT answer): the bytes after it are another protocol."""
+        self.status = self.status or self.parser.get_status_code()
+        self.headers_done = self.complete = True
+        self.keep_alive = False
+        self.unexpected = True
+
+    def _head_too_large(self) -> None:
+        if self.error is not None:
+            return
+        limit = self.pool.max_head_bytes
+        log.warning(
+            "upstream response head over the limit; connection closed",
+            extra={"fields": {"limit_bytes": limit, "upstream": self.pool.name}},
+        )
+        self.headers_done = False
+        self._fail(
+            httpx.RemoteProtocolError(
+                f"upstream response head over {limit} bytes (--upstream-max-head-bytes)",
+                request=self.request,
+            )
+        )
+        self.unexpected = True
+        self.transport.close()
 
     def _close_delimited(self) -> bool:
         for k, v in self.headers:
@@ -190,9 +267,25 @@ class _Conn(asyncio.Protocol):
             self.timer = self.loop.call_at(self.last + read_timeout, self._on_timer)
 
     async def wait(self) -> None:
-        """Until something new arrived (data, the end, an error)."""
+        """Until something new arrived (data, the end, an error, room to write)."""
         self.waiter = self.loop.create_future()
         await self.waiter
+
+    async def drain(self, timeout: float | None) -> None:
+        """Until the request is written (or the engine answered or failed first)."""
+        if not self.write_paused:
+            return
+        deadline = None if timeout is None else self.loop.time() + timeout
+        while self.write_paused and not self.headers_done and self.error is None:
+            left = None if deadline is None else deadline - self.loop.time()
+            if left is not None and left <= 0:
+                raise httpx.WriteTimeout(
+                    f"upstream took no request bytes for {timeout:g}s", request=self.request
+                )
+            try:
+                await asyncio.wait_for(self.wait(), left)
+            except TimeoutError:
+                continue
 
     def take(self) -> bytes:
         chunks = self.chunks
@@ -210,6 +303,15 @@ class _Conn(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         self.request = None
+
+    def reusable(self) -> bool:
+        return (
+            self.complete
+            and self.keep_alive
+            and not self.closed
+            and not self.unexpected
+            and not self.chunks
+        )
 
 
 class _Body(httpx.AsyncByteStream):
@@ -238,8 +340,9 @@ class _Body(httpx.AsyncByteStream):
             return
         self.released = True
         conn = self.conn
+        reusable = conn.reusable()
         conn.finish()
-        if conn.complete and conn.keep_alive and not conn.closed and not conn.chunks:
+        if reusable:
             self.pool._put(conn)
         else:
             conn.transport.close()
@@ -249,33 +352,82 @@ class _Body(httpx.AsyncByteStream):
 
 
 class LeanTransport(httpx.AsyncBaseTransport):
-    """An ``httpx.AsyncBaseTransport`` for plain HTTP/1.1 (and TLS) upstreams."""
+    """An ``httpx.AsyncBaseTransport`` for HTTP/1.1 (and TLS) upstreams; one per upstream."""
 
-    def __init__(self, max_keepalive: int = 256, keepalive_expiry: float = 60.0) -> None:
-        self.max_keepalive = max_keepalive
-        self.keepalive_expiry = keepalive_expiry
+    def __init__(
+        self,
+        options: ClientOptions | None = None,
+        ssl_context: _ssl.SSLContext | None = None,
+        name: str = "",
+    ) -> None:
+        options = options or ClientOptions()
+        self.name = name
+        self.max_connections = options.max_connections
+        self.keepalive_expiry = options.keepalive_expiry
+        self.max_head_bytes = options.max_head_bytes
+        self._ssl = ssl_context
         self._idle: dict[tuple, deque[_Conn]] = {}
-        self._ssl: _ssl.SSLContext | None = None
+        self._open = 0  # connections open (busy and idle), counted against max_connections
+        self._waiters: deque[asyncio.Future] = deque()
+
+    # --- the pool -------------------------------------------------------------------------
 
     def _put(self, conn: _Conn) -> None:
-        idle = self._idle.setdefault(conn.key, deque())
-        if len(idle) >= self.max_keepalive:
-            conn.transport.close()
-            return
         conn.idle_since = time.monotonic()
-        idle.append(conn)
+        self._idle.setdefault(conn.key, deque()).append(conn)
+        self._wake_one()
+
+    def _lost(self) -> None:
+        self._open -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
 
     def _get(self, key: tuple) -> _Conn | None:
         idle = self._idle.get(key)
         if not idle:
             return None
-        now = time.monotonic()
+        deadline = time.monotonic() - self.keepalive_expiry
         while idle:
             conn = idle.pop()  # most recently used first: warmest, least likely stale
-            if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+            if not conn.closed and conn.idle_since > deadline:
                 return conn
             conn.transport.close()
         return None
+
+    async def _acquire(self, request: httpx.Request, key: tuple, timeouts: dict) -> _Conn:
+        while True:
+            conn = self._get(key)
+            if conn is not None:
+                return conn
+            if not self.max_connections or self._open < self.max_connections:
+                return await self._connect(request, key, timeouts.get("connect"))
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            wait = timeouts.get("pool")
+            try:
+                await asyncio.wait_for(fut, wait)
+            except TimeoutError:
+                log.warning(
+                    "no free upstream connection in time",
+                    extra={
+                        "fields": {
+                            "upstream": self.name,
+                            "max_connections": self.max_connections,
+                            "wait_s": wait,
+                        }
+                    },
+                )
+                raise httpx.PoolTimeout(
+                    f"all {self.max_connections} connections busy for {wait:g}s "
+                    "(--upstream-max-connections)",
+                    request=request,
+                ) from None
 
     async def _connect(self, request: httpx.Request, key: tuple, timeout: float | None) -> _Conn:
         scheme, host, port = key
@@ -285,20 +437,35 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 self._ssl = _ssl.create_default_context()
             ssl = self._ssl
         loop = asyncio.get_running_loop()
+        self._open += 1
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Conn(key), host, port, ssl=ssl, server_hostname=host if ssl else None
+                    lambda: _Conn(self, key),
+                    host,
+                    port,
+                    ssl=ssl,
+                    server_hostname=host if ssl else None,
                 ),
                 timeout,
             )
         except TimeoutError:
+            self._open -= 1
+            self._wake_one()
             raise httpx.ConnectTimeout(
                 f"connecting to {host}:{port} timed out", request=request
             ) from None
-        except OSError as exc:
+        except (OSError, _ssl.SSLError) as exc:
+            self._open -= 1
+            self._wake_one()
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
+        except BaseException:
+            self._open -= 1
+            self._wake_one()
+            raise
         return conn
+
+    # --- a request ------------------------------------------------------------------------
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
@@ -315,20 +482,24 @@ class LeanTransport(httpx.AsyncBaseTransport):
             head += [k, b": ", v, b"\r\n"]
         head.append(b"\r\n")
         wire = b"".join(head) + body
-        for attempt in range(3):
-            idle = self._get(key)
-            reused = idle is not None
-            conn = idle or await self._connect(request, key, timeouts.get("connect"))
+        resend = request.method in IDEMPOTENT
+        while True:
+            conn = self._get(key)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._acquire(request, key, timeouts)
             conn.start(request, timeouts.get("read"))
-            conn.transport.write(wire)
             try:
+                conn.transport.write(wire)
+                await conn.drain(timeouts.get("write"))
                 while not conn.headers_done:
                     if conn.error is not None:
                         raise conn.error
                     await conn.wait()
             except _Stale:
                 conn.finish()
-                if reused and attempt < 2:
+                if reused and resend:
+                    resend = False
                     continue  # the engine closed an idle connection as we picked it
                 raise httpx.RemoteProtocolError(
                     "upstream closed the connection without a response", request=request

@@ -6,13 +6,16 @@ One run, one machine, rounds interleaved so every contender sees the same noise:
 - direct:   the client talks to the upstream itself;
 - nginx:    nginx in front of it (proxy_buffering off, HTTP/1.1 keep-alive upstream);
 - plain:    tests/bench/plain_passthrough.py, FastAPI + httpx with no instrumentation;
-- pw×N:     ``phasewatch serve --workers N`` (N from --workers, default 1 and 2).
+- pw:CLIENT: ``phasewatch serve --upstream-client CLIENT`` for every client phasewatch
+            ships (--clients), the default first; ``pw:CLIENT×N`` with --workers N;
+- REV[:CLIENT]: phasewatch as it was at git revision REV (--baseline, repeatable), run
+            from a temporary ``git worktree`` (removed after): same-run before/after.
 
 Scenarios: (a) concurrency 1, 64-token streams: TTFT, added vs direct at p50/p99;
 (b) concurrency 64 and 256, 256-token streams with no inter-token delay: events/s and the
 proxy's CPU per 1,000 events (utime+stime from /proc, every process of the proxy);
-(c) 256 streams paced at 50 tok/s: client-seen decode rate, p99 inter-event gap, CPU per
-event; (d) peak RSS (VmHWM) of the proxy's largest process. Medians over --rounds.
+(c) 256 and 32 streams paced at 50 tok/s: client-seen decode rate, p99 inter-event gap,
+CPU per event; (d) peak RSS (VmHWM) of the proxy's largest process. Medians over --rounds.
 The client is a raw asyncio protocol (uvloop when installed) counting events on bytes.
 It asserts nothing: a benchmark, not a test.
 
@@ -36,6 +39,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from proxy.transport import CLIENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -140,11 +145,18 @@ def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.
     raise RuntimeError(f"{url} did not start in {timeout}s:\n{log.read_text()}")
 
 
-def spawn(name: str, argv: list[str], port: int, ready: str, env: dict | None = None) -> Proc:
-    log = Path(tempfile.mkstemp(prefix=f"pw-bench-{name}-", suffix=".log")[1])
+def spawn(
+    name: str,
+    argv: list[str],
+    port: int,
+    ready: str,
+    env: dict | None = None,
+    cwd: Path = ROOT,
+) -> Proc:
+    log = Path(tempfile.mkstemp(prefix="pw-bench-", suffix=".log")[1])
     popen = subprocess.Popen(
         argv,
-        cwd=ROOT,
+        cwd=cwd,
         env={**os.environ, **(env or {})},
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
@@ -166,12 +178,21 @@ def start_plain(upstream: str) -> Proc:
     )
 
 
-def start_phasewatch(upstream: str, workers: int) -> Proc:
+def start_phasewatch(
+    upstream: str,
+    workers: int,
+    client: str | None = None,
+    root: Path = ROOT,
+    name: str = "",
+    candidate: str | None = None,
+) -> Proc:
+    """phasewatch from `root` (this checkout, or a baseline's worktree), with one of its
+    clients or a library candidate (tests/bench/candidates.py) as its upstream client."""
     port = free_port()
+    launcher = [str(HERE / "pw_candidate.py"), candidate] if candidate else ["-m", "proxy"]
     argv = [
         PY,
-        "-m",
-        "proxy",
+        *launcher,
         "serve",
         "--upstream",
         upstream,
@@ -184,9 +205,32 @@ def start_phasewatch(upstream: str, workers: int) -> Proc:
         "--power-source",
         "none",
     ]
+    if client:
+        argv += ["--upstream-client", client]
     if workers != 1:
         argv += ["--workers", str(workers)]
-    return spawn(f"pw×{workers}", argv, port, "/phasewatch/health")
+    name = name or f"pw:{candidate or client}" + (f"×{workers}" if workers != 1 else "")
+    env = {"PYTHONPATH": str(root)}
+    proc = spawn(name, argv, port, "/phasewatch/health", env=env, cwd=root)
+    return proc
+
+
+def baseline_worktree(rev: str) -> Path:
+    """A temporary checkout of `rev` (the code before a change), removed at exit."""
+    d = Path(tempfile.mkdtemp(prefix=f"pw-bench-{rev.replace('/', '_')}-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(d), rev],
+        check=True,
+        capture_output=True,
+    )
+    return d
+
+
+def remove_worktree(d: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(d)], capture_output=True
+    )
+    shutil.rmtree(d, ignore_errors=True)
 
 
 NGINX_CONF = """
@@ -511,19 +555,24 @@ def ratio(a: float, b: float) -> str:
 def print_table(
     names: list[str],
     rows: list[tuple[str, dict[str, float], str]],
-    pw: str,
+    ratios: list[tuple[str, str]],
     targets: list[tuple[str, str]],
+    markdown: bool = False,
 ) -> None:
-    head = ["metric"] + names + [f"{pw}/direct", f"{pw}/plain", "target"]
+    """The table; `ratios`: (numerator, denominator) contender names, one column each."""
+    head = ["metric"] + names + [f"{a}/{b}" for a, b in ratios] + ["target"]
     table = [head]
     for label, vals, unit in rows:
         line = [label] + [fmt(vals.get(n, float("nan")), unit) for n in names]
-        line += [
-            ratio(vals.get(pw, float("nan")), vals.get("direct", float("nan"))),
-            ratio(vals.get(pw, float("nan")), vals.get("plain", float("nan"))),
-        ]
+        line += [ratio(vals.get(a, float("nan")), vals.get(b, float("nan"))) for a, b in ratios]
         line.append(dict(targets).get(label, ""))
         table.append(line)
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("| --- |" + " --: |" * (len(head) - 2) + " --- |")
+        for r in table[1:]:
+            print("| " + " | ".join(r) + " |")
+        return
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     for k, r in enumerate(table):
         print(
@@ -550,11 +599,26 @@ async def bench(args) -> int:
         elif args.nginx:
             print("(nginx not found: its column is left out)")
         procs.append(start_plain(up.url))
-        for w in args.workers:
-            procs.append(start_phasewatch(up.url, w))
+        for client in args.clients:
+            for w in args.workers:
+                procs.append(start_phasewatch(up.url, w, client))
+        for kind in args.candidates:
+            procs.append(start_phasewatch(up.url, 1, candidate=kind))
+        baselines = []
+        for spec in args.baseline:
+            rev, _, client = spec.partition(":")
+            tree_dir = baseline_worktree(rev)
+            procs.append(start_phasewatch(up.url, 1, client or None, root=tree_dir, name=spec))
+            procs[-1].cleanup.append(lambda d=tree_dir: remove_worktree(d))
+            baselines.append(spec)
         targets = [direct] + procs
         names = [t.name for t in targets]
-        pw = next(t.name for t in procs if t.name.startswith("pw"))
+        pw = f"pw:{args.clients[0]}"
+        ratios = [(pw, "nginx")] if any(t.name == "nginx" for t in procs) else []
+        ratios += [(f"pw:{c}", pw) for c in args.clients[1:] + args.candidates]
+        ratios += [(pw, b) for b in baselines]
+        if len(baselines) > 1:
+            ratios.append((baselines[0], baselines[1]))
 
         ttft = {n: [] for n in names}
         loads: dict[tuple[str, str], list[dict]] = {}
@@ -567,18 +631,19 @@ async def bench(args) -> int:
                 for t in order:
                     r = await scenario_load(t, c, max(1, args.streams // c), args.tokens)
                     loads.setdefault((f"c{c}", t.name), []).append(r)
-            for t in order:
-                # Steady state: stream starts spread over one stream's duration, then
-                # each connection streams again at once, so ~N streams are always open.
-                r = await scenario_load(
-                    t,
-                    args.paced_streams,
-                    args.paced_repeat,
-                    args.paced_tokens,
-                    1.0 / args.paced_rate,
-                    spread=args.paced_tokens / args.paced_rate,
-                )
-                loads.setdefault(("paced", t.name), []).append(r)
+            for n_paced in args.paced_streams:
+                for t in order:
+                    # Steady state: stream starts spread over one stream's duration, then
+                    # each connection streams again at once, so ~N streams are always open.
+                    r = await scenario_load(
+                        t,
+                        n_paced,
+                        args.paced_repeat,
+                        args.paced_tokens,
+                        1.0 / args.paced_rate,
+                        spread=args.paced_tokens / args.paced_rate,
+                    )
+                    loads.setdefault((f"paced{n_paced}", t.name), []).append(r)
             print(
                 f"(round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.1f} s)",
                 flush=True,
@@ -632,52 +697,55 @@ async def bench(args) -> int:
                     "",
                 )
             )
-        p = "paced"
-        rows.append(
-            (
-                "(c) paced CPU µs/event",
-                {n: med([r["us_per_event"] for r in loads[(p, n)]]) for n in names if n != d},
-                "",
+        for n_paced in args.paced_streams:
+            p = f"paced{n_paced}"
+            rows.append(
+                (
+                    f"(c) p{n_paced} CPU µs/event",
+                    {n: med([r["us_per_event"] for r in loads[(p, n)]]) for n in names if n != d},
+                    "",
+                )
             )
-        )
-        rows.append(
-            (
-                "(c) decode tok/s mean",
-                {n: med([r["rate_mean"] for r in loads[(p, n)]]) for n in names},
-                "",
+            rows.append(
+                (
+                    f"(c) p{n_paced} decode tok/s mean",
+                    {n: med([r["rate_mean"] for r in loads[(p, n)]]) for n in names},
+                    "",
+                )
             )
-        )
-        rows.append(
-            (
-                "(c) decode tok/s p1",
-                {n: med([r["rate_p1"] for r in loads[(p, n)]]) for n in names},
-                "",
+            rows.append(
+                (
+                    f"(c) p{n_paced} decode tok/s p1",
+                    {n: med([r["rate_p1"] for r in loads[(p, n)]]) for n in names},
+                    "",
+                )
             )
-        )
-        rows.append(
-            (
-                "(c) gap p99 ms",
-                {n: med([r["gap_p99"] * 1e3 for r in loads[(p, n)]]) for n in names},
-                "",
+            rows.append(
+                (
+                    f"(c) p{n_paced} gap p99 ms",
+                    {n: med([r["gap_p99"] * 1e3 for r in loads[(p, n)]]) for n in names},
+                    "",
+                )
             )
-        )
         rows.append(("(d) peak RSS MiB/proc", {t.name: peak_rss_mib(t.pids()) for t in procs}, ""))
         goals = [
-            ("(a) added TTFT p50 ms", "≤ 1"),
-            ("(a) added TTFT p99 ms", "≤ 3"),
-            ("(c) paced CPU µs/event", "≤ 78 and ≤ plain"),
-            ("(c) decode tok/s mean", f"{args.paced_rate:g} ± 1 %"),
-            ("(c) gap p99 ms", "< 40"),
+            ("(a) added TTFT p50 ms", "≤ 0.5"),
             ("(d) peak RSS MiB/proc", "≤ 100"),
         ]
-        goals += [(f"(b) c{c} CPU µs/event", "≤ plain") for c in args.concurrency]
+        for n_paced in args.paced_streams:
+            goals += [
+                (f"(c) p{n_paced} CPU µs/event", "≤ 2× nginx"),
+                (f"(c) p{n_paced} decode tok/s mean", f"{args.paced_rate:g} ± 1 %"),
+            ]
+        goals += [(f"(b) c{c} CPU µs/event", "≤ 2× nginx") for c in args.concurrency]
 
         bad = sum(r["bad"] for rs in loads.values() for r in rs)
         print()
         print(
             f"relay benchmark: {args.rounds} round(s), medians; (a) {args.ttft_requests} "
             f"sequential 64-token streams per contender and round; (b) {args.tokens}-token "
-            f"streams, {args.streams} per concurrency level, no delay; (c) {args.paced_streams} "
+            f"streams, {args.streams} per concurrency level, no delay; (c) "
+            f"{'/'.join(map(str, args.paced_streams))} "
             f"connections × {args.paced_repeat} streams × {args.paced_tokens} tokens at "
             f"{args.paced_rate:g} tok/s, starts spread (steady state); "
             f"{os.cpu_count()} CPUs{f'; INCOMPLETE STREAMS: {bad}' if bad else ''}"
@@ -686,8 +754,10 @@ async def bench(args) -> int:
             "CPU columns: utime+stime of the contender's processes only (not the client, "
             "not the upstream); the direct column's events/s is the client+upstream ceiling"
         )
-        print_table(names, rows, pw, goals)
-        ws = [t.name for t in procs if t.name.startswith("pw")]
+        print_table(names, rows, ratios, goals)
+        print()
+        print_table(names, rows, ratios, goals, markdown=True)
+        ws = [t.name for t in procs if t.name.startswith(pw)]
         if len(ws) > 1:
             for c in args.concurrency:
                 base = med([r["eps"] for r in loads[(f"c{c}", ws[0])]])
@@ -713,8 +783,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workers",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 2],
-        help="phasewatch worker counts to run, comma separated [1,2]",
+        default=[1],
+        help="phasewatch worker counts to run per client, comma separated [1]",
+    )
+    p.add_argument(
+        "--clients",
+        type=lambda s: s.split(","),
+        default=list(CLIENTS),
+        help=f"upstream clients to run, the default first [{','.join(CLIENTS)}]",
+    )
+    p.add_argument(
+        "--candidates",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["aiohttp", "httpx"],
+        help="library clients measured beside (tests/bench/candidates.py) [aiohttp,httpx]",
+    )
+    p.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="REV[:CLIENT]",
+        help="also run phasewatch as at git revision REV (with --upstream-client CLIENT), "
+        "from a temporary worktree; repeatable (e.g. --baseline 5dd6620)",
     )
     p.add_argument("--no-nginx", dest="nginx", action="store_false")
     p.add_argument("--ttft-requests", type=int, default=100)
@@ -728,7 +818,9 @@ def main(argv: list[str] | None = None) -> int:
         help="streams per contender in (b), spread over the connections",
     )
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--paced-streams", type=int, default=256)
+    p.add_argument(
+        "--paced-streams", type=lambda s: [int(x) for x in s.split(",")], default=[256, 32]
+    )
     p.add_argument("--paced-tokens", type=int, default=100)
     p.add_argument(
         "--paced-repeat", type=int, default=3, help="streams per connection in (c), back to back"
@@ -737,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.ttft_requests, args.concurrency, args.streams = 1, 5, [8], 8
-        args.tokens, args.paced_streams, args.paced_tokens, args.paced_repeat = 32, 8, 10, 1
+        args.tokens, args.paced_streams, args.paced_tokens, args.paced_repeat = 32, [8], 10, 1
     try:
         import uvloop
 
