@@ -75,6 +75,7 @@ class ProxyApp:
         engine_state.start(self.upstreams, self.metrics, s.engine_scrape)
         if self.primary:  # once per host, not per worker: energy must not count N times
             self.power.start()
+            self.upstreams.spawn(self.power.check_mapping())
         for u in self.upstreams.all:
             log.info(
                 "phasewatch %s relaying to %s = %s (engine %s)",
