@@ -189,8 +189,9 @@ class Row:
     precision: str
     quant: str = ""
     family: str = ""
-    requests: float = 0
-    errors: float = 0
+    requests: float = 0  # every outcome
+    errors: float = 0  # failed or refused (outcome error or rejected)
+    aborted: float = 0  # the client hung up
     in_flight: float = 0
     queued: float = 0
     prompt_tokens: float = 0
@@ -221,6 +222,18 @@ class Row:
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.upstream, self.model, self.precision)
+
+    @property
+    def measured(self) -> bool:
+        """Whether any figure of the table was measured for this row (a model that only
+        had errors, or was never asked for, has none)."""
+        return bool(
+            self.decode_tok_s is not None
+            or self.prefill_ms_per_token
+            or self.ttft_s
+            or self.share_prefill is not None
+            or self.decode_watts is not None
+        )
 
 
 @dataclass
@@ -291,6 +304,7 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         r.errors = sum(
             samples.total(_n("requests_total"), **lab, outcome=o) for o in ("error", "rejected")
         )
+        r.aborted = samples.total(_n("requests_total"), **lab, outcome="aborted")
         r.in_flight = samples.total(_n("in_flight_requests"), **lab)
         r.queued = samples.total(_n("queued_requests"), **lab)
         r.prompt_tokens = samples.total(_n("tokens_total"), **lab, phase="prefill") + samples.total(
