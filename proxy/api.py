@@ -74,8 +74,10 @@ SummaryRow: type[BaseModel] = create_model(  # type: ignore[call-overload]
 class SummaryUpstream(BaseModel):
     name: str
     engine: str
-    up: bool
+    up: bool | None  # None until its first probe answered or failed
     models: int
+    requests: float
+    errors: float
     in_flight: float
     queued: float
     watts: float | None
