@@ -63,7 +63,7 @@ class Recent(BaseModel):
     decode_tok_s: float | None
 
 
-#: One row of the methodology's table (proxy.measure.summary.Row) plus its recent figures.
+#: One row of the benchmark table (proxy.measure.summary.Row) plus its recent figures.
 SummaryRow: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "SummaryRow",
     **{f.name: (typing.get_type_hints(Row)[f.name], ...) for f in dataclasses.fields(Row)},

@@ -142,8 +142,9 @@ class Settings(BaseSettings):
 
     upstream: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Engine base URL, optionally named: [name=]http://host:port "
-        "(repeatable; requests are routed by model).",
+        description="Engine base URL, optionally named: [name=]http://host:port[/base-path] "
+        "(repeatable; requests are routed by model). The client's whole path is appended: "
+        "a trailing /v1 is dropped with a warning.",
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8090, ge=0, le=65535, description="Port to listen on.")

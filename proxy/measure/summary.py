@@ -1,4 +1,4 @@
-"""The methodology's table computed from phasewatch's own samples: per upstream x model x
+"""The benchmark table computed from phasewatch's own samples: per upstream x model x
 precision, decode tok/s, prefill ms/token and TTFT by prompt band, power, J/token, phase
 shares and speed-ups against the unquantised row.
 
@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from .metrics import PREFIX, PROMPT_BANDS
 from .precision import GGUF_TYPE_RE
 
-#: The bands the methodology names: ~4K and ~16K for prefill, ~8K for TTFT.
+#: The bands the benchmark table reports: ~4K and ~16K for prefill, ~8K for TTFT.
 BAND_4K, BAND_8K, BAND_16K = "2k-6k", "6k-12k", "12k-24k"
 #: Display names of the bands.
 BAND_TITLES = {

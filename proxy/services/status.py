@@ -1,4 +1,4 @@
-"""The live status page's data: the methodology's table, recent TTFT and decode rates,
+"""The live status page's data: the benchmark table, recent TTFT and decode rates,
 in-flight and queued requests and power, computed by the proxy itself (no Grafana, no
 external assets).
 

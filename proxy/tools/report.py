@@ -1,4 +1,4 @@
-"""``phasewatch report``: the methodology's table from live traffic.
+"""``phasewatch report``: the benchmark table from live traffic.
 
 The table (decode tok/s, prefill ms/token at ~4K and ~16K prompts, TTFT at ~8K, power
 under decode load and idle, J/token, speed-ups per precision) is computed by
