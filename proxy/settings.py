@@ -285,7 +285,8 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Which upstream or model a GPU serves: GPU=UPSTREAM or GPU=MODEL, GPU "
         "numbered as the power source numbers it (repeatable; default: every GPU serves "
-        "every upstream; GPUs left out of a mapping are not sampled).",
+        "every upstream; GPUs left out of a mapping are not sampled). A MODEL is one an "
+        "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
     @field_validator("api_key", "upstream_key", mode="before")

@@ -400,14 +400,17 @@ def _gpus_of(samples: Samples, upstream: str, model: str) -> tuple[list[dict], b
 
 
 def _state_watts(samples: Samples, gpus: list[dict], state: str) -> float | None:
-    """Mean sampled power in a state, summed over the GPUs."""
-    total, seen = 0.0, False
+    """Mean sampled power in a state, summed over the GPUs. One GPU may have several label
+    sets (its precision label changes once the engine has said what it serves): their
+    samples are that one GPU's, averaged together, not added up."""
+    per_gpu: dict[str, list[float]] = {}
     for g in gpus:
         c = samples.total(_n("gpu_power_sample_watts_count"), **g, state=state)
         if c:
-            total += samples.total(_n("gpu_power_sample_watts_sum"), **g, state=state) / c
-            seen = True
-    return total if seen else None
+            acc = per_gpu.setdefault(g.get("gpu", ""), [0.0, 0.0])
+            acc[0] += samples.total(_n("gpu_power_sample_watts_sum"), **g, state=state)
+            acc[1] += c
+    return sum(total / count for total, count in per_gpu.values()) if per_gpu else None
 
 
 def _row_order(key: tuple[str, str, str]) -> tuple:
