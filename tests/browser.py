@@ -55,14 +55,18 @@ class Page:
         return got["result"].get("value")
 
     def wait(self, expression: str, timeout: float = 30.0) -> Any:
-        """Poll `expression` until it is truthy (bounded)."""
+        """Poll `expression` until it is truthy (bounded); while the page is still loading
+        (no document.body yet) it may throw, which counts as not yet."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.eval(expression)
+            try:
+                value, error = self.eval(expression), None
+            except RuntimeError as exc:
+                value, error = None, exc
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {expression}")
+                raise AssertionError(f"timed out waiting for {expression}: {error}")
             time.sleep(0.1)
 
     def screenshot(self, path: Path) -> None:
