@@ -575,7 +575,7 @@ def overview() -> dict:
             "Share of wall time: queue, prefill, decode",
             "Of all the time requests spent, the share in the proxy's queue, in prefill (first "
             "output minus request sent: includes the engine's own queue) and in decode. For chat "
-            "with short prompts decode dominates (the seeds' '94 % of the wait is decode'); "
+            "with short prompts decode takes most of the wait; "
             "long RAG prompts shift it to prefill.",
             [target(f"{expr} / {total}", name) for name, expr in sums.items()],
             "percentunit",
@@ -897,7 +897,7 @@ def _sel(precision_matcher: str) -> str:
 
 
 def figures(pm: str, rng: str = "$__range") -> dict[str, str]:
-    """The seeds' 'what to report' figures, one series per precision, for precision matcher pm."""
+    """The benchmark table's figures, one series per precision, for precision matcher pm."""
     s = _sel(pm)
     per_gpu = "upstream, model, precision, gpu"
     idle_per_model = (
@@ -936,7 +936,7 @@ def precision_comparison() -> dict:
     d = Dash(
         "phasewatch-precision",
         "phasewatch / Precision comparison",
-        "The seeds' 'what to report' table, one column per precision: decode tok/s, prefill "
+        "The benchmark table, one column per precision: decode tok/s, prefill "
         "ms/token at ~4K and ~16K prompts, TTFT at ~8K, power at decode load, idle power, "
         "J/token, and decode speed-up and power saving relative to a bf16/fp16 baseline.",
         ["precision"],

@@ -63,7 +63,7 @@ class Recent(BaseModel):
     decode_tok_s: float | None
 
 
-#: One row of the methodology's table (proxy.measure.summary.Row) plus its recent figures.
+#: One row of the benchmark table (proxy.measure.summary.Row) plus its recent figures.
 SummaryRow: type[BaseModel] = create_model(  # type: ignore[call-overload]
     "SummaryRow",
     **{f.name: (typing.get_type_hints(Row)[f.name], ...) for f in dataclasses.fields(Row)},
@@ -74,8 +74,10 @@ SummaryRow: type[BaseModel] = create_model(  # type: ignore[call-overload]
 class SummaryUpstream(BaseModel):
     name: str
     engine: str
-    up: bool
+    up: bool | None  # None until its first probe answered or failed
     models: int
+    requests: float
+    errors: float
     in_flight: float
     queued: float
     watts: float | None

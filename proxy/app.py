@@ -76,6 +76,7 @@ class ProxyApp:
         self.upstreams.start(s.model_refresh, self.host)
         if self.primary:  # once per host, not per worker: the engines are scraped once
             engine_state.start(self.upstreams, self.metrics, s.engine_scrape)
+            self.upstreams.spawn(self.power.check_mapping())
         self.power.start()  # samples in the primary only: energy must not count N times
         for u in self.upstreams.all:
             log.info(

@@ -11,8 +11,10 @@ An empty variable (``PHASEWATCH_POWER_DCGM_URL=``) counts as unset.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -22,6 +24,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .core.upstreams import UpstreamOptions, UpstreamSpec
 from .engines import ENGINES
+from .measure.precision import PRECISIONS, normalise
 from .services.power import PowerOptions
 from .transport import ClientOptions, TLSOptions
 
@@ -36,8 +39,18 @@ def _split_list(value: Any) -> Any:
     return value
 
 
-def parse_upstream(spec: str) -> tuple[str | None, str]:
-    """``[name=]URL`` -> (name or None, normalised base URL). Raises ValueError."""
+#: The trailing path segment of an OpenAI base URL (``http://host:8000/v1``): phasewatch
+#: forwards the client's whole path, ``/v1`` included, so an upstream is the engine's base.
+_OPENAI_SUFFIX = "/v1"
+
+
+def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
+    """``[name=]URL`` -> (name or None, normalised base URL, a note for the log or None).
+
+    A base path is kept (``http://gateway/tenant-a``: requests go to
+    ``/tenant-a/v1/chat/completions``); a trailing ``/v1``, the habit from OpenAI base
+    URLs, is dropped with a note, since clients send ``/v1/…`` themselves. Raises
+    ValueError."""
     name = None
     url = spec.strip()
     if "=" in url and not url.split("=", 1)[0].startswith(("http:", "https:")):
@@ -47,14 +60,73 @@ def parse_upstream(spec: str) -> tuple[str | None, str]:
             raise ValueError(f"upstream name {name!r} must be letters, digits, '-', '_' or '.'")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"upstream {spec!r} is not an http(s)://host[:port] URL")
+        raise ValueError(
+            f"upstream {spec!r} is not an http(s)://host[:port][/base-path] URL "
+            "(e.g. http://127.0.0.1:8000)"
+        )
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError as exc:
         raise ValueError(f"upstream {spec!r} has a bad port") from exc
     if parts.query or parts.fragment:
         raise ValueError(f"upstream {spec!r} must not carry a query or fragment")
-    return name, url.rstrip("/")
+    url = url.rstrip("/")
+    note = None
+    if parts.path.rstrip("/").endswith(_OPENAI_SUFFIX):
+        base = url.removesuffix(_OPENAI_SUFFIX)
+        note = (
+            f"upstream {url} ends in {_OPENAI_SUFFIX}: relaying to {base} instead "
+            f"(phasewatch forwards the client's whole path, {_OPENAI_SUFFIX} included: "
+            f"give the engine's base URL, and clients keep {_OPENAI_SUFFIX} in theirs)"
+        )
+        url = base
+    return name, url, note
+
+
+ENV_PREFIX = "PHASEWATCH_"
+#: Variables of phasewatch's other commands and of its test tier: not settings of
+#: ``serve``, yet no misspelling either.
+OTHER_VARIABLES = frozenset(
+    {
+        "PHASEWATCH_SIM_ENGINE",
+        "PHASEWATCH_SIM_SPEED",
+        "PHASEWATCH_SIM_TRUTH_LOG",
+        "PHASEWATCH_REAL_ENGINES",
+        "PHASEWATCH_ENGINES_DIR",
+        "PHASEWATCH_ENGINES_MANIFEST",
+        "PHASEWATCH_ENGINES_PYTHON",
+        "PHASEWATCH_ARTIFACTS",
+    }
+)
+
+
+def unknown_variables(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
+    """One note per ``PHASEWATCH_*`` variable that names no setting (a misspelling such
+    as ``PHASEWATCH_UPSTREM`` would otherwise be ignored in silence), naming the nearest
+    known one. Only names are quoted, never values."""
+    notes = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
+            continue
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}?" if near else "phasewatch serve --help lists the settings"
+        notes.append(
+            f"environment variable {name} is not a phasewatch setting and is ignored ({hint})"
+        )
+    return notes
+
+
+def check_precision(item: str) -> None:
+    """``model=precision`` must name a precision or scheme the vocabulary knows: an
+    unknown word would label every request of that model ``unknown`` in silence."""
+    model, _, value = item.partition("=")
+    if value.strip().lower() == "unknown" or normalise(value).precision != "unknown":
+        return
+    raise ValueError(
+        f"{value!r} (for model {model!r}) is not a precision phasewatch knows: give one of "
+        f"{', '.join(p for p in PRECISIONS if p != 'unknown')}, or a scheme such as Q4_K_M, "
+        "Q8_0, F16, AWQ, GPTQ, FP8, W8A8, W4A16, NVFP4, MXFP4"
+    )
 
 
 class Settings(BaseSettings):
@@ -67,11 +139,13 @@ class Settings(BaseSettings):
     _upstreams: tuple[UpstreamSpec, ...] = PrivateAttr(default=())
     _precision: dict[str, str] = PrivateAttr(default_factory=dict)
     _power_gpu: dict[str, str] = PrivateAttr(default_factory=dict)
+    _notices: list[str] = PrivateAttr(default_factory=list)
 
     upstream: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Engine base URL, optionally named: [name=]http://host:port "
-        "(repeatable; requests are routed by model).",
+        description="Engine base URL, optionally named: [name=]http://host:port[/base-path] "
+        "(repeatable; requests are routed by model). The client's whole path is appended: "
+        "a trailing /v1 is dropped with a warning.",
     )
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8090, ge=0, le=65535, description="Port to listen on.")
@@ -261,7 +335,8 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Which upstream or model a GPU serves: GPU=UPSTREAM or GPU=MODEL, GPU "
         "numbered as the power source numbers it (repeatable; default: every GPU serves "
-        "every upstream; GPUs left out of a mapping are not sampled).",
+        "every upstream; GPUs left out of a mapping are not sampled). A MODEL is one an "
+        "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
     @field_validator("api_key", "upstream_key", mode="before")
@@ -298,7 +373,7 @@ class Settings(BaseSettings):
     def _check_upstreams(cls, value: list[str]) -> list[str]:
         names = set()
         for spec in value:
-            name, url = parse_upstream(spec)
+            name, url, _ = parse_upstream(spec)
             key = name or url
             if key in names:
                 raise ValueError(f"upstream {key!r} given twice")
@@ -311,6 +386,13 @@ class Settings(BaseSettings):
         for item in value:
             if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
                 raise ValueError(f"{item!r} is not a name=value pair")
+        return value
+
+    @field_validator("precision")
+    @classmethod
+    def _check_precisions(cls, value: list[str]) -> list[str]:
+        for item in value:
+            check_precision(item)
         return value
 
     @field_validator("power_gpu", mode="before")
@@ -347,8 +429,11 @@ class Settings(BaseSettings):
         keys = dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
         engines = dict(item.split("=", 1) for item in self.engine)
         specs = []
+        notes = []
         for spec in self.upstream:
-            name, url = parse_upstream(spec)
+            name, url, note = parse_upstream(spec)
+            if note:
+                notes.append(note)
             if name is None:
                 parts = urlsplit(url)
                 name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
@@ -373,6 +458,8 @@ class Settings(BaseSettings):
                     f"{', '.join(sorted(names))})"
                 )
         self._upstreams = tuple(specs)
+        known = frozenset(ENV_PREFIX + f.upper() for f in type(self).model_fields)
+        self._notices = notes + unknown_variables(os.environ, known)
         self._precision = dict(item.split("=", 1) for item in self.precision)
         self._power_gpu = {
             gpu.strip(): target.strip()
@@ -422,6 +509,11 @@ class Settings(BaseSettings):
                 spec = replace(spec, tls=tls)
             out.append(spec)
         return out
+
+    @property
+    def notices(self) -> list[str]:
+        """Warnings for the start-up log: a corrected upstream URL, unknown variables."""
+        return list(self._notices)
 
     @property
     def upstreams(self) -> tuple[UpstreamSpec, ...]:

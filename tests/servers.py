@@ -136,8 +136,9 @@ def start_sim(
     max_num_seqs: int = 16,
     jitter: float = 0.0,
     extra: list[str] | None = None,
+    port: int | None = None,
 ) -> Server:
-    port = free_port()
+    port = port or free_port()
     truth = Path(tempfile.mkstemp(prefix="pw-truth-", suffix=".jsonl")[1])
     args = (
         [

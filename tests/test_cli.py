@@ -38,7 +38,7 @@ def test_help_documents_every_setting():
     [
         (
             ["--upstream", "localhost:8000"],
-            "--upstream: upstream 'localhost:8000' is not an http(s)://host[:port] URL",
+            "--upstream: upstream 'localhost:8000' is not an http(s)://host[:port][/base-path] URL",
         ),
         (["--upstream", "http://a:1", "--max-concurrency", "-1"], "--max-concurrency"),
         (["--upstream", "http://a:99999"], "bad port"),

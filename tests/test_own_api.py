@@ -105,6 +105,7 @@ def test_exposition_negotiates_openmetrics_and_gzip_with_process_metrics(proxy):
     text = plain.text
     assert "_created" not in text  # no _created series
     assert "process_resident_memory_bytes" in text and "python_info" in text
+    assert "python_gc_objects_collected_total" in text  # the GC collector too
     om = httpx.get(
         proxy.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
     )

@@ -123,6 +123,7 @@ def fake_upstream(name: str = "gpu0", models=("m-bf16",)) -> SimpleNamespace:
         models=set(models),
         configured_models=set(),
         precision_of=lambda m: Precision(precisions.get(m, "unknown")),
+        serves=lambda m: m in models,
     )
 
 

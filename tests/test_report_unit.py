@@ -128,3 +128,20 @@ def test_power_from_samples_of_an_upstream_serving_one_model():
     assert row.idle_watts == 44.0 and row.decode_watts == 600.0
     assert math.isclose(row.joules_per_token, 600.0 / row.decode_tok_s)
     assert row.baseline is not None and row.decode_speedup == 1.0
+
+
+def test_a_gpu_relabelled_once_is_still_one_gpu():
+    """A GPU's series change labels once the engine says what precision its model is
+    (unknown first, then bf16): its idle power is the mean of all its idle samples, not the
+    sum of the two label sets' means."""
+    m = Metrics()
+    key = ("sim", "meta-llama/Llama-3.1-8B-Instruct", "bf16")
+    _traffic(m, key, 50.0, 4000.0, 1.6)
+    early = ("sim", key[1], "unknown", "0")
+    for _ in range(3):
+        m.gpu_power_sample_watts.labels(*early, "idle").observe(20.0)
+    for _ in range(9):
+        m.gpu_power_sample_watts.labels(*key, "0", "idle").observe(24.0)
+    m.gpu_power_sample_watts.labels("sim", key[1], "bf16", "1", "idle").observe(30.0)
+    (row,) = build(Samples.from_registry(m.registry)).rows
+    assert math.isclose(row.idle_watts, (3 * 20.0 + 9 * 24.0) / 12 + 30.0)

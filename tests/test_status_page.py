@@ -4,9 +4,8 @@ Chromium after `phasewatch demo` traffic, with a screenshot kept as a test artif
 
 from __future__ import annotations
 
-import html.parser
+import itertools
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -15,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .servers import _spawn, free_port
+from .browser import Browser
+from .servers import _spawn, free_port, start_proxy
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 
@@ -76,77 +76,36 @@ def test_summary_json_counts_requests(proxy):
 
 # --- in a real browser ---------------------------------------------------------------------
 
+#: The cells of every table row by column, as the page's script rendered them.
+ROWS_JS = """(() => {
+  const out = {};
+  for (const tr of document.querySelectorAll("tr[data-precision]")) {
+    const cells = {};
+    for (const td of tr.querySelectorAll("td[data-col]")) cells[td.dataset.col] = td.textContent.trim();
+    cells._class = Object.fromEntries([...tr.querySelectorAll("td[data-col]")].map(td => [td.dataset.col, td.className]));
+    out[tr.dataset.upstream + "/" + tr.dataset.precision] = cells;
+  }
+  return out;
+})()"""
 
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("headless Chromium is needed for the status page test: apt-get install -y chromium")
-
-
-def _browse(url: str, *extra: str) -> subprocess.CompletedProcess:
-    profile = tempfile.mkdtemp(prefix="pw-chromium-")
-    try:
-        return subprocess.run(
-            [
-                _chromium(),
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--disable-dev-shm-usage",
-                f"--user-data-dir={profile}",
-                "--virtual-time-budget=4000",
-                *extra,
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
+#: Whether the table fits its box (no sideways scroll) and how many lines each header takes.
+LAYOUT_JS = """(() => {
+  const box = document.getElementById("table").parentElement;
+  const lines = [...document.querySelectorAll("#table thead th")].map(th => {
+    const cs = getComputedStyle(th);
+    const inner = th.getBoundingClientRect().height - parseFloat(cs.paddingTop) - parseFloat(cs.paddingBottom);
+    return Math.round(inner / parseFloat(cs.lineHeight));
+  });
+  return {scroll: box.scrollWidth, client: box.clientWidth, page: document.documentElement.scrollWidth,
+          viewport: window.innerWidth, header_lines: Math.max(...lines), details: document.querySelectorAll("tr.detail").length};
+})()"""
 
 
-class _Rows(html.parser.HTMLParser):
-    """Table rows of the rendered page: {precision: [cell texts]}."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: dict[str, list[str]] = {}
-        self.cards: list[str] = []
-        self._row: str | None = None
-        self._cell: list[str] | None = None
-        self.canvases = 0
-        self.rendered = 0
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag == "body" and a.get("data-rendered"):
-            self.rendered = int(a["data-rendered"])
-        if tag == "tr" and "data-precision" in a:
-            self._row = a["data-precision"]
-            self.rows[self._row] = []
-        elif tag == "td" and self._row is not None:
-            self._cell = []
-        elif tag == "canvas":
-            self.canvases += 1
-
-    def handle_endtag(self, tag):
-        if tag == "td" and self._cell is not None and self._row is not None:
-            self.rows[self._row].append("".join(self._cell).strip())
-            self._cell = None
-        elif tag == "tr":
-            self._row = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell.append(data)
+@pytest.fixture(scope="module")
+def browser():
+    b = Browser()
+    yield b
+    b.close()
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +118,16 @@ def demo():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        # wait for decode rates and a long-prompt band for every precision
-        deadline = time.monotonic() + 45
+        # wait for decode rates and a long-prompt band for every precision, and a power history
+        deadline = time.monotonic() + 60
         while True:
-            rows = httpx.get(url + "/phasewatch/api/summary", timeout=10).json()["rows"]
+            data = httpx.get(url + "/phasewatch/api/summary", timeout=10).json()
             ready = [
-                r for r in rows if r["decode_tok_s"] and set(r["ttft_s"]) - {"0-2k", "unknown"}
+                r
+                for r in data["rows"]
+                if r["decode_tok_s"] and set(r["ttft_s"]) - {"0-2k", "unknown"}
             ]
-            if len(ready) >= 3 or time.monotonic() > deadline:
+            if (len(ready) >= 3 and len(data["power_points"]) >= 8) or time.monotonic() > deadline:
                 break
             time.sleep(1)
         yield url
@@ -179,44 +140,109 @@ def demo():
         log.unlink(missing_ok=True)
 
 
-def test_status_page_renders_live_numbers_in_chromium(demo):
+def test_status_page_renders_live_numbers_in_chromium(demo, browser):
     summary = httpx.get(demo + "/phasewatch/api/summary", timeout=10).json()
     api = {r["precision"]: r for r in summary["rows"]}
     assert {"bf16", "fp8", "int4"} <= {p for p, r in api.items() if r["decode_tok_s"]}
 
-    res = _browse(demo + "/", "--dump-dom")
-    assert res.returncode == 0, res.stderr[-2000:]
-    dom = _Rows()
-    dom.feed(res.stdout)
-    assert dom.rendered >= 1 and dom.canvases == 3
-    assert {"bf16", "fp8", "int4"} <= set(dom.rows)
-    decode = {}
-    for prec in ("bf16", "fp8", "int4"):
-        cells = dom.rows[prec]
-        assert cells[1].startswith(prec)
-        assert float(cells[2]) >= api[prec]["requests"] * 0.5  # requests (still growing)
-        decode[prec] = float(cells[4])  # decode tok/s, rendered by the page's JS
-        assert decode[prec] == pytest.approx(api[prec]["decode_tok_s"], rel=0.25), prec
-    # the physics shows on the page: int4 decodes ~3x faster than bf16
-    assert 2.2 < decode["int4"] / decode["bf16"] < 3.8
-    if summary["power_sampled"]:  # the demo maps each simulated GPU to its model
-        watts = {p: float(dom.rows[p][8]) for p in ("bf16", "int4")}  # decode W
+    page = browser.page(demo + "/", 1400, 1000)
+    try:
+        page.wait("+document.body.dataset.rendered >= 1")
+        rows = {k.split("/", 1)[1]: v for k, v in page.eval(ROWS_JS).items()}
+        assert {"bf16", "fp8", "int4"} <= set(rows)
+        decode = {}
+        for prec in ("bf16", "fp8", "int4"):
+            cells = rows[prec]
+            assert cells["precision"].startswith(prec)
+            assert float(cells["requests"]) >= api[prec]["requests"] * 0.5  # (still growing)
+            assert cells["failed"] == "0 / 0"
+            decode[prec] = float(cells["decode"])  # rendered by the page's script
+            assert decode[prec] == pytest.approx(api[prec]["decode_tok_s"], rel=0.25), prec
+        # the physics shows on the page: int4 decodes ~3x faster than bf16
+        assert 2.2 < decode["int4"] / decode["bf16"] < 3.8
+        assert summary["power_sampled"]  # the demo maps each simulated GPU to its model
+        watts = {p: float(rows[p]["decodew"]) for p in ("bf16", "int4")}
         assert watts["int4"] < watts["bf16"] <= 450  # lower precision draws less
-        assert 10 < float(dom.rows["bf16"][9]) < 100  # idle W: tens of watts
-        assert float(dom.rows["int4"][10]) < float(dom.rows["bf16"][10])  # J/token
-        assert "sim gpu 0" in res.stdout  # the power chart's legend
-    else:  # no power source: the power columns say so rather than showing zeros
-        assert dom.rows["bf16"][8:11] == ["n/a"] * 3
-    assert "× /" in dom.rows["int4"][12]  # speed-up decode / prefill
+        assert 10 < float(rows["bf16"]["idlew"]) < 100  # idle: tens of watts
+        assert float(rows["int4"]["jtok"]) < float(rows["bf16"]["jtok"])
+        assert rows["int4"]["speedup"].endswith("×") and rows["int4"]["prefillx"].endswith("×")
 
-    # a screenshot, kept as an artifact (and where PHASEWATCH_ARTIFACTS says, for CI)
-    out_dir = Path(os.environ.get("PHASEWATCH_ARTIFACTS") or tempfile.mkdtemp(prefix="pw-status-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = out_dir / "status-page.png"
-    res = _browse(demo + "/phasewatch/", f"--screenshot={png}", "--window-size=1600,1000")
-    assert res.returncode == 0 and png.exists(), res.stderr[-2000:]
-    data = png.read_bytes()
-    assert (
-        data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
-    )  # a page with charts, not a blank
-    print(f"status page screenshot: {png}")
+        # at 1400 px the table fits: no sideways scroll, every header on one line
+        layout = page.eval(LAYOUT_JS)
+        assert layout["scroll"] <= layout["client"] and layout["page"] <= layout["viewport"], layout
+        assert layout["header_lines"] == 1, layout
+        # the details (in flight, time split, the last minute) open under the rows, not beside
+        page.eval('document.getElementById("expand-all").click()')
+        layout = page.eval(LAYOUT_JS)
+        assert layout["details"] == len(rows) and layout["scroll"] <= layout["client"], layout
+        detail = page.eval('document.querySelector("tr.detail").textContent')
+        assert "last minute: decode tok/s" in detail and "in flight / queued" in detail
+
+        # the power chart: one smoothed line per GPU, calmer than the step means it is made of
+        drawn = page.eval(
+            'document.getElementById("power").drawn.map(s => ({label: s.label, pts: s.pts}))'
+        )
+        assert {d["label"].split(" · ")[0] for d in drawn} == {
+            "sim gpu 0",
+            "sim gpu 1",
+            "sim gpu 2",
+        }
+        assert "rolling mean" in page.eval(
+            'document.getElementById("power").getAttribute("aria-label")'
+        )
+        raw: dict[str, list] = {}
+        for _, watts_by_gpu in summary["power_points"]:
+            for label, w in watts_by_gpu.items():
+                raw.setdefault(label, []).append(w)
+
+        def variation(values):
+            return sum(abs(b - a) for a, b in itertools.pairwise(values))
+
+        calmer = 0
+        for d in drawn:
+            ys = [p[1] for p in d["pts"]]
+            assert min(raw[d["label"]]) <= min(ys) and max(ys) <= max(raw[d["label"]])
+            calmer += variation(ys) < variation(raw[d["label"]])
+        assert calmer >= 2, drawn  # a GPU whose power stayed flat has nothing to smooth
+
+        # a screenshot at 1400 px, kept as an artifact (and where PHASEWATCH_ARTIFACTS says)
+        page.eval('document.getElementById("expand-all").click()')  # details closed again
+        out_dir = Path(
+            os.environ.get("PHASEWATCH_ARTIFACTS") or tempfile.mkdtemp(prefix="pw-status-")
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        png = out_dir / "status-page.png"
+        page.screenshot(png)
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000  # charts, not a blank
+        print(f"status page screenshot: {png}")
+    finally:
+        page.close()
+
+
+def test_a_dead_upstream_shows_failures_not_an_empty_page(browser):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = start_proxy(f"dead={dead}")
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(2):
+            assert httpx.post(proxy.url + "/v1/chat/completions", json=body).status_code == 502
+        page = browser.page(proxy.url + "/phasewatch/", 1400, 900)
+        try:
+            page.wait("+document.body.dataset.rendered >= 1")
+            row = page.eval(ROWS_JS)["dead/unknown"]
+            assert (row["requests"], row["failed"]) == ("2", "2 / 0")
+            assert "bad" in row["_class"]["failed"]
+            assert row["decode"] == "—"
+            ttft = page.eval('document.getElementById("ttft").getAttribute("aria-label")')
+            assert ttft == "no successful requests yet (2 of 2 failed or aborted)"
+            card = page.eval(
+                """(() => { const c = document.querySelector('[data-upstream="dead"]');
+                   return {state: c.dataset.state, text: c.textContent}; })()"""
+            )
+            assert card["state"] == "down" and "engineunknown" in card["text"].replace(" ", "")
+            assert "requests / failed2 / 2" in card["text"]
+        finally:
+            page.close()
+    finally:
+        proxy.stop()

@@ -73,6 +73,25 @@ def test_requests_spread_and_metrics_sum(stack):
         assert not [k for k in s if dict(k[1]).get("pid")]
 
 
+def test_exposition_under_workers_negotiates_and_has_no_created_series(stack):
+    """The summed multiprocess registry goes through the same exposition: OpenMetrics
+    on request, gzip, no _created series; no process_* series, which would describe
+    one worker only."""
+    _, proxy = stack
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    plain = httpx.get(proxy.url + "/metrics")
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "_created" not in plain.text and "process_resident_memory_bytes" not in plain.text
+    om = httpx.get(
+        proxy.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+    )
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert "phasewatch_requests" in {f.name for f in text_string_to_metric_families(om.text)}
+    gz = httpx.get(proxy.url + "/metrics", headers={"accept-encoding": "gzip"})
+    assert gz.headers.get("content-encoding") == "gzip"
+
+
 def test_power_sampler_runs_in_one_worker_only(stack):
     _, proxy = stack
     # No GPU here: the sampler says so once, from the primary (worker 0) only.

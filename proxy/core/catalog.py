@@ -4,15 +4,15 @@ With one upstream every path is passed through untouched. With several, a client
 ``GET /v1/models`` (or Ollama's ``GET /api/tags`` / ``/api/ps``) must see every model it
 can reach through the proxy, so the proxy asks each upstream and merges the lists:
 OpenAI-style ``data`` entries as each engine wrote them, and Ollama-style ``models``
-entries (engines that do not speak Ollama's API get a minimal entry per model, with
-the precision phasewatch knows in ``details.quantization_level``).
+entries from the Ollama upstreams only: an Ollama client speaks Ollama's own API, which
+the other engines do not serve (:meth:`~proxy.core.upstreams.Upstreams.route_native`
+answers such a request with Ollama's own "not found").
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import httpx
@@ -41,26 +41,6 @@ async def _get(u: Upstream, path: str) -> object:
     except httpx.HTTPError:
         return None
     return obj if status == 200 else None
-
-
-def _ollama_entry(u: Upstream, model: str) -> dict:
-    p = u.precision.get(model)
-    now = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    return {
-        "name": model,
-        "model": model,
-        "modified_at": now,
-        "size": 0,
-        "digest": "",
-        "details": {
-            "parent_model": "",
-            "format": "",
-            "family": "",
-            "families": None,
-            "parameter_size": "",
-            "quantization_level": p.quant or p.precision,
-        },
-    }
 
 
 async def union(upstreams: Upstreams, path: str) -> bytes | None:
@@ -95,13 +75,6 @@ async def union(upstreams: Upstreams, path: str) -> bytes | None:
             if key not in seen:
                 seen.add(key)
                 models.append(item)
-    if path == "/api/tags":
-        for u in ups:
-            if u.engine != "ollama":
-                for model in sorted(u.models):
-                    if model not in seen:
-                        seen.add(model)
-                        models.append(_ollama_entry(u, model))
     return json.dumps({"models": models}, ensure_ascii=False, separators=(",", ":")).encode()
 
 

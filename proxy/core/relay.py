@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from ..engines import Tap
+from ..engines import Tap, get_dialect
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
@@ -28,6 +28,13 @@ from .headers import encoded, request_headers, request_id, response_headers
 from .upstreams import Upstream, Upstreams
 
 log = logging.getLogger(__name__)
+
+#: Ollama's own API: requests there are routed to Ollama upstreams only.
+OLLAMA_NATIVE = "/api/"
+
+
+#: Ollama's dialect, for the errors phasewatch answers on Ollama's API itself.
+_OLLAMA = get_dialect("ollama")
 
 #: Largest non-streamed measured response kept for reading its usage.
 _MAX_KEPT_BODY = 16 * 1024 * 1024
@@ -117,7 +124,20 @@ class Relay:
                 await catalog.send_union(send, self.upstreams, path)
                 return
             model = _peek_model(body) if method == "POST" else catalog.model_in_path(path)
-            upstream = self.upstreams.route(model)
+            if path.startswith(OLLAMA_NATIVE) and method in ("POST", "DELETE"):
+                native = self.upstreams.route_native(model if method == "POST" else None)
+                if native is None:  # only engines without Ollama's API serve it
+                    await send_error(
+                        send,
+                        404,
+                        f"model '{model}' not found",
+                        "not_found",
+                        shape=lambda st, msg, kind: _OLLAMA.error_body(st, msg, kind, path),
+                    )
+                    return
+                upstream = native
+            else:
+                upstream = self.upstreams.route(model)
         dialect = upstream.dialect
         endpoint = dialect.endpoint(method, path)
         # a dialect may also decline (an Ollama model load is not a generation)

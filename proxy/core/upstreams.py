@@ -266,6 +266,20 @@ class Upstreams:
                     return u
         return self.all[0]
 
+    def route_native(self, model: str | None) -> Upstream | None:
+        """The upstream for a request on Ollama's own API (``/api/…``): an Ollama upstream
+        serving `model`, else the first Ollama upstream (it answers for models it does not
+        have: pulls, its own "not found"). None when only engines without Ollama's API
+        serve `model`: the client could not use their answer, so the relay says "not
+        found" in Ollama's shape rather than pass on the engine's unrelated 404."""
+        ollama = [u for u in self.all if u.engine == "ollama"]
+        for u in ollama:
+            if u.serves(model):
+                return u
+        if any(u.serves(model) for u in self.all):
+            return None
+        return ollama[0] if ollama else self.route(model)
+
     def start(self, refresh_interval: float, host: Host | None = None) -> None:
         """Detect each engine and read its models now, then every `refresh_interval`,
         in the background: the proxy serves from the first moment. Under --workers N only

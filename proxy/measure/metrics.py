@@ -160,7 +160,7 @@ WATT_BUCKETS = (
 # --- prompt bands ----------------------------------------------------------------------
 
 #: Upper bounds (exclusive) and names of the prompt-length bands. They are centred on the
-#: prompt sizes the benchmark methodology reports (prefill at ~4K (2k-6k) and ~16K
+#: prompt sizes the benchmark table reports (prefill at ~4K (2k-6k) and ~16K
 #: (12k-24k) tokens, TTFT at ~8K (6k-12k)), because decode and prefill both change with
 #: context.
 _BAND_BOUNDS = (2048, 6144, 12288, 24576, 65536)
@@ -448,7 +448,7 @@ def observe_counts(child, counts: list[int], total: float) -> None:
     token. prometheus-client has no public bulk API, so this touches its bucket values,
     which have the same ``inc`` interface in single- and multi-process mode. That private
     API is why pyproject.toml caps prometheus-client below the next minor release, and
-    tests/test_metrics_exposition.py checks it is still there.
+    tests/test_own_api.py checks it is still there.
     """
     n = 0
     buckets = child._buckets

@@ -1,4 +1,4 @@
-"""The methodology's table computed from phasewatch's own samples: per upstream x model x
+"""The benchmark table computed from phasewatch's own samples: per upstream x model x
 precision, decode tok/s, prefill ms/token and TTFT by prompt band, power, J/token, phase
 shares and speed-ups against the unquantised row.
 
@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from .metrics import PREFIX, PROMPT_BANDS
 from .precision import GGUF_TYPE_RE
 
-#: The bands the methodology names: ~4K and ~16K for prefill, ~8K for TTFT.
+#: The bands the benchmark table reports: ~4K and ~16K for prefill, ~8K for TTFT.
 BAND_4K, BAND_8K, BAND_16K = "2k-6k", "6k-12k", "12k-24k"
 #: Display names of the bands.
 BAND_TITLES = {
@@ -189,8 +189,9 @@ class Row:
     precision: str
     quant: str = ""
     family: str = ""
-    requests: float = 0
-    errors: float = 0
+    requests: float = 0  # every outcome
+    errors: float = 0  # failed or refused (outcome error or rejected)
+    aborted: float = 0  # the client hung up
     in_flight: float = 0
     queued: float = 0
     prompt_tokens: float = 0
@@ -221,6 +222,18 @@ class Row:
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.upstream, self.model, self.precision)
+
+    @property
+    def measured(self) -> bool:
+        """Whether any figure of the table was measured for this row (a model that only
+        had errors, or was never asked for, has none)."""
+        return bool(
+            self.decode_tok_s is not None
+            or self.prefill_ms_per_token
+            or self.ttft_s
+            or self.share_prefill is not None
+            or self.decode_watts is not None
+        )
 
 
 @dataclass
@@ -291,6 +304,7 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         r.errors = sum(
             samples.total(_n("requests_total"), **lab, outcome=o) for o in ("error", "rejected")
         )
+        r.aborted = samples.total(_n("requests_total"), **lab, outcome="aborted")
         r.in_flight = samples.total(_n("in_flight_requests"), **lab)
         r.queued = samples.total(_n("queued_requests"), **lab)
         r.prompt_tokens = samples.total(_n("tokens_total"), **lab, phase="prefill") + samples.total(
@@ -386,14 +400,17 @@ def _gpus_of(samples: Samples, upstream: str, model: str) -> tuple[list[dict], b
 
 
 def _state_watts(samples: Samples, gpus: list[dict], state: str) -> float | None:
-    """Mean sampled power in a state, summed over the GPUs."""
-    total, seen = 0.0, False
+    """Mean sampled power in a state, summed over the GPUs. One GPU may have several label
+    sets (its precision label changes once the engine has said what it serves): their
+    samples are that one GPU's, averaged together, not added up."""
+    per_gpu: dict[str, list[float]] = {}
     for g in gpus:
         c = samples.total(_n("gpu_power_sample_watts_count"), **g, state=state)
         if c:
-            total += samples.total(_n("gpu_power_sample_watts_sum"), **g, state=state) / c
-            seen = True
-    return total if seen else None
+            acc = per_gpu.setdefault(g.get("gpu", ""), [0.0, 0.0])
+            acc[0] += samples.total(_n("gpu_power_sample_watts_sum"), **g, state=state)
+            acc[1] += c
+    return sum(total / count for total, count in per_gpu.values()) if per_gpu else None
 
 
 def _row_order(key: tuple[str, str, str]) -> tuple:

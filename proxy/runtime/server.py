@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -43,6 +44,54 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Co
     )
 
 
+class ListenError(ValueError):
+    """A listening address cannot be bound; the message names the flag."""
+
+
+def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A socket bound to (host, port), before anything else starts: a port in use is one
+    line naming `flag` rather than a server error after the start-up log."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except socket.gaierror as exc:
+        sock.close()
+        raise ListenError(f"--host: cannot listen on {host!r}: {exc.strerror or exc}") from None
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(f"{flag}: {port} is in use") from None
+        if exc.errno == errno.EACCES:
+            raise ListenError(f"{flag}: listening on {port} needs privileges") from None
+        why = exc.strerror or exc
+        raise ListenError(f"{flag}: cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def announce(proxy: socket.socket, metrics: socket.socket | None = None) -> None:
+    """One start-up line saying where phasewatch's own pages are (everything else on the
+    proxy port is the engine's)."""
+    url = base_url(proxy)
+    murl = base_url(metrics) if metrics is not None else url
+    log.info(
+        "phasewatch serving on %s: status page %s/phasewatch/, metrics %s/metrics, "
+        "API docs %s/phasewatch/docs, readiness %s/phasewatch/ready",
+        url,
+        url,
+        murl,
+        url,
+        url,
+    )
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining in-flight requests on the first signal."""
 
@@ -51,6 +100,13 @@ class DrainingServer(uvicorn.Server):
         self.proxy = app
         self.grace = grace
         self._drain_until: float | None = None
+        #: Called once the server listens (after the app's start-up).
+        self.on_started: Callable[[], None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.should_exit and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_until is None and self.grace > 0 and not self.should_exit:
@@ -85,20 +141,26 @@ async def serve(
     app: ProxyApp,
     config: uvicorn.Config,
     metrics_config: uvicorn.Config | None,
-    sockets: list[socket.socket] | None = None,
+    sockets: list[socket.socket],
+    metrics_sockets: list[socket.socket] | None = None,
+    announce_start: bool = True,
 ) -> None:
-    """`sockets`: listening sockets bound by a parent (--workers, proxy.runtime.workers)."""
+    """Serve on `sockets` (bound by :func:`bind`, here or in a parent under --workers),
+    and the metrics address on `metrics_sockets` when it has one of its own."""
     main = DrainingServer(config, app, app.settings.shutdown_grace)
-    if metrics_config is None:
-        await main.serve(sockets=sockets)
-        return
-    metrics = SignalFreeServer(metrics_config)
-    metrics_task = asyncio.create_task(metrics.serve())
+    metrics = SignalFreeServer(metrics_config) if metrics_config is not None else None
+    metrics_task = (
+        asyncio.create_task(metrics.serve(sockets=metrics_sockets)) if metrics is not None else None
+    )
+    if announce_start:
+        msock = metrics_sockets[0] if metrics_sockets else None
+        main.on_started = lambda: announce(sockets[0], msock)
     try:
         await main.serve(sockets=sockets)
     finally:
-        metrics.should_exit = True
-        await metrics_task
+        if metrics is not None and metrics_task is not None:
+            metrics.should_exit = True
+            await metrics_task
 
 
 def metrics_config(app: ProxyApp) -> uvicorn.Config | None:
@@ -113,15 +175,32 @@ def metrics_config(app: ProxyApp) -> uvicorn.Config | None:
     return config
 
 
+def bind_all(settings: Any) -> tuple[socket.socket, socket.socket | None]:
+    """The proxy's socket and the metrics address's (when it has one), bound now."""
+    sock = bind(settings.host, settings.port)
+    if settings.metrics_port is None and settings.metrics_host is None:
+        return sock, None
+    try:
+        msock = bind(
+            settings.metrics_host or settings.host, settings.metrics_port or 0, "--metrics-port"
+        )
+    except ListenError:
+        sock.close()
+        raise
+    return sock, msock
+
+
 def run(
-    app: ProxyApp, sockets: list[socket.socket] | None = None, with_metrics: bool = True
+    app: ProxyApp,
+    sockets: list[socket.socket],
+    metrics_sockets: list[socket.socket] | None = None,
+    announce_start: bool = True,
 ) -> None:
     """Serve `app` until it is told to stop (the loop uvicorn would pick: uvloop when
-    installed)."""
+    installed). The metrics address is served when `metrics_sockets` are given."""
     s = app.settings
     config = uvicorn_config(app, s.host, s.port, s.log_level)
     config.load()
+    mconfig = metrics_config(app) if metrics_sockets else None
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(
-            serve(app, config, metrics_config(app) if with_metrics else None, sockets=sockets)
-        )
+        runner.run(serve(app, config, mconfig, sockets, metrics_sockets, announce_start))

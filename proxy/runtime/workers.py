@@ -43,26 +43,30 @@ from ..core.host import Host
 from ..measure.metrics import MULTIPROC_ENV
 from ..settings import Settings
 from .logs import configure_logging
+from .server import announce
 from .server import run as run_server
-from .server import uvicorn_config
 
 log = logging.getLogger(__name__)
 
 
-def _worker(given: dict[str, Any], index: int, sock: socket.socket) -> None:
+def _worker(
+    given: dict[str, Any], index: int, sock: socket.socket, msock: socket.socket | None
+) -> None:
     """Entry point of one worker process (spawned: a fresh interpreter)."""
     settings = Settings(**given)
     configure_logging(settings.log_level, settings.log_format, worker=index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns ^C into SIGTERM
     app = ProxyApp(settings, host=Host(os.environ[MULTIPROC_ENV], index, settings.workers))
-    run_server(app, sockets=[sock], with_metrics=index == 0)
+    metrics = [msock] if msock is not None and index == 0 else None
+    run_server(app, [sock], metrics, announce_start=False)
 
 
-def run(given: dict[str, Any], settings: Settings) -> int:
-    """Supervise `settings.workers` worker processes until they are all gone."""
+def run(
+    given: dict[str, Any], settings: Settings, sock: socket.socket, msock: socket.socket | None
+) -> int:
+    """Supervise `settings.workers` worker processes until they are all gone. `sock` (and
+    `msock`, the metrics address's, served by worker 0) are bound by the caller."""
     n = settings.workers
-    config = uvicorn_config(None, settings.host, settings.port, settings.log_level)
-    sock = config.bind_socket()  # exits with uvicorn's message when the port is taken
     folder = tempfile.mkdtemp(prefix="phasewatch-metrics-")
     os.environ[MULTIPROC_ENV] = folder  # inherited by the spawned workers
     ctx = multiprocessing.get_context("spawn")
@@ -73,7 +77,7 @@ def run(given: dict[str, Any], settings: Settings) -> int:
     def start(index: int) -> None:
         p = ctx.Process(
             target=_worker,
-            args=(given, index, sock),
+            args=(given, index, sock, msock),
             name=f"phasewatch-worker-{index}",
             daemon=False,
         )
@@ -102,6 +106,7 @@ def run(given: dict[str, Any], settings: Settings) -> int:
             settings.port,
             extra={"fields": {"metrics_dir": folder}},
         )
+        announce(sock, msock)
         while procs:
             for index, p in list(procs.items()):
                 p.join(timeout=0.2 / len(procs))
@@ -124,6 +129,8 @@ def run(given: dict[str, Any], settings: Settings) -> int:
         for p in procs.values():
             p.kill()
         sock.close()
+        if msock is not None:
+            msock.close()
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(MULTIPROC_ENV, None)
 

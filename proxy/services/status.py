@@ -1,4 +1,4 @@
-"""The live status page's data: the methodology's table, recent TTFT and decode rates,
+"""The live status page's data: the benchmark table, recent TTFT and decode rates,
 in-flight and queued requests and power, computed by the proxy itself (no Grafana, no
 external assets).
 
@@ -15,8 +15,9 @@ import collections
 import json
 import statistics
 import time
+from collections.abc import Iterable
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..measure.summary import Samples, build
@@ -34,6 +35,8 @@ MAX_POINTS = 4000
 RECENT_SECONDS = 60.0
 #: Seconds between two points of the power chart.
 POWER_STEP_SECONDS = 2.0
+_SAMPLE_SUM = "phasewatch_gpu_power_sample_watts_sum"
+_SAMPLE_COUNT = "phasewatch_gpu_power_sample_watts_count"
 
 _INITIAL_MARK = "/*__INITIAL_SUMMARY__*/null"
 
@@ -54,6 +57,7 @@ class StatusPage:
             maxlen=int(WINDOW_SECONDS / POWER_STEP_SECONDS) + 1
         )
         self._power_t = 0.0
+        self._power_last: dict[str, tuple[float, float]] = {}  # GPU -> (sum, count) seen
         self._summary: tuple[float, int, dict] | None = None
         self._finished = 0  # requests seen by on_request
 
@@ -83,19 +87,34 @@ class StatusPage:
         self._power_tick(now)
         return
 
-    def _power_tick(self, now: float) -> None:
+    def _power_tick(self, now: float, samples: Iterable[Any] | None = None) -> None:
+        """Every POWER_STEP_SECONDS, one point per GPU: the mean of all its power samples
+        since the last point (from the samples histogram's sum and count), not the latest
+        sample alone, which spikes with every prefill."""
         if now - self._power_t < POWER_STEP_SECONDS:
             return
         self._power_t = now
+        if samples is None:  # this process's own samples (cheap: one metric)
+            samples = (
+                s for fam in self.metrics.gpu_power_sample_watts.collect() for s in fam.samples
+            )
+        totals: dict[str, list[float]] = {}
+        for s in samples:
+            if s.name not in (_SAMPLE_SUM, _SAMPLE_COUNT):
+                continue
+            lab = s.labels
+            model = lab.get("model", "")
+            label = f"{lab.get('upstream', '')} gpu {lab.get('gpu', '')}" + (
+                f" · {model}" if model and model != "all" else ""
+            )
+            t = totals.setdefault(label, [0.0, 0.0])
+            t[0 if s.name == _SAMPLE_SUM else 1] += s.value
         watts = {}
-        for family in self.metrics.gpu_power_current_watts.collect():
-            for s in family.samples:
-                lab = s.labels
-                model = lab.get("model", "")
-                label = f"{lab.get('upstream', '')} gpu {lab.get('gpu', '')}" + (
-                    f" · {model}" if model and model != "all" else ""
-                )
-                watts[label] = s.value
+        for label, (total, count) in totals.items():
+            last_total, last_count = self._power_last.get(label, (0.0, 0.0))
+            if count > last_count:
+                watts[label] = (total - last_total) / (count - last_count)
+            self._power_last[label] = (total, count)
         if watts:
             self.power_points.append((now, watts))
 
@@ -113,8 +132,8 @@ class StatusPage:
         return data
 
     def _compute(self, now: float) -> dict:
-        self._power_tick(now)
         reg = Samples.from_registry(self.metrics.exposition)  # all workers' figures
+        self._power_tick(now, reg.get(_SAMPLE_SUM) + reg.get(_SAMPLE_COUNT))
         rep = build(reg, source="this proxy", include_idle_models=True)
         as_dict = rep.as_dict()
         keys: list[tuple[str, str, str]] = sorted(self._keys, key=self._keys.__getitem__)
@@ -147,8 +166,13 @@ class StatusPage:
                 {
                     "name": u.name,
                     "engine": u.engine,
-                    "up": bool(getattr(u, "up", False)),
-                    "models": len(getattr(u, "models", ()) or ()),
+                    "up": u.up,  # None until its first probe answered or failed
+                    "models": len(u.models),
+                    "requests": reg.total("phasewatch_requests_total", upstream=u.name),
+                    "errors": sum(
+                        reg.total("phasewatch_requests_total", upstream=u.name, outcome=o)
+                        for o in ("error", "rejected")
+                    ),
                     "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
                     "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
                     "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))

@@ -95,27 +95,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fail(validation_line(exc))
     except ValueError as exc:
         fail(str(exc))
+    import logging
+
+    from ..app import ProxyApp
+    from ..runtime.logs import configure_logging
+    from ..runtime.server import ListenError, bind_all
+
+    configure_logging(settings.log_level, settings.log_format)
+    for notice in settings.notices:  # said before any error: a misspelt variable explains it
+        logging.getLogger("proxy.settings").warning(notice)
     if not settings.upstream:
         fail(
             "no upstream: give --upstream URL (or PHASEWATCH_UPSTREAM), e.g. "
             "--upstream http://127.0.0.1:8000"
         )
-    from ..app import ProxyApp
-    from ..runtime.logs import configure_logging
-
-    configure_logging(settings.log_level, settings.log_format)
     try:
         app = ProxyApp(settings)
     except ValueError as exc:
+        fail(str(exc))
+    try:  # before anything else starts: a port in use is one line, not a server error
+        sock, msock = bind_all(settings)
+    except ListenError as exc:
         fail(str(exc))
     if settings.workers > 1:  # N processes, metrics summed, one power sampler
         from ..runtime.workers import run as run_workers
 
         del app  # built above only to check the configuration
-        return run_workers(given_settings(args), settings)
+        return run_workers(given_settings(args), settings, sock, msock)
     from ..runtime.server import run
 
-    run(app)
+    run(app, [sock], [msock] if msock is not None else None)
     return 0
 
 

@@ -6,10 +6,9 @@ import argparse
 import asyncio
 import logging
 import signal
-import socket
 
 from ..app import ProxyApp
-from ..runtime.server import SignalFreeServer, uvicorn_config
+from ..runtime.server import SignalFreeServer, announce, base_url, bind, uvicorn_config
 from ..settings import Settings
 from ..sim.command import from_args
 from ..sim.power import gpu_models
@@ -40,18 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 async def run_demo(args: argparse.Namespace) -> None:
     if args.rate <= 0:
         raise ValueError("--rate must be positive (requests per second)")
     if args.duration < 0:
         raise ValueError("--duration must not be negative")
-    sim_port = args.sim_port or _free_port("127.0.0.1")
+    sock = bind(args.host, args.port)  # a port in use is one line, before anything starts
+    sim_sock = bind("127.0.0.1", args.sim_port, "--sim-port")
+    sim_port = int(sim_sock.getsockname()[1])
     sim_app = from_args(args)
     sim_config = uvicorn_config(sim_app, "127.0.0.1", sim_port, "warning")
     sim_config.server_header, sim_config.date_header = True, True
@@ -69,25 +64,21 @@ async def run_demo(args: argparse.Namespace) -> None:
     proxy_server = SignalFreeServer(
         uvicorn_config(ProxyApp(settings), args.host, args.port, "info")
     )
-    sim_task = asyncio.create_task(sim_server.serve())
+    sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
     while not sim_server.started:
+        if sim_task.done():
+            return
         await asyncio.sleep(0.05)
-    proxy_task = asyncio.create_task(proxy_server.serve())
+    proxy_task = asyncio.create_task(proxy_server.serve(sockets=[sock]))
     while not proxy_server.started:
         if proxy_task.done():
             sim_server.should_exit = True
             await sim_task
             return
         await asyncio.sleep(0.05)
-    url = f"http://{args.host}:{args.port}"
-    log.info(
-        "demo: proxy on %s (status page %s/phasewatch/, metrics %s/metrics), "
-        "simulator on http://127.0.0.1:%d",
-        url,
-        url,
-        url,
-        sim_port,
-    )
+    url = base_url(sock)
+    announce(sock)
+    log.info("demo: simulator on http://127.0.0.1:%d, traffic to %s", sim_port, url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,4 +1,4 @@
-"""``phasewatch report``: the methodology's table from live traffic.
+"""``phasewatch report``: the benchmark table from live traffic.
 
 The table (decode tok/s, prefill ms/token at ~4K and ~16K prompts, TTFT at ~8K, power
 under decode load and idle, J/token, speed-ups per precision) is computed by
@@ -18,6 +18,7 @@ from ..measure.summary import (
     BAND_16K,
     BAND_TITLES,
     Report,
+    Row,
     Sample,
     Samples,
     build,
@@ -109,19 +110,53 @@ def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
+def _row_name(r: Row) -> str:
+    return f"{r.upstream} / {r.model} ({r.precision})"
+
+
+def _sources(rows: list[Row], attr: str, meaning: dict[str, str]) -> str:
+    """Which source each row's figure came from: ``source=proxy (…) for every row``, or
+    per source the rows it served."""
+    by: dict[str, list[str]] = {}
+    for r in rows:
+        src = getattr(r, attr)
+        if src is not None:
+            by.setdefault(src, []).append(_row_name(r))
+    if not by:
+        return ""
+    if len(by) == 1:
+        (src,) = by
+        return f"source={src} ({meaning[src]}) for every row"
+    return "; ".join(
+        f"source={src} ({meaning[src]}) for {', '.join(names)}" for src, names in sorted(by.items())
+    )
+
+
+_DECODE_SOURCES = {
+    "proxy": "phasewatch's own clock: first to last output event of a streamed answer",
+    "engine": "the engine's own decode time, where only unstreamed answers were seen",
+}
+_PREFILL_SOURCES = {
+    "engine": "the engine's own prefill time, which leaves out any wait in its queue",
+    "proxy": "phasewatch's own clock: request sent to first output event, so any wait "
+    "in the engine's queue is included",
+}
+
+
 def markdown(rep: Report) -> str:
     na = "—" if rep.power else "n/a"
     out = []
-    if not rep.rows:
+    rows = [r for r in rep.rows if r.measured]
+    if not rows:
         return "No measured requests yet: send some traffic through phasewatch first.\n"
     head = (
-        "| upstream | model | precision | decode tok/s | prefill ms/tok ~4K | prefill ms/tok ~16K "
-        "| TTFT ~8K | decode W | idle W | J/tok | prefill / decode time | decode speed-up "
-        "| prefill speed-up | power saving |"
+        "| upstream | model | precision | requests | errors / aborted | decode tok/s "
+        "| prefill ms/tok ~4K | prefill ms/tok ~16K | TTFT ~8K | decode W | idle W | J/tok "
+        "| prefill / decode time | decode speed-up | prefill speed-up | power saving |"
     )
     out.append(head)
     out.append("|" + "---|" * head.count(" | ") + "---|")
-    for r in rep.rows:
+    for r in rows:
         prec = r.precision + (f" ({r.quant})" if r.quant and r.quant.lower() != r.precision else "")
         share = (
             f"{r.share_prefill * 100:.0f}% / {r.share_decode * 100:.0f}%"
@@ -135,6 +170,8 @@ def markdown(rep: Report) -> str:
                     r.upstream,
                     r.model,
                     prec,
+                    f"{r.requests:.0f}",
+                    f"{r.errors:.0f} / {r.aborted:.0f}",
                     _f(r.decode_tok_s),
                     _f(r.prefill_ms_per_token.get(BAND_4K), "{:.3f}"),
                     _f(r.prefill_ms_per_token.get(BAND_16K), "{:.3f}"),
@@ -153,9 +190,7 @@ def markdown(rep: Report) -> str:
     out.append("")
     # prompt-band detail: every band that has data
     bands = [
-        b
-        for b in PROMPT_BANDS
-        if any(b in r.ttft_s or b in r.prefill_ms_per_token for r in rep.rows)
+        b for b in PROMPT_BANDS if any(b in r.ttft_s or b in r.prefill_ms_per_token for r in rows)
     ]
     if bands:
         out.append("By prompt band (median TTFT s / prefill ms per token / decode tok/s):")
@@ -163,7 +198,7 @@ def markdown(rep: Report) -> str:
         bh = "| upstream | model | precision | " + " | ".join(BAND_TITLES[b] for b in bands) + " |"
         out.append(bh)
         out.append("|" + "---|" * (3 + len(bands)))
-        for r in rep.rows:
+        for r in rows:
             cells = []
             for b in bands:
                 cells.append(
@@ -173,24 +208,42 @@ def markdown(rep: Report) -> str:
                 )
             out.append(f"| {r.upstream} | {r.model} | {r.precision} | " + " | ".join(cells) + " |")
         out.append("")
-    notes = ["Medians from phasewatch's histograms (source: " + (rep.source or "metrics") + ")."]
-    srcs = {r.prefill_source for r in rep.rows if r.prefill_source}
-    if srcs:
-        notes.append(
-            "Prefill ms/token = 1000 / median prefill tok/s ("
-            + ", ".join(f"source={s}" for s in sorted(srcs))
-            + "; proxy-side prefill includes any engine-side queueing)."
-        )
+    notes = [
+        "Medians from phasewatch's histograms (read from: " + (rep.source or "metrics") + "). "
+        "requests: every outcome; errors: failed or refused; aborted: the client hung up."
+    ]
+    decode = _sources(rows, "decode_source", _DECODE_SOURCES)
+    if decode:
+        notes.append(f"decode tok/s: {decode}.")
+    prefill = _sources(rows, "prefill_source", _PREFILL_SOURCES)
+    if prefill:
+        notes.append(f"prefill ms/tok = 1000 / median prefill tok/s: {prefill}.")
+    notes.append(
+        "TTFT: phasewatch's own clock, request received to first output event forwarded "
+        "(what the client waits); prefill / decode time: phasewatch's own clock (source=proxy)."
+    )
     if rep.power:
         notes.append(
-            "J/tok = decode-window watts / decode tok/s (one stream); power saving compares "
-            "decode-window watts."
+            "decode W: GPU power over each request's decode window; idle W: GPU samples with "
+            "nothing in flight; J/tok = decode W / decode tok/s (one stream); power saving "
+            "compares decode W."
         )
     else:
         notes.append("Power: n/a (phasewatch is not sampling GPU power here).")
     notes.append(
         "Speed-ups and savings are against the bf16/fp16 row of the same upstream and model family."
     )
+    left = [r for r in rep.rows if not r.measured and r.requests]
+    if left:
+        notes.append(
+            "Left out, nothing measured: "
+            + "; ".join(
+                f"{_row_name(r)}: {r.requests:.0f} requests, {r.errors:.0f} errors, "
+                f"{r.aborted:.0f} aborted"
+                for r in left
+            )
+            + "."
+        )
     out.extend("- " + n for n in notes)
     return "\n".join(out) + "\n"
 

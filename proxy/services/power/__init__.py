@@ -61,6 +61,7 @@ class PowerService:
         self.metrics = metrics
         self.options = options
         self.host = host
+        self.upstreams = upstreams
         self.sampler: PowerSampler | None = None
         self.rings: Any = None
         self.shared_in_flight: SharedInFlight | None = None
@@ -124,6 +125,27 @@ class PowerService:
             self._publisher.cancel()
         if self.sampler is not None:
             self.sampler.stop()
+
+    async def check_mapping(self) -> None:
+        """Once every upstream's model list was first asked for: warn about each
+        ``--power-gpu GPU=TARGET`` whose target no upstream is named or lists (a model
+        can only be checked against the lists, so this cannot be refused at start)."""
+        if self.sampler is None or not self.sampler.gpus.pairs:
+            return
+        await asyncio.gather(*(u.probed.wait() for u in self.upstreams.all))
+        silent = [u.name for u in self.upstreams.all if not u.up]
+        for gpu, target in sorted(self.sampler.gpus.unresolved().items()):
+            log.warning(
+                "--power-gpu %s=%s: no upstream is named %r or lists a model %r%s; GPU %s's "
+                "power is attributed to no request until one does (check the name against "
+                "/v1/models, or add it to --models)",
+                gpu,
+                target,
+                target,
+                target,
+                f" (not answering yet: {', '.join(silent)})" if silent else "",
+                gpu,
+            )
 
     def on_request(self, ex: Any, f: Any) -> dict | None:
         """Recorder listener: observes per-phase power and returns the log-line fields."""

@@ -55,11 +55,25 @@ class GpuMap:
             else:
                 target = self.pairs[gpu]
                 by_name = [u for u in self.upstreams if u.name == target]
-                found = (
-                    (Owner(by_name[0], None),) if by_name else (Owner(self.route(target), target),)
-                )
+                if by_name:
+                    found = (Owner(by_name[0], None),)
+                else:
+                    found = (Owner(self.route(target), target),)
+                    if not any(u.serves(target) for u in self.upstreams):
+                        return found  # not listed yet: asked again once the lists are known
             self._owners[gpu] = found
         return found
+
+    def unresolved(self) -> dict[str, str]:
+        """GPU -> target for the mappings that name neither an upstream nor a model an
+        upstream lists (or ``--models`` names): their GPU's power is attributed to no
+        request."""
+        names = {u.name for u in self.upstreams}
+        return {
+            gpu: target
+            for gpu, target in self.pairs.items()
+            if target not in names and not any(u.serves(target) for u in self.upstreams)
+        }
 
     def labels(self, gpu: str) -> tuple[str, str, str]:
         """(upstream, model, precision) for this GPU's series. A GPU shared by several
