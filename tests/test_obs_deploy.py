@@ -336,3 +336,71 @@ def test_k8s_deployment_service_servicemonitor_agree():
     assert ref == config["metadata"]["name"]
     assert set(config["data"]) <= settings_env()
     Settings(**{k.removeprefix("PHASEWATCH_").lower(): v for k, v in config["data"].items()})
+
+
+# Kinds that are no part of the Kubernetes API (the Prometheus Operator's CRDs and
+# kustomize's own file): kubernetes-validate has no schema for them; the checks above
+# cover their fields.
+NOT_KUBERNETES_API = {"Kustomization", "ServiceMonitor", "PrometheusRule"}
+
+
+def k8s_versions() -> list[str]:
+    """Every Kubernetes minor release from 1.29 to the newest kubernetes-validate ships."""
+    from kubernetes_validate.utils import all_versions
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+
+    return sorted({v for v in all_versions() if key(v) >= (1, 29)}, key=key)
+
+
+def test_k8s_manifests_validate_against_kubernetes_api_schemas():
+    import kubernetes_validate
+
+    versions = k8s_versions()
+    assert len(versions) >= 2, versions
+    checked = set()
+    for name, docs in manifests().items():
+        for doc in docs:
+            if doc["kind"] in NOT_KUBERNETES_API:
+                assert doc["apiVersion"] in ("monitoring.coreos.com/v1", "kustomize.config.k8s.io/v1beta1")
+                continue
+            for version in versions:
+                try:  # strict: an unknown or misspelt field is an error too
+                    kubernetes_validate.validate(doc, version, strict=True)
+                except kubernetes_validate.ValidationError as exc:
+                    pytest.fail(f"{name} ({doc['kind']}) is not valid for Kubernetes {version}: "
+                                f"{'.'.join(map(str, exc.path))}: {exc.message}")
+            checked.add(doc["kind"])
+    assert {"Deployment", "Service", "ConfigMap", "Namespace", "PodDisruptionBudget"} <= checked
+
+
+def test_k8s_validation_catches_a_broken_deployment():
+    import copy
+
+    import kubernetes_validate
+
+    dep = by_kind()["Deployment"]
+    broken = copy.deepcopy(dep)
+    broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountpath"] = \
+        broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0].pop("mountPath")
+    wrong_type = copy.deepcopy(dep)
+    wrong_type["spec"]["replicas"] = "three"
+    for doc in (broken, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(doc, k8s_versions()[-1], strict=True)
+
+
+def test_k8s_read_only_root_has_a_writable_tmp():
+    """readOnlyRootFilesystem: the proxy writes to /tmp (tempfile's default: --workers N
+    makes prometheus-client's multiprocess folder there), so /tmp must be an emptyDir.
+    The container test runs the image the same way (read-only root, /tmp mounted)."""
+    pod = by_kind()["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "/tmp" in mounts, mounts
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    env = {e["name"] for e in container["env"]}
+    assert "TMPDIR" not in env  # tempfile then uses /tmp
