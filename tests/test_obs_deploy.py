@@ -110,6 +110,33 @@ def _default(value: str) -> str:
     return m.group(1) if m else value
 
 
+def _published(service: dict) -> list[str]:
+    """The service's ports with every ${VAR:-default} at its default."""
+    return [re.sub(r"\$\{[A-Z_]+:?-([^}]*)\}", r"\1", p) for p in service.get("ports", [])]
+
+
+def test_compose_publishes_on_loopback_by_default():
+    for name, s in compose()["services"].items():
+        for port in s.get("ports", []):
+            assert port.startswith("${BIND_ADDRESS:-127.0.0.1}:"), (name, port)
+
+
+def test_compose_stop_grace_covers_the_proxys_drain():
+    phasewatch = compose()["services"]["phasewatch"]
+    grace = float(phasewatch["stop_grace_period"].rstrip("s"))
+    assert grace > Settings.model_fields["shutdown_grace"].default
+
+
+def test_compose_header_real_engine_example_clears_the_simulators_power():
+    header = "".join(line for line in COMPOSE.read_text().splitlines(keepends=True)
+                     if line.startswith("#"))
+    example = header[header.index("PHASEWATCH_UPSTREAM=ollama"):]
+    example = example[:example.index("--scale loadgen=0")]
+    assert "PHASEWATCH_POWER_DCGM_URL= " in example and "PHASEWATCH_POWER_GPU= " in example
+    docs = (ROOT / "docs" / "observability.md").read_text()
+    assert docs.count("PHASEWATCH_POWER_DCGM_URL= PHASEWATCH_POWER_GPU=") >= 3
+
+
 def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
     services = compose()["services"]
     env = services["phasewatch"]["environment"]
@@ -130,7 +157,7 @@ def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
     from proxy.sim.physics import DEFAULT_MODELS
 
     assert settings.power_options().gpu_map == {str(i): m.id for i, m in enumerate(DEFAULT_MODELS)}
-    assert f"{settings.port}:{settings.port}" in services["phasewatch"]["ports"]
+    assert f"127.0.0.1:{settings.port}:{settings.port}" in _published(services["phasewatch"])
 
 
 def test_compose_prometheus_grafana_alertmanager_wiring():
@@ -152,7 +179,9 @@ def test_compose_prometheus_grafana_alertmanager_wiring():
         assert host in services, f"prometheus scrapes {target}, which is no compose service"
     assert "phasewatch:8090" in targets and "simulator:8000" in targets
     am = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
-    assert am == ["alertmanager:9093"] and "9093:9093" in services["alertmanager"]["ports"]
+    assert am == ["alertmanager:9093"] and "127.0.0.1:9093:9093" in _published(
+        services["alertmanager"]
+    )
     assert _mount(services["alertmanager"], "./deploy/alertmanager/alertmanager.yml") in " ".join(
         services["alertmanager"]["command"]
     )
@@ -178,7 +207,7 @@ def test_compose_prometheus_grafana_alertmanager_wiring():
         0
     ]
     assert ds["type"] == "prometheus" and urlsplit(ds["url"]).hostname == "prometheus"
-    assert f"{urlsplit(ds['url']).port}:9090" in prom["ports"]
+    assert f"127.0.0.1:{urlsplit(ds['url']).port}:9090" in _published(prom)
 
 
 def test_alertmanager_config():
