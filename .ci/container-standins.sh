@@ -46,6 +46,9 @@ AM_VERSION=$(pkg_version prometheus-alertmanager)
 [ -n "$PROM_VERSION" ] && [ "$PROM_VERSION" != "(none)" ] || die "no prometheus package (apt-get update?)"
 [ -n "$AM_VERSION" ] && [ "$AM_VERSION" != "(none)" ] || die "no prometheus-alertmanager package"
 KEY=$( { cat "$0"; echo "$SUITE $PROM_VERSION $AM_VERSION"; } | sha256sum | cut -c1-16)
+# The debootstrapped root file system depends only on this recipe (edit the version to redo it).
+BASE_RECIPE="$SUITE minbase python3,python3-venv,python3-pip,ca-certificates links-v1"
+BASE_KEY=$(printf '%s' "$BASE_RECIPE" | sha256sum | cut -c1-16)
 
 have() {  # have IMAGE: present with the current key
   [ "$(podman image inspect --format '{{ index .Config.Labels "phasewatch.standin" }}' "$1" 2>/dev/null)" = "$KEY" ]
@@ -55,14 +58,14 @@ if have "$PYTHON_IMAGE" && have "$PROM_IMAGE" && have "$AM_IMAGE"; then
   exit 0
 fi
 
-BASE_TAR="$CACHE/python-base-$KEY.tar"
+BASE_TAR="$CACHE/python-base-$BASE_KEY.tar"
 MON_TAR="$CACHE/monitoring-$KEY.tar"
 WORK=$(mktemp -d "$CACHE/work.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
 if [ ! -s "$BASE_TAR" ]; then
   say "debootstrap $SUITE (minbase + python3) from $MIRROR (about a minute)"
-  rm -f "$CACHE"/python-base-*.tar "$CACHE"/monitoring-*.tar
+  rm -f "$CACHE"/python-base-*.tar
   debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
     "$SUITE" "$WORK/root" "$MIRROR" > "$WORK/debootstrap.log" 2>&1 \
     || { tail -20 "$WORK/debootstrap.log" >&2; die "debootstrap failed"; }
@@ -73,6 +76,7 @@ if [ ! -s "$BASE_TAR" ]; then
   tar -C "$WORK/root" -cf "$BASE_TAR.tmp" . && mv "$BASE_TAR.tmp" "$BASE_TAR"
 fi
 if [ ! -s "$MON_TAR" ]; then
+  rm -f "$CACHE"/monitoring-*.tar
   say "adding Debian's prometheus $PROM_VERSION and prometheus-alertmanager $AM_VERSION"
   rm -rf "$WORK/root" && mkdir -p "$WORK/root" "$WORK/debs"
   tar -C "$WORK/root" -xf "$BASE_TAR"
