@@ -46,6 +46,7 @@ def podman():
 def image(podman):
     """phasewatch's image, built from this checkout under a tag of this run's own (other
     checkouts on the machine may be building theirs)."""
+    podman.remove_stale_images("localhost/phasewatch", "test-")
     tag = f"localhost/phasewatch:test-{os.getpid()}"
     seconds = podman.build(tag)
     print(f"\nimage {tag} built in {seconds:.1f} s")

@@ -183,3 +183,16 @@ class Podman:
             except (ValueError, IndexError, PermissionError):
                 continue
             self.teardown(project)
+
+    def remove_stale_images(self, repo: str, prefix: str) -> None:
+        """Tags REPO:PREFIX<pid> of runs whose process is gone."""
+        for tag in self.out("images", "--format", "{{.Tag}}", "--filter", f"reference={repo}",
+                            check=False).split():
+            if not tag.startswith(prefix):
+                continue
+            try:
+                os.kill(int(tag[len(prefix):]), 0)
+            except ProcessLookupError:
+                self.run("rmi", "-f", f"{repo}:{tag}", check=False)
+            except (ValueError, PermissionError):
+                pass
