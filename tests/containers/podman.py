@@ -103,6 +103,16 @@ class Podman:
         r = self.run("logs", "--tail", str(tail), name, check=False)
         return (r.stdout + r.stderr).decode(errors="replace")
 
+    def last_words(self, name: str, timeout: float = 20.0) -> str:
+        """The log of a container that crashed. Just after a restart its log is empty
+        (podman keeps the current run's): wait for the next run to say something."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.logs(name)
+            if text.strip() or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
+
     def wait_healthy(self, name: str, timeout: float = 120.0) -> float:
         """Run the container's own health check until it passes; seconds taken. Raises
         CrashLoop at once when the container exits or restarts meanwhile (a restart
@@ -114,7 +124,7 @@ class Podman:
             if restarts or state["State"]["Status"] not in ("running", "created", "configured"):
                 raise CrashLoop(f"{name}: {state['State']['Status']}, exit code "
                                 f"{state['State'].get('ExitCode')}, {restarts} restarts; "
-                                f"its log:\n{self.logs(name)}")
+                                f"its log:\n{self.last_words(name)}")
             if self.run("healthcheck", "run", name, check=False).returncode == 0:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout:

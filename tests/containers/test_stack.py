@@ -275,8 +275,11 @@ def test_sigterm_drains_in_flight_streams(stack):
     """`podman stop` (compose down/stop do the same): SIGTERM to the proxy (PID 1); the
     stream in flight finishes whole, new requests get 503, then it exits 0, not killed."""
     name = stack.name("phasewatch")
-    model = _models(stack)[0]
-    body = {"model": model, "stream": True, "max_tokens": 160, "ignore_eos": True,
+    # the slowest model (bf16, ~50 tok/s simulated): ~12 s of stream, well inside the
+    # proxy's 30 s grace, long enough to see the drain while it flows
+    model = next(m for m in _models(stack) if m.startswith("meta-llama/"))
+    tokens = 600
+    body = {"model": model, "stream": True, "max_tokens": tokens, "ignore_eos": True,
             "messages": [{"role": "user", "content": "a long answer, please"}]}
     chunks: list[bytes] = []
     first = threading.Event()
@@ -313,7 +316,7 @@ def test_sigterm_drains_in_flight_streams(stack):
     assert not errors, errors
     data = b"".join(chunks)
     assert data.endswith(b"data: [DONE]\n\n"), data[-300:]
-    assert data.count(b'"content":"') >= 160
+    assert data.count(b'"content":"') >= tokens
     state = stack.podman.inspect(name)
     assert state["State"]["Status"] == "exited"
     assert state["State"]["ExitCode"] == 0, (state["State"], stack.podman.logs(name))
