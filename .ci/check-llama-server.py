@@ -47,20 +47,45 @@ def main() -> int:
     binary, gguf = sys.argv[1], sys.argv[2]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-            "-np", "1", "-t", "1", "-tb", "1", "--no-webui"]
+    argv = [
+        binary,
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-c",
+        "512",
+        "-np",
+        "1",
+        "-t",
+        "1",
+        "-tb",
+        "1",
+        "--no-webui",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     fd, log_path = tempfile.mkstemp(prefix="pw-llama-check-", suffix=".log")
     with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
 
     def fail(why: str) -> int:
         stop()
         with open(log_path, errors="replace") as fh:
             tail = "".join(fh.readlines()[-25:])
-        print(f"llama-server check failed: {why}\ncommand: {' '.join(argv)}\n"
-              f"last lines of its log ({log_path}):\n{tail}", file=sys.stderr)
+        print(
+            f"llama-server check failed: {why}\ncommand: {' '.join(argv)}\n"
+            f"last lines of its log ({log_path}):\n{tail}",
+            file=sys.stderr,
+        )
         return 1
 
     def stop() -> None:
@@ -86,10 +111,17 @@ def main() -> int:
             return fail(f"not healthy after {START_TIMEOUT_S:.0f} s")
         time.sleep(0.2)
 
-    body = json.dumps({"prompt": "The capital of France is", "n_predict": N_PREDICT,
-                       "temperature": 0, "cache_prompt": False}).encode()
-    req = urllib.request.Request(url + "/completion", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "prompt": "The capital of France is",
+            "n_predict": N_PREDICT,
+            "temperature": 0,
+            "cache_prompt": False,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/completion", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=GENERATE_TIMEOUT_S) as r:
             answer = json.loads(r.read())

@@ -128,10 +128,11 @@ def test_compose_stop_grace_covers_the_proxys_drain():
 
 
 def test_compose_header_real_engine_example_clears_the_simulators_power():
-    header = "".join(line for line in COMPOSE.read_text().splitlines(keepends=True)
-                     if line.startswith("#"))
-    example = header[header.index("PHASEWATCH_UPSTREAM=ollama"):]
-    example = example[:example.index("--scale loadgen=0")]
+    header = "".join(
+        line for line in COMPOSE.read_text().splitlines(keepends=True) if line.startswith("#")
+    )
+    example = header[header.index("PHASEWATCH_UPSTREAM=ollama") :]
+    example = example[: example.index("--scale loadgen=0")]
     assert "PHASEWATCH_POWER_DCGM_URL= " in example and "PHASEWATCH_POWER_GPU= " in example
     docs = (ROOT / "docs" / "observability.md").read_text()
     assert docs.count("PHASEWATCH_POWER_DCGM_URL= PHASEWATCH_POWER_GPU=") >= 3
@@ -392,14 +393,19 @@ def test_k8s_manifests_validate_against_kubernetes_api_schemas():
     for name, docs in manifests().items():
         for doc in docs:
             if doc["kind"] in NOT_KUBERNETES_API:
-                assert doc["apiVersion"] in ("monitoring.coreos.com/v1", "kustomize.config.k8s.io/v1beta1")
+                assert doc["apiVersion"] in (
+                    "monitoring.coreos.com/v1",
+                    "kustomize.config.k8s.io/v1beta1",
+                )
                 continue
             for version in versions:
                 try:  # strict: an unknown or misspelt field is an error too
                     kubernetes_validate.validate(doc, version, strict=True)
                 except kubernetes_validate.ValidationError as exc:
-                    pytest.fail(f"{name} ({doc['kind']}) is not valid for Kubernetes {version}: "
-                                f"{'.'.join(map(str, exc.path))}: {exc.message}")
+                    pytest.fail(
+                        f"{name} ({doc['kind']}) is not valid for Kubernetes {version}: "
+                        f"{'.'.join(map(str, exc.path))}: {exc.message}"
+                    )
             checked.add(doc["kind"])
     assert {"Deployment", "Service", "ConfigMap", "Namespace", "PodDisruptionBudget"} <= checked
 
@@ -411,8 +417,9 @@ def test_k8s_validation_catches_a_broken_deployment():
 
     dep = by_kind()["Deployment"]
     broken = copy.deepcopy(dep)
-    broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountpath"] = \
-        broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0].pop("mountPath")
+    broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountpath"] = broken[
+        "spec"
+    ]["template"]["spec"]["containers"][0]["volumeMounts"][0].pop("mountPath")
     wrong_type = copy.deepcopy(dep)
     wrong_type["spec"]["replicas"] = "three"
     for doc in (broken, wrong_type):

@@ -26,8 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STANDINS_HINT = "run .ci/container-standins.sh (it makes the local base images)"
 #: The base images docker-compose.yml and deploy/Dockerfile name: local stand-ins.
-BASE_IMAGES = ("docker.io/library/python:3.12-slim", "docker.io/prom/prometheus:v2.54.1",
-               "docker.io/prom/alertmanager:v0.27.0")
+BASE_IMAGES = (
+    "docker.io/library/python:3.12-slim",
+    "docker.io/prom/prometheus:v2.54.1",
+    "docker.io/prom/alertmanager:v0.27.0",
+)
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 
@@ -56,7 +59,8 @@ def containers_conf(folder: Path) -> Path:
         'runtime = "runc"\n'
         'cgroup_manager = "cgroupfs"\n'
         # nothing is ever pulled: every image is built or a local stand-in
-        'pull_policy = "never"\n')
+        'pull_policy = "never"\n'
+    )
     return path
 
 
@@ -66,7 +70,8 @@ class Podman:
         if missing:
             raise ContainersMissing(
                 f"{' and '.join(missing)} not installed: apt-get install podman podman-compose "
-                "runc golang-github-containernetworking-plugin-dnsname (bash .ci/run does it)")
+                "runc golang-github-containernetworking-plugin-dnsname (bash .ci/run does it)"
+            )
         self.dir = Path(tempfile.mkdtemp(prefix="pw-podman-"))
         self.env = {**os.environ, "CONTAINERS_CONF": str(containers_conf(self.dir))}
         for image in BASE_IMAGES:
@@ -74,14 +79,23 @@ class Podman:
                 raise ContainersMissing(f"stand-in image {image} is missing: {STANDINS_HINT}")
 
     # --- plain podman ------------------------------------------------------------------
-    def run(self, *args: str, check: bool = True, timeout: float = 300,
-            input: bytes | None = None) -> subprocess.CompletedProcess:
-        r = subprocess.run(["podman", *args], check=False, env=self.env, capture_output=True,
-                           timeout=timeout, input=input)
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 300, input: bytes | None = None
+    ) -> subprocess.CompletedProcess:
+        r = subprocess.run(
+            ["podman", *args],
+            check=False,
+            env=self.env,
+            capture_output=True,
+            timeout=timeout,
+            input=input,
+        )
         if check and r.returncode != 0:
-            raise AssertionError(f"podman {' '.join(args)} failed ({r.returncode}):\n"
-                                 f"{r.stdout.decode(errors='replace')[-2000:]}"
-                                 f"{r.stderr.decode(errors='replace')[-3000:]}")
+            raise AssertionError(
+                f"podman {' '.join(args)} failed ({r.returncode}):\n"
+                f"{r.stdout.decode(errors='replace')[-2000:]}"
+                f"{r.stderr.decode(errors='replace')[-3000:]}"
+            )
         return r
 
     def out(self, *args: str, **kw) -> str:
@@ -91,9 +105,22 @@ class Podman:
         """deploy/Dockerfile from the repository root; seconds taken. Docker format keeps
         HEALTHCHECK; pip inside reaches the package registry through the host network."""
         t0 = time.monotonic()
-        self.run("build", "--format", "docker", "--pull=never", "--network", "host",
-                 "-v", f"{HOST_CA}:{HOST_CA}:ro", "-f", "deploy/Dockerfile", "-t", tag,
-                 str(ROOT), timeout=900)
+        self.run(
+            "build",
+            "--format",
+            "docker",
+            "--pull=never",
+            "--network",
+            "host",
+            "-v",
+            f"{HOST_CA}:{HOST_CA}:ro",
+            "-f",
+            "deploy/Dockerfile",
+            "-t",
+            tag,
+            str(ROOT),
+            timeout=900,
+        )
         return time.monotonic() - t0
 
     def inspect(self, name: str) -> dict:
@@ -122,23 +149,32 @@ class Podman:
             state = self.inspect(name)
             restarts = state.get("RestartCount", 0)
             if restarts or state["State"]["Status"] not in ("running", "created", "configured"):
-                raise CrashLoop(f"{name}: {state['State']['Status']}, exit code "
-                                f"{state['State'].get('ExitCode')}, {restarts} restarts; "
-                                f"its log:\n{self.last_words(name)}")
+                raise CrashLoop(
+                    f"{name}: {state['State']['Status']}, exit code "
+                    f"{state['State'].get('ExitCode')}, {restarts} restarts; "
+                    f"its log:\n{self.last_words(name)}"
+                )
             if self.run("healthcheck", "run", name, check=False).returncode == 0:
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"{name} not healthy after {timeout:.0f} s; its log:\n"
-                                     f"{self.logs(name)}")
+                raise AssertionError(
+                    f"{name} not healthy after {timeout:.0f} s; its log:\n{self.logs(name)}"
+                )
             time.sleep(0.5)
 
     def exec_python(self, name: str, code: str, timeout: float = 60) -> bytes:
         return self.run("exec", name, "python", "-c", code, timeout=timeout).stdout
 
     # --- compose -----------------------------------------------------------------------
-    def compose(self, project: str, *args: str, env: dict | None = None,
-                files: tuple[str, ...] = ("docker-compose.yml",), check: bool = True,
-                timeout: float = 300) -> subprocess.CompletedProcess:
+    def compose(
+        self,
+        project: str,
+        *args: str,
+        env: dict | None = None,
+        files: tuple[str, ...] = ("docker-compose.yml",),
+        check: bool = True,
+        timeout: float = 300,
+    ) -> subprocess.CompletedProcess:
         argv = ["podman-compose", "-p", project]
         for f in files:
             argv += ["-f", str(ROOT / f)]
@@ -146,14 +182,23 @@ class Podman:
         # own environment (a PHASEWATCH_UPSTREAM there would change the stack).
         text = "".join((ROOT / f).read_text() for f in files)
         used = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
-        base = {k: v for k, v in self.env.items()
-                if k not in used and not k.startswith("PHASEWATCH_")}
-        r = subprocess.run([*argv, *args], check=False, env={**base, **(env or {})}, cwd=ROOT,
-                           capture_output=True, timeout=timeout)
+        base = {
+            k: v for k, v in self.env.items() if k not in used and not k.startswith("PHASEWATCH_")
+        }
+        r = subprocess.run(
+            [*argv, *args],
+            check=False,
+            env={**base, **(env or {})},
+            cwd=ROOT,
+            capture_output=True,
+            timeout=timeout,
+        )
         if check and r.returncode != 0:
-            raise AssertionError(f"{' '.join(argv + list(args))} failed ({r.returncode}):\n"
-                                 f"{r.stdout.decode(errors='replace')[-3000:]}"
-                                 f"{r.stderr.decode(errors='replace')[-3000:]}")
+            raise AssertionError(
+                f"{' '.join(argv + list(args))} failed ({r.returncode}):\n"
+                f"{r.stdout.decode(errors='replace')[-3000:]}"
+                f"{r.stderr.decode(errors='replace')[-3000:]}"
+            )
         return r
 
     def container(self, project: str, service: str) -> str:
@@ -168,13 +213,15 @@ class Podman:
             self.run("rm", "-f", "-v", cid, check=False)
         for vol in self.out("volume", "ls", "-q", "--filter", label, check=False).split():
             self.run("volume", "rm", "-f", vol, check=False)
-        for net in self.out("network", "ls", "-q", "--filter", f"name=^{project}_",
-                            check=False).split():
+        for net in self.out(
+            "network", "ls", "-q", "--filter", f"name=^{project}_", check=False
+        ).split():
             self.run("network", "rm", "-f", net, check=False)
         left = self.out("ps", "-aq", "--filter", label, check=False).split()
         left += self.out("volume", "ls", "-q", "--filter", label, check=False).split()
-        left += self.out("network", "ls", "-q", "--filter", f"name=^{project}_",
-                         check=False).split()
+        left += self.out(
+            "network", "ls", "-q", "--filter", f"name=^{project}_", check=False
+        ).split()
         return left
 
     def remove_stale(self, prefix: str) -> None:
@@ -182,8 +229,10 @@ class Podman:
         down); stacks of runs still alive (another checkout's) are left alone. Project
         names end in the owning pytest's pid."""
         listing = self.out("ps", "-a", "--format", "json", check=False) or "[]"
-        projects = {(c.get("Labels") or {}).get("io.podman.compose.project", "")
-                    for c in json.loads(listing)}
+        projects = {
+            (c.get("Labels") or {}).get("io.podman.compose.project", "")
+            for c in json.loads(listing)
+        }
         for project in sorted(p for p in projects if p.startswith(prefix)):
             try:
                 os.kill(int(project.rsplit("-", 1)[1]), 0)
@@ -196,12 +245,13 @@ class Podman:
 
     def remove_stale_images(self, repo: str, prefix: str) -> None:
         """Tags REPO:PREFIX<pid> of runs whose process is gone."""
-        for tag in self.out("images", "--format", "{{.Tag}}", "--filter", f"reference={repo}",
-                            check=False).split():
+        for tag in self.out(
+            "images", "--format", "{{.Tag}}", "--filter", f"reference={repo}", check=False
+        ).split():
             if not tag.startswith(prefix):
                 continue
             try:
-                os.kill(int(tag[len(prefix):]), 0)
+                os.kill(int(tag[len(prefix) :]), 0)
             except ProcessLookupError:
                 self.run("rmi", "-f", f"{repo}:{tag}", check=False)
             except (ValueError, PermissionError):

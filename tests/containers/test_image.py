@@ -14,12 +14,16 @@ from .podman import ROOT, CrashLoop
 
 pytestmark = pytest.mark.container
 
-METRICS = ("import urllib.request; print(urllib.request.urlopen("
-           "'http://127.0.0.1:8090/metrics', timeout=5).read().decode())")
+METRICS = (
+    "import urllib.request; print(urllib.request.urlopen("
+    "'http://127.0.0.1:8090/metrics', timeout=5).read().decode())"
+)
 
 
 def _pod_flags(with_volumes: bool) -> list[str]:
-    pod = yaml.safe_load((ROOT / "deploy/k8s/deployment.yaml").read_text())["spec"]["template"]["spec"]
+    pod = yaml.safe_load((ROOT / "deploy/k8s/deployment.yaml").read_text())["spec"]["template"][
+        "spec"
+    ]
     container = pod["containers"][0]
     sec, pod_sec = container["securityContext"], pod["securityContext"]
     flags = ["--user", f"{pod_sec['runAsUser']}:{pod_sec['runAsGroup']}"]
@@ -60,7 +64,9 @@ def test_image_runs_as_the_deployment_runs_it(podman, image, run):
     podman.wait_healthy(name, timeout=90)
     text = podman.exec_python(name, METRICS).decode()
     assert "phasewatch_upstream_up" in text
-    assert any(d.startswith("phasewatch-metrics-") for d in podman.out("exec", name, "ls", "/tmp").split())
+    assert any(
+        d.startswith("phasewatch-metrics-") for d in podman.out("exec", name, "ls", "/tmp").split()
+    )
     assert podman.run("exec", name, "touch", "/probe", check=False).returncode != 0  # read-only
 
 
@@ -69,5 +75,6 @@ def test_without_the_tmp_volume_the_workers_cannot_start(podman, image, run):
     name = run(image, *_pod_flags(with_volumes=False))
     with pytest.raises(CrashLoop) as info:
         podman.wait_healthy(name, timeout=60)
-    assert "Read-only file system" in str(info.value) or "No usable temporary" in str(info.value), \
+    assert "Read-only file system" in str(info.value) or "No usable temporary" in str(info.value), (
         str(info.value)
+    )

@@ -33,10 +33,16 @@ PREFIX = "pwrecipe-"
 def _empty_is_unset() -> bool:
     """Does this checkout's `phasewatch serve` treat PHASEWATCH_POWER_DCGM_URL= as unset?"""
     r = subprocess.run(
-        [sys.executable, "-c",
-         "from proxy.settings import Settings; print(Settings().power_dcgm_url is None)"],
-        env={**os.environ, "PHASEWATCH_POWER_DCGM_URL": ""}, capture_output=True, text=True,
-        check=False)
+        [
+            sys.executable,
+            "-c",
+            "from proxy.settings import Settings; print(Settings().power_dcgm_url is None)",
+        ],
+        env={**os.environ, "PHASEWATCH_POWER_DCGM_URL": ""},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return r.returncode == 0 and r.stdout.strip() == "True"
 
 
@@ -51,37 +57,73 @@ def project(podman):
 
 def _up(podman, project: str, image: str, **env: str) -> tuple[str, int]:
     port = free_port()
-    podman.compose(project, "up", "-d", "--no-build", "--scale", "loadgen=0",
-                   "phasewatch", "simulator",
-                   env={"PHASEWATCH_IMAGE": image, "BIND_ADDRESS": "127.0.0.1",
-                        "PROXY_PORT": str(port), **env})
+    podman.compose(
+        project,
+        "up",
+        "-d",
+        "--no-build",
+        "--scale",
+        "loadgen=0",
+        "phasewatch",
+        "simulator",
+        env={
+            "PHASEWATCH_IMAGE": image,
+            "BIND_ADDRESS": "127.0.0.1",
+            "PROXY_PORT": str(port),
+            **env,
+        },
+    )
     return podman.container(project, "phasewatch"), port
 
 
 # Until `phasewatch serve` treats an empty value as unset (the lead's change to
 # proxy/settings.py), the documented recipe crash-loops: this marks exactly that, and
 # stops matching (strict) the moment the change is in.
-@pytest.mark.xfail(not _empty_is_unset(), raises=CrashLoop, strict=True,
-                   reason="phasewatch serve rejects PHASEWATCH_POWER_DCGM_URL= (empty)")
+@pytest.mark.xfail(
+    not _empty_is_unset(),
+    raises=CrashLoop,
+    strict=True,
+    reason="phasewatch serve rejects PHASEWATCH_POWER_DCGM_URL= (empty)",
+)
 def test_documented_real_engine_recipe(podman, image, project):
-    name, port = _up(podman, project, image,
-                     PHASEWATCH_UPSTREAM="llamacpp=http://simulator:8000", SIM_ENGINE="llamacpp",
-                     PHASEWATCH_POWER_DCGM_URL="", PHASEWATCH_POWER_GPU="")
+    name, port = _up(
+        podman,
+        project,
+        image,
+        PHASEWATCH_UPSTREAM="llamacpp=http://simulator:8000",
+        SIM_ENGINE="llamacpp",
+        PHASEWATCH_POWER_DCGM_URL="",
+        PHASEWATCH_POWER_GPU="",
+    )
     env = podman.inspect(name)["Config"]["Env"]
     assert "PHASEWATCH_POWER_DCGM_URL=" in env and "PHASEWATCH_POWER_GPU=" in env  # set, empty
     podman.wait_healthy(podman.container(project, "simulator"))
     podman.wait_healthy(name)
     proxy = f"http://127.0.0.1:{port}"
-    assert podman.out("ps", "-a", "--filter", f"label=io.podman.compose.project={project}",
-                      "--format", "{{.Names}}").split().count(f"{project}_loadgen_1") == 0
+    assert (
+        podman.out(
+            "ps",
+            "-a",
+            "--filter",
+            f"label=io.podman.compose.project={project}",
+            "--format",
+            "{{.Names}}",
+        )
+        .split()
+        .count(f"{project}_loadgen_1")
+        == 0
+    )
 
     facts: dict[str, set] = {}
 
     def measured():
         # (phasewatch may have started before the engine answered: until its next look at
         # the engine it does not know the dialect, so keep asking)
-        r = httpx.post(proxy + "/completion", json={"prompt": "hello", "n_predict": 8,
-                                                    "stream": True}, timeout=30)
+        r = httpx.post(
+            proxy + "/completion",
+            json={"prompt": "hello", "n_predict": 8, "stream": True},
+            timeout=30,
+        )
         assert r.status_code == 200 and b'"stop":true' in r.content, r.content[-500:]
         text = httpx.get(proxy + "/metrics", timeout=10).text
         facts.update(up=set(), ttft=set())
@@ -100,8 +142,12 @@ def test_documented_real_engine_recipe(podman, image, project):
         raise AssertionError(f"{exc}; seen: {facts}") from None
     # The power sampler had the whole start-up and request to sample: nothing from the
     # simulator's dcgm lines, no GPU mapped to a model.
-    for family in ("phasewatch_gpu_energy_joules_total{", "phasewatch_gpu_power_sample_watts_count{",
-                   'source="dcgm"', "Llama-3.1-8B"):
+    for family in (
+        "phasewatch_gpu_energy_joules_total{",
+        "phasewatch_gpu_power_sample_watts_count{",
+        'source="dcgm"',
+        "Llama-3.1-8B",
+    ):
         assert family not in text, f"{family} in the recipe's /metrics"
     state = podman.inspect(name)
     assert state["State"]["Status"] == "running" and not state.get("RestartCount")
