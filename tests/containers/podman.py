@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[2]
 STANDINS_HINT = "run .ci/container-standins.sh (it makes the local base images)"
 #: The base images docker-compose.yml and deploy/Dockerfile name: local stand-ins.
@@ -256,3 +258,19 @@ class Podman:
                 self.run("rmi", "-f", f"{repo}:{tag}", check=False)
             except (ValueError, PermissionError):
                 pass
+
+
+def poll(what: str, check, timeout: float, interval: float = 1.0):
+    """check() until it returns something truthy; its last value (or error) on failure."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            last = repr(exc)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r:.1500})")
+        time.sleep(interval)

@@ -14,36 +14,17 @@ made-up GPU power nor map GPUs to the simulator's models.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .podman import CrashLoop, free_port
-from .test_stack import poll
+from .podman import CrashLoop, free_port, poll
 
 pytestmark = pytest.mark.container
 
 PREFIX = "pwrecipe-"
-
-
-def _empty_is_unset() -> bool:
-    """Does this checkout's `phasewatch serve` treat PHASEWATCH_POWER_DCGM_URL= as unset?"""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from proxy.settings import Settings; print(Settings().power_dcgm_url is None)",
-        ],
-        env={**os.environ, "PHASEWATCH_POWER_DCGM_URL": ""},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return r.returncode == 0 and r.stdout.strip() == "True"
 
 
 @pytest.fixture
@@ -76,15 +57,6 @@ def _up(podman, project: str, image: str, **env: str) -> tuple[str, int]:
     return podman.container(project, "phasewatch"), port
 
 
-# Until `phasewatch serve` treats an empty value as unset (the lead's change to
-# proxy/settings.py), the documented recipe crash-loops: this marks exactly that, and
-# stops matching (strict) the moment the change is in.
-@pytest.mark.xfail(
-    not _empty_is_unset(),
-    raises=CrashLoop,
-    strict=True,
-    reason="phasewatch serve rejects PHASEWATCH_POWER_DCGM_URL= (empty)",
-)
 def test_documented_real_engine_recipe(podman, image, project):
     name, port = _up(
         podman,

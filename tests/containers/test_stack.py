@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .podman import CrashLoop, Podman, free_port
+from .podman import CrashLoop, Podman, free_port, poll
 
 pytestmark = pytest.mark.container
 
@@ -27,22 +27,6 @@ PROJECT_PREFIX = "pwtest-"
 SERVICES = ("phasewatch", "simulator", "loadgen", "prometheus", "alertmanager")
 OVERRIDE = "tests/containers/compose.ci.yml"
 SIM_PRECISIONS = {"bf16", "fp8", "int4"}
-
-
-def poll(what: str, check, timeout: float, interval: float = 1.0):
-    """check() until it returns something truthy; its last value (or error) on failure."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            last = repr(exc)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r:.1500})")
-        time.sleep(interval)
 
 
 class Stack:
@@ -342,7 +326,8 @@ def test_no_container_restarted(stack):
 
 def test_sigterm_drains_in_flight_streams(stack):
     """`podman stop` (compose down/stop do the same): SIGTERM to the proxy (PID 1); the
-    stream in flight finishes whole, new requests get 503, then it exits 0, not killed."""
+    stream in flight finishes whole, readiness and new requests get 503 while liveness
+    stays 200, then it exits 0, not killed."""
     name = stack.name("phasewatch")
     # the slowest model (bf16, ~50 tok/s simulated): ~12 s of stream, well inside the
     # proxy's 30 s grace, long enough to see the drain while it flows
@@ -381,18 +366,16 @@ def test_sigterm_drains_in_flight_streams(stack):
     )
     stopper.start()
 
-    def refused():  # the health check and new requests are turned away while it drains
-        h = httpx.get(stack.proxy + "/phasewatch/health", timeout=5)
-        r = httpx.post(
+    def refused():  # readiness and new requests are turned away while it drains
+        ready = httpx.get(stack.proxy + "/phasewatch/ready", timeout=5).status_code
+        new = httpx.post(
             stack.proxy + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=10
-        )
-        return (
-            (h.status_code, r.status_code)
-            if h.status_code == 503 and r.status_code == 503
-            else None
-        )
+        ).status_code
+        return (ready, new) if ready == 503 and new == 503 else None
 
-    assert poll("503 for new requests while draining", refused, 30, interval=0.2) == (503, 503)
+    assert poll("503 for readiness and new requests while draining", refused, 30, interval=0.2)
+    # liveness (the image's HEALTHCHECK) stays up: a draining proxy is not a broken one
+    assert httpx.get(stack.proxy + "/phasewatch/health", timeout=5).status_code == 200
     assert reader.is_alive(), "the in-flight stream ended before the drain was seen"
     reader.join(120)
     stopper.join(120)
