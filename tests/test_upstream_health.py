@@ -213,3 +213,34 @@ def test_the_start_up_line_claims_no_engine_it_has_not_seen(engine_flag):
             assert "engine vllm" not in line and "detected in the background" in line
     finally:
         proxy.stop()
+
+
+def test_an_engine_that_starts_after_the_proxy_is_detected_soon_not_at_the_next_refresh():
+    """An engine still loading at start (compose brings both up together): the proxy
+    probes it again within seconds, not after the model-list interval (here 300 s), so its
+    requests are measured in the right dialect and labelled with its models."""
+    port = free_port()
+    proxy = start_proxy(f"late=http://127.0.0.1:{port}", args=["--model-refresh", "300"])
+    sim = None
+    try:
+        assert httpx.get(proxy.url + "/phasewatch/ready").status_code == 503
+        sim = start_sim("llamacpp", speed=8.0, port=port)
+        wait_for(
+            lambda: httpx.get(proxy.url + "/phasewatch/ready").status_code == 200,
+            "the late engine detected",
+        )
+        ready = httpx.get(proxy.url + "/phasewatch/ready").json()
+        assert ready["upstreams"][0]["engine"] == "llamacpp"
+        # measured in llama-server's own dialect: its native endpoint counts
+        r = httpx.post(
+            proxy.url + "/completion",
+            json={"prompt": "hello there", "n_predict": 4, "stream": True},
+        )
+        assert r.status_code == 200
+        wait_for(lambda: proxy.request_lines(), "the request's log line")
+        line = proxy.request_lines()[-1]
+        assert line["endpoint"] == "llamacpp_completion" and line["model"] != "other", line
+    finally:
+        proxy.stop()
+        if sim is not None:
+            sim.stop()

@@ -16,9 +16,14 @@ log = logging.getLogger(__name__)
 
 
 async def every(
-    interval: float, step: Callable[[], Awaitable[object]], what: str, first_delay: float = 0.0
+    interval: float,
+    step: Callable[[], Awaitable[object]],
+    what: str,
+    first_delay: float = 0.0,
+    next_delay: Callable[[], float] | None = None,
 ) -> None:
-    """Run `step` every `interval` seconds until cancelled; `what` names it in the log."""
+    """Run `step` every `interval` seconds until cancelled; `what` names it in the log.
+    `next_delay`, when given, says how long to wait after each step instead."""
     failing = False
     await asyncio.sleep(first_delay)
     while True:
@@ -34,4 +39,4 @@ async def every(
             if failing:
                 log.info("%s works again", what)
             failing = False
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval if next_delay is None else next_delay())

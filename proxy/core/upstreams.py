@@ -86,6 +86,7 @@ class Upstream:
         #: Set once the first probe answered or failed (requests that come before it wait
         #: for it, briefly: they are then read in the right engine's dialect).
         self.probed = asyncio.Event()
+        self._backoff = 0.5
         self.gate = AdmissionGate(options.max_concurrency, options.max_queue, options.queue_timeout)
         client = options.client if spec.tls is None else replace(options.client, tls=spec.tls)
         #: What the relay sends through (its own pool), and the timeouts each request takes.
@@ -197,6 +198,17 @@ class Upstream:
         self.up = up
         self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
 
+    def next_probe_delay(self, interval: float) -> float:
+        """Seconds until the next probe: `interval` while the upstream answers; while it
+        does not (an engine still loading, restarting), 0.5 s doubling up to `interval`,
+        so it is detected and measured soon after it comes up."""
+        if self.up:
+            self._backoff = 0.5
+            return interval
+        delay = min(self._backoff, interval)
+        self._backoff = min(self._backoff * 2, interval)
+        return delay
+
     def state(self) -> dict[str, Any]:
         """What the other workers of the host need to know of this upstream."""
         return {
@@ -297,6 +309,7 @@ class Upstreams:
                     refresh_interval,
                     functools.partial(self._refresh, u, board),
                     f"model-list refresh of upstream {u.name}",
+                    next_delay=functools.partial(u.next_probe_delay, refresh_interval),
                 )
             )
 

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deterministic",
         action="store_true",
+        default=os.environ.get("PHASEWATCH_SIM_DETERMINISTIC", "") not in ("", "0", "false"),
         help="Ids and created times derived from the request, so equal requests "
         "give equal bytes (for byte-equality tests).",
     )
