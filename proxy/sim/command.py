@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=os.environ.get("PHASEWATCH_SIM_DETERMINISTIC", "") not in ("", "0", "false"),
         help="Ids and created times derived from the request, so equal requests "
-        "give equal bytes (for byte-equality tests).",
+        "give equal bytes (for byte-equality tests) [env PHASEWATCH_SIM_DETERMINISTIC=1].",
     )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
 
