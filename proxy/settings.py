@@ -293,6 +293,8 @@ class Settings(BaseSettings):
     @field_validator("clients", mode="before")
     @classmethod
     def _clients_list(cls, value: Any) -> Any:
+        if isinstance(value, list):  # --clients a,b,c on the command line too
+            return [name for item in value for name in _split_list(str(item))]
         return _split_list(value)
 
     @field_validator("clients")
