@@ -434,3 +434,43 @@ def test_missing_sdk_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
     with pytest.raises(ValueError, match=r"pip install 'phasewatch\[otel\]'"):
         Tracing(Metrics(), "test")
+
+
+def test_workers_each_export_their_spans_and_metrics_carry_no_exemplars(fake_engine):
+    """--workers N: every worker traces its own requests; prometheus-client's multiprocess
+    mode keeps no exemplars, and /metrics stays valid OpenMetrics without them."""
+    _, server = fake_engine
+    receiver = Receiver()
+    proxy = start_proxy(
+        f"fake={server.url}",
+        args=["--otel", "--engine", "fake=openai", "--workers", "2"],
+        env=otel_env(receiver, OTEL_METRICS_EXPORTER="none"),
+    )
+    try:
+        for i in range(6):
+            r = httpx.post(
+                proxy.url + "/v1/chat/completions",
+                json=_fake_body(),
+                headers={"x-request-id": f"w-{i}"},
+                timeout=10,
+            )
+            assert r.status_code == 200
+        spans = receiver.wait_spans(
+            lambda s: {x["attributes"].get("phasewatch.request_id") for x in s}
+            >= {f"w-{i}" for i in range(6)}
+        )
+        assert all(s["service"] == "pw-under-test" for s in spans)
+        text = httpx.get(proxy.url + "/metrics", headers={"accept": OPENMETRICS}).text
+        families = list(text_string_to_metric_families(text))
+        ok = [
+            s.value
+            for fam in families
+            if fam.name == "phasewatch_requests"
+            for s in fam.samples
+            if s.labels.get("outcome") == "ok"
+        ]
+        assert sum(ok) == 6
+        assert all(s.exemplar is None for fam in families for s in fam.samples)
+    finally:
+        proxy.stop()
+        receiver.stop()
