@@ -456,8 +456,10 @@ def test_workers_each_export_their_spans_and_metrics_carry_no_exemplars(fake_eng
             )
             assert r.status_code == 200
         spans = receiver.wait_spans(
-            lambda s: {x["attributes"].get("phasewatch.request_id") for x in s}
-            >= {f"w-{i}" for i in range(6)}
+            lambda s: (
+                {x["attributes"].get("phasewatch.request_id") for x in s}
+                >= {f"w-{i}" for i in range(6)}
+            )
         )
         assert all(s["service"] == "pw-under-test" for s in spans)
         text = httpx.get(proxy.url + "/metrics", headers={"accept": OPENMETRICS}).text
