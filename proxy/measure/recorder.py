@@ -9,6 +9,7 @@ needs of a request is the :class:`Finished` protocol, so it knows nothing of the
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -61,13 +62,19 @@ Sink = Callable[[Any, Figures, dict], None]
 _EXEMPLAR_CHARS = 128
 
 
+#: What a request id may keep in an exemplar; anything else becomes "_". A client's id
+#: is free text, and some OpenMetrics parsers misread a label value holding "} #".
+_UNSAFE_ID_RE = re.compile(r"[^A-Za-z0-9._:/+=@-]")
+
+
 def exemplar(request_id: str, trace_id: str | None) -> dict[str, str]:
     """The exemplar labels of a request's observations: its trace id (when it was traced)
-    and its request id, cut to fit OpenMetrics' limit."""
+    and its request id, made safe and cut to fit OpenMetrics' limit."""
+    rid = _UNSAFE_ID_RE.sub("_", request_id)
     if trace_id:
         room = _EXEMPLAR_CHARS - len("trace_id") - len(trace_id) - len("request_id")
-        return {"trace_id": trace_id, "request_id": request_id[: max(0, room)]}
-    return {"request_id": request_id[: _EXEMPLAR_CHARS - len("request_id")]}
+        return {"trace_id": trace_id, "request_id": rid[: max(0, room)]}
+    return {"request_id": rid[: _EXEMPLAR_CHARS - len("request_id")]}
 
 
 class Recorder:
