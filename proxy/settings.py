@@ -191,7 +191,7 @@ class Settings(BaseSettings):
     otel: bool = Field(
         False,
         description="Export OpenTelemetry traces (one span per measured request, phases "
-        "as child spans, traceparent passed to the engine) and GenAI metrics over "
+        "as span events, traceparent passed to the engine) and GenAI metrics over "
         "OTLP/HTTP, configured by the standard OTEL_* variables; needs "
         "pip install 'phasewatch[otel]'.",
     )

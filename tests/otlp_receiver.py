@@ -99,7 +99,14 @@ class Receiver:
                             "end": s.end_time_unix_nano,
                             "attributes": attrs(s.attributes),
                             "status": s.status.code,
-                            "events": [e.name for e in s.events],
+                            "events": [
+                                {
+                                    "name": e.name,
+                                    "time": e.time_unix_nano,
+                                    "attributes": attrs(e.attributes),
+                                }
+                                for e in s.events
+                            ],
                         }
                     )
         with self.lock:

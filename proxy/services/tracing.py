@@ -1,5 +1,5 @@
 """OpenTelemetry for measured requests (``--otel``): one span per request, the phases as
-child spans, GenAI metrics, all exported over OTLP/HTTP off the request path.
+span events, GenAI metrics, all exported over OTLP/HTTP off the request path.
 
 Two hooks, both once per request and never per event:
 
@@ -9,7 +9,7 @@ Two hooks, both once per request and never per event:
   engine's own spans (vLLM's ``--otlp-traces-endpoint``) land under phasewatch's.
 - :meth:`Tracing.finish` is a recorder sink: it fills the span from the request's marks
   and figures (GenAI semantic-convention attributes, ``phasewatch.*`` figures, the power
-  listener's watts and joules), adds the queue / prefill / decode child spans and ends it
+  listener's watts and joules), adds the queue / prefill / decode events and ends it
   at ``t_end``; the SDK's batch processor exports it on its own thread. It also records
   the GenAI server metrics (``gen_ai.server.time_to_first_token`` …).
 
@@ -333,8 +333,8 @@ class Tracing:
         if ex.outcome == "error" or ex.status >= 500:
             span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, ex.error_kind))
 
-        # the phases as child spans, where the marks say they happened
-        parent = self._trace.set_span_in_context(span)
+        # The phases as span events where the marks say they began, each with its length:
+        # three child spans would triple the per-request cost (span creation and export).
         aborted = ex.abort_phase if ex.outcome == "aborted" else None
         phases: list[tuple[str, float | None, float | None, dict]] = [
             ("queue", mk.t_recv, mk.t_admit if mk.t_admit is not None else end, {}),
@@ -356,14 +356,9 @@ class Tracing:
         for name, a, b, extra in phases:
             if a is None or b is None or b < a:
                 continue
-            child = self.tracer.start_span(
-                name,
-                context=parent,
-                kind=self._trace.SpanKind.INTERNAL,
-                start_time=h.wall(a),
-                attributes={"phasewatch.phase": name, **extra},
+            span.add_event(
+                name, {"phasewatch.phase_seconds": b - a, **extra}, timestamp=h.wall(a)
             )
-            child.end(end_time=h.wall(b))
         span.end(end_time=h.wall(end))
 
     def _record_metrics(self, ex: Exchange, f: Figures) -> None:
