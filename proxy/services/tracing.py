@@ -356,9 +356,7 @@ class Tracing:
         for name, a, b, extra in phases:
             if a is None or b is None or b < a:
                 continue
-            span.add_event(
-                name, {"phasewatch.phase_seconds": b - a, **extra}, timestamp=h.wall(a)
-            )
+            span.add_event(name, {"phasewatch.phase_seconds": b - a, **extra}, timestamp=h.wall(a))
         span.end(end_time=h.wall(end))
 
     def _record_metrics(self, ex: Exchange, f: Figures) -> None:
