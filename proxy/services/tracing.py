@@ -199,8 +199,8 @@ class Tracing:
             )
         log.info(
             "OpenTelemetry: traces %s, GenAI metrics %s (OTLP/HTTP to %s)",
-            "on" if traces else "off (OTEL_TRACES_EXPORTER=none)",
-            "on" if meters else "off (OTEL_METRICS_EXPORTER=none)",
+            "on" if traces else "off",
+            "on" if meters else "off",
             os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318"),
         )
 
