@@ -147,6 +147,38 @@ def test_a_request_without_traceparent_starts_a_trace(traced):
     assert _line(proxy, rid)["trace_id"] == span["trace_id"]
 
 
+def test_an_aborted_request_says_where_it_was_cut(traced):
+    receiver, _, proxy = traced
+    header, trace_id, _ = traceparent()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long answer please"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        proxy.url + "/v1/chat/completions",
+        json=body,
+        headers={"traceparent": header},
+        timeout=30,
+    ) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 10:  # a few tokens in: hang up mid-decode
+                break
+    spans = receiver.wait_spans(lambda s: any(x["trace_id"] == trace_id for x in s))
+    (span,) = [s for s in spans if s["trace_id"] == trace_id]
+    a = span["attributes"]
+    assert (a["phasewatch.outcome"], a["phasewatch.abort_phase"]) == ("aborted", "decode")
+    assert "gen_ai.usage.output_tokens" not in a  # the engine never said
+    decode = next(e for e in span["events"] if e["name"] == "decode")
+    # the decode phase runs to where the client left
+    assert decode["time"] + decode["attributes"]["phasewatch.phase_seconds"] * 1e9 == (
+        pytest.approx(span["end"], abs=1000)
+    )
+
+
 def test_genai_metrics_over_otlp_carry_the_precision(traced):
     receiver, _, proxy = traced
     models = ("RedHatAI/Llama-3.1-8B-Instruct-FP8", "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4")
