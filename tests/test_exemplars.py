@@ -151,7 +151,7 @@ def test_prometheus_stores_the_exemplars_the_dashboards_show():
             body = {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "hi " * (20 + 200 * i)}],
-                "max_tokens": 6,
+                "max_tokens": 30,
                 "ignore_eos": True,
                 "stream": True,
             }

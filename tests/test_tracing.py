@@ -79,7 +79,7 @@ def test_one_span_per_request_continuing_the_clients_trace(traced):
     receiver, sim, proxy = traced
     header, trace_id, parent_id = traceparent()
     rid = "trace-" + secrets.token_hex(4)
-    assert _stream_chat(proxy, {"traceparent": header, "x-request-id": rid})
+    assert _stream_chat(proxy, {"traceparent": header, "x-request-id": rid}, max_tokens=24)
 
     spans = receiver.wait_spans(lambda s: any(x["trace_id"] == trace_id for x in s))
     mine = [s for s in spans if s["trace_id"] == trace_id]
@@ -98,7 +98,7 @@ def test_one_span_per_request_continuing_the_clients_trace(traced):
     assert a["gen_ai.response.model"] == MODEL
     assert a["gen_ai.response.finish_reasons"] == ("length",)
     assert a["gen_ai.usage.input_tokens"] == truth["prompt_tokens"]
-    assert a["gen_ai.usage.output_tokens"] == truth["completion_tokens"] == 12
+    assert a["gen_ai.usage.output_tokens"] == truth["completion_tokens"] == 24
     assert a["server.address"] == "127.0.0.1"
     assert a["server.port"] == int(sim.url.rsplit(":", 1)[1])
     assert a["http.response.status_code"] == 200
@@ -106,13 +106,17 @@ def test_one_span_per_request_continuing_the_clients_trace(traced):
     assert a["phasewatch.precision"] == "bf16"
     assert a["phasewatch.outcome"] == "ok"
     assert a["phasewatch.client"] == "unknown"
-    assert a["phasewatch.ttft_seconds"] == pytest.approx(float(line["ttft_s"]), abs=1e-4)
-    assert a["phasewatch.decode_tokens_per_second"] == pytest.approx(
-        float(line["decode_tps"]), rel=1e-3
-    )
-    assert a["phasewatch.prefill_tokens_per_second"] == pytest.approx(
-        float(line["prefill_tps"]), rel=1e-3
-    )
+    # the span says what the log line says (a busy machine may deliver every token in one
+    # read, and then neither has a decode rate)
+    for attr, field in (
+        ("phasewatch.ttft_seconds", "ttft_s"),
+        ("phasewatch.prefill_tokens_per_second", "prefill_tps"),
+        ("phasewatch.decode_tokens_per_second", "decode_tps"),
+    ):
+        assert (attr in a) == (field in line), (attr, a, line)
+        if field in line:
+            assert a[attr] == pytest.approx(float(line[field]), rel=1e-3, abs=1e-4), attr
+    assert "phasewatch.ttft_seconds" in a and "phasewatch.prefill_tokens_per_second" in a
     # the log line names the trace, so logs and traces join
     assert line["trace_id"] == trace_id
 
@@ -124,13 +128,13 @@ def test_one_span_per_request_continuing_the_clients_trace(traced):
     length = {name: e["attributes"]["phasewatch.phase_seconds"] for name, e in events.items()}
     assert length["queue"] == pytest.approx(float(line["queue_s"]), abs=1e-4)
     assert length["prefill"] == pytest.approx(a["phasewatch.prefill_seconds"])
-    assert length["decode"] == pytest.approx(a["phasewatch.decode_seconds"])
+    assert length["decode"] == pytest.approx(a.get("phasewatch.decode_seconds", 0.0))
     assert d["time"] + length["decode"] * 1e9 <= span["end"]
     # times as the proxy measured them (wall nanoseconds from the monotonic marks)
     assert (d["time"] - span["start"]) / 1e9 == pytest.approx(float(line["ttft_s"]), abs=2e-4)
     assert (span["end"] - span["start"]) / 1e9 == pytest.approx(float(line["request_s"]), abs=2e-4)
-    assert d["attributes"]["phasewatch.decode_tokens_per_second"] == pytest.approx(
-        a["phasewatch.decode_tokens_per_second"]
+    assert d["attributes"].get("phasewatch.decode_tokens_per_second") == a.get(
+        "phasewatch.decode_tokens_per_second"
     )
 
 
@@ -215,7 +219,7 @@ def test_exemplars_name_the_trace(traced):
     receiver, _, proxy = traced
     header, trace_id, _ = traceparent()
     rid = "ex-" + secrets.token_hex(4)
-    assert _stream_chat(proxy, {"traceparent": header, "x-request-id": rid}, max_tokens=8)
+    assert _stream_chat(proxy, {"traceparent": header, "x-request-id": rid}, max_tokens=40)
     text = httpx.get(proxy.url + "/metrics", headers={"accept": OPENMETRICS}).text
     found = {}
     for family in text_string_to_metric_families(text):
