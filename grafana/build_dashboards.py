@@ -42,8 +42,17 @@ def steps(*pairs):
 
 
 def target(
-    expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, fmt: str = "time_series"
+    expr: str,
+    legend: str = "",
+    ref: str = "A",
+    *,
+    instant: bool = False,
+    fmt: str = "time_series",
+    exemplar: bool = False,
 ) -> dict:
+    """A Prometheus query. `exemplar`: also fetch the exemplars of the raw histogram it
+    reads (phasewatch puts the trace id and request id on TTFT, decode-rate and request
+    buckets), so a slow bucket links to its trace and log line."""
     t = {
         "datasource": DS,
         "refId": ref,
@@ -54,6 +63,8 @@ def target(
         "format": fmt,
         "editorMode": "code",
     }
+    if exemplar:
+        t["exemplar"] = True
     return t
 
 
@@ -498,16 +509,35 @@ def overview() -> dict:
     )
     d.add(
         heatmap(
+            "Time to first token distribution (s)",
+            "Per-request TTFT as a heatmap of histogram buckets. The dots are exemplars: one "
+            "request per bucket with its trace id and request id, to jump from a slow bucket to "
+            "the trace (--otel) and the log line.",
+            [
+                target(
+                    "sum by (le) (increase(phasewatch_ttft_seconds_bucket"
+                    f"{{{SEL}}}[$__rate_interval]))",
+                    "{{le}}",
+                    fmt="heatmap",
+                    exemplar=True,
+                )
+            ],
+            "s",
+        )
+    )
+    d.add(
+        heatmap(
             "Decode rate distribution (tok/s)",
             "Per-request decode rate, (completion tokens - 1) / (last - first output event), as a "
             "heatmap of histogram buckets. Decode is memory-bandwidth-bound: lower precision moves "
-            "this up ~2.5-3.5x from bf16 to int4.",
+            "this up ~2.5-3.5x from bf16 to int4. The dots are exemplars (trace id, request id).",
             [
                 target(
                     "sum by (le) (increase(phasewatch_decode_tokens_per_second_bucket"
                     f'{{{SEL}, source="$source"}}[$__rate_interval]))',
                     "{{le}}",
                     fmt="heatmap",
+                    exemplar=True,
                 )
             ],
             TOKS,
@@ -731,12 +761,14 @@ def overview() -> dict:
     d.add(
         timeseries(
             "Request duration p95 by outcome",
-            "Whole request, from phasewatch having it to the response complete or aborted.",
+            "Whole request, from phasewatch having it to the response complete or aborted. The "
+            "dots are exemplars: single requests with their trace id and request id.",
             [
                 target(
                     "histogram_quantile(0.95, sum by (outcome, le) "
                     f"(rate(phasewatch_request_seconds_bucket{{{SEL}}}[$__rate_interval])))",
                     "{{outcome}}",
+                    exemplar=True,
                 )
             ],
             "s",
@@ -885,6 +917,64 @@ def overview() -> dict:
         ),
         w=16,
         h=6,
+    )
+
+    d.row("Clients")
+    d.add(
+        timeseries(
+            "Tokens per second by client",
+            "Prompt (prefill + cached) and generated tokens per client: the name of a named key "
+            "(--api-key NAME=KEY), else a --client-header value listed in --clients ('other' "
+            "for any other value, 'unknown' for none).",
+            [
+                target(
+                    f"sum by (client) (rate(phasewatch_tokens_total{{{SEL}}}[$__rate_interval]))",
+                    "{{client}}",
+                )
+            ],
+            TOKS,
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "Requests per second by client",
+            "Measured requests per client, every outcome.",
+            [
+                target(
+                    f"sum by (client) (rate(phasewatch_requests_total{{{SEL}}}[$__rate_interval]))",
+                    "{{client}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "GPU power attributed by client",
+            "Each request's share of its GPUs' energy (split evenly among the requests in "
+            "flight), per client, as a rate: watts drawn on the client's behalf. Idle power is "
+            "nobody's, so the clients add up to less than the GPUs draw.",
+            [
+                target(
+                    "sum by (client) (rate(phasewatch_request_energy_joules_total"
+                    f"{{{SEL}}}[$__rate_interval]))",
+                    "{{client}}",
+                )
+            ],
+            "watt",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
     )
     return d.json()
 

@@ -9,6 +9,7 @@ address of their own (then the proxy port relays ``/metrics`` to the engine).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from prometheus_client import make_asgi_app
@@ -17,6 +18,7 @@ from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
 from .core.asgi import Receive, Scope, Send
+from .core.clients import Clients
 from .core.errors import send_error
 from .core.host import Host
 from .measure.metrics import Metrics
@@ -24,6 +26,7 @@ from .measure.recorder import Recorder
 from .services import engine_state
 from .services.power import PowerService
 from .services.status import StatusPage
+from .services.tracing import Tracing
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -54,13 +57,21 @@ class ProxyApp:
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
         self.recorder.listeners.append(self.status.on_request)
-        self.access = Access(settings.api_keys, settings.upstream_keys)
+        self.access = Access(settings.api_keys, settings.upstream_keys, settings.key_clients)
+        # OpenTelemetry (--otel): spans opened before the request goes upstream, ended and
+        # exported once it is recorded; nothing of it is loaded without the flag.
+        self.tracing = Tracing(self.metrics, __version__) if settings.otel else None
+        if self.tracing is not None:
+            self.recorder.sinks.append(self.tracing.finish)
         self.relay = Relay(
             self.upstreams,
             self.recorder,
             inject_usage=settings.inject_usage,
             max_body_bytes=settings.max_body_bytes,
             access=self.access,
+            clients=Clients(settings.client_header, settings.clients),
+            trace_hook=self.tracing.begin if self.tracing and self.tracing.traces else None,
+            echo_request_id=settings.echo_request_id,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
@@ -90,6 +101,8 @@ class ProxyApp:
     async def shutdown(self) -> None:
         self.power.stop()
         await self.upstreams.stop()
+        if self.tracing is not None:  # exports what is queued: blocking, so on a thread
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

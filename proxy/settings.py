@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Annotated, Any, Literal
@@ -129,6 +130,20 @@ def check_precision(item: str) -> None:
     )
 
 
+#: A client name: what a named key or --clients may give as the `client` label.
+CLIENT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def split_named_key(text: str) -> tuple[str | None, str]:
+    """``NAME=KEY`` -> (NAME, KEY); a bare key -> (None, KEY). A key is read as named only
+    when what comes before its first ``=`` is a client name and something follows it, so
+    base64 keys ending in ``=`` stay bare."""
+    name, sep, key = text.partition("=")
+    if sep and key and not key.startswith("=") and CLIENT_NAME_RE.fullmatch(name):
+        return name, key
+    return None, text
+
+
 class Settings(BaseSettings):
     """Every setting of ``phasewatch serve``."""
 
@@ -140,6 +155,7 @@ class Settings(BaseSettings):
     _precision: dict[str, str] = PrivateAttr(default_factory=dict)
     _power_gpu: dict[str, str] = PrivateAttr(default_factory=dict)
     _notices: list[str] = PrivateAttr(default_factory=list)
+    _named_keys: dict[str, str] = PrivateAttr(default_factory=dict)  # key -> client name
 
     upstream: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -277,8 +293,32 @@ class Settings(BaseSettings):
     api_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Keys clients must present (Authorization: Bearer KEY or x-api-key) "
-        "to use the proxy (repeatable; default: no proxy keys, the client's own "
+        "to use the proxy, bare or named, NAME=KEY: a named key's requests are labelled "
+        "client=NAME (repeatable; default: no proxy keys, the client's own "
         "Authorization reaches the engine).",
+    )
+    client_header: str | None = Field(
+        None,
+        description="Request header naming the client (e.g. x-team) for the client label "
+        "of requests, tokens and energy, for requests a named key does not name; "
+        "needs --clients.",
+    )
+    clients: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="The client names --client-header may give (repeatable or "
+        "comma-separated); any other value is labelled 'other', none at all 'unknown'.",
+    )
+    echo_request_id: bool = Field(
+        False,
+        description="Return the request id (the client's x-request-id, else the one "
+        "phasewatch made) in an x-request-id response header on measured requests.",
+    )
+    otel: bool = Field(
+        False,
+        description="Export OpenTelemetry traces (one span per measured request, phases "
+        "as span events, traceparent passed to the engine) and GenAI metrics over "
+        "OTLP/HTTP, configured by the standard OTEL_* variables; needs "
+        "pip install 'phasewatch[otel]'.",
     )
     upstream_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
@@ -351,6 +391,46 @@ class Settings(BaseSettings):
             name, _, key = item.get_secret_value().partition("=")
             if not name or not key:
                 raise ValueError("each upstream key must be name=KEY (value not shown)")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        names: set[str] = set()
+        for item in value:
+            name, key = split_named_key(item.get_secret_value())
+            if name is not None:
+                if name in names:
+                    raise ValueError(f"client name {name!r} given to two keys")
+                names.add(name)
+            if not key:
+                raise ValueError("an API key must not be empty (value not shown)")
+        return value
+
+    @field_validator("client_header")
+    @classmethod
+    def _check_client_header(cls, value: str | None) -> str | None:
+        if value is not None:
+            value = value.strip().lower()
+            if not value or not all(c.isalnum() or c in "-_" for c in value):
+                raise ValueError("must be a header name (letters, digits, '-', '_')")
+        return value
+
+    @field_validator("clients", mode="before")
+    @classmethod
+    def _clients_list(cls, value: Any) -> Any:
+        if isinstance(value, list):  # --clients a,b,c on the command line too
+            return [name for item in value for name in _split_list(str(item))]
+        return _split_list(value)
+
+    @field_validator("clients")
+    @classmethod
+    def _check_clients(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not CLIENT_NAME_RE.fullmatch(name):
+                raise ValueError(
+                    f"client name {name[:80]!r} must be 1-64 letters, digits, '-', '_' or '.'"
+                )
         return value
 
     @field_validator(
@@ -457,6 +537,16 @@ class Settings(BaseSettings):
                     f"--upstream-key: no upstream is named {name!r} (upstreams: "
                     f"{', '.join(sorted(names))})"
                 )
+        if self.client_header and not self.clients:
+            raise ValueError(
+                "--client-header needs --clients a,b,c: the client label takes only those "
+                "names (anything else is 'other'), so a client cannot grow the series"
+            )
+        self._named_keys = {}
+        for item in self.api_key:
+            name, key = split_named_key(item.get_secret_value())
+            if name is not None:
+                self._named_keys[key] = name
         self._upstreams = tuple(specs)
         known = frozenset(ENV_PREFIX + f.upper() for f in type(self).model_fields)
         self._notices = notes + unknown_variables(os.environ, known)
@@ -549,7 +639,13 @@ class Settings(BaseSettings):
 
     @property
     def api_keys(self) -> list[str]:
-        return [k.get_secret_value() for k in self.api_key]
+        """Every proxy key, without its name."""
+        return [split_named_key(k.get_secret_value())[1] for k in self.api_key]
+
+    @property
+    def key_clients(self) -> dict[str, str]:
+        """Named proxy keys: key -> client name."""
+        return dict(self._named_keys)
 
     @property
     def upstream_keys(self) -> dict[str, str]:

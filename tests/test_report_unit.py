@@ -50,7 +50,7 @@ def test_model_family_pairs_precisions_of_one_model():
 
 def _traffic(m: Metrics, key, decode, prefill_tps, ttft_8k, n=5) -> None:
     for i in range(n):
-        m.requests_total.labels(*key, "chat", "ok").inc()
+        m.requests_total.labels(*key, "chat", "ok", "unknown").inc()
         m.decode_tokens_per_second.labels(*key, "proxy", "0-2k").observe(
             decode * (1 + 0.01 * (i - 2))
         )
@@ -59,7 +59,7 @@ def _traffic(m: Metrics, key, decode, prefill_tps, ttft_8k, n=5) -> None:
         m.ttft_seconds.labels(*key, "6k-12k").observe(ttft_8k)
         m.prefill_seconds.labels(*key, "proxy", "2k-6k").observe(1.0)
         m.decode_seconds.labels(*key, "proxy", "0-2k").observe(3.0)
-        m.tokens_total.labels(*key, "decode").inc(200)
+        m.tokens_total.labels(*key, "decode", "unknown").inc(200)
 
 
 def test_table_without_power_says_na():

@@ -4,7 +4,8 @@ With proxy keys configured, a client must present one (``Authorization: Bearer K
 ``x-api-key: KEY``). The engine then gets the key configured for its upstream, if any;
 a phasewatch key is never passed on to an engine. With no proxy keys, the client's own
 ``Authorization`` reaches the engine unless an upstream key replaces it. Keys are
-compared in constant time and never logged or exported.
+compared in constant time and never logged or exported. A key may be named after the
+client holding it (``--api-key team-a=KEY``): its requests are labelled ``client=team-a``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ from collections.abc import Iterable
 
 
 class Access:
-    def __init__(self, api_keys: list[str], upstream_keys: dict[str, str]) -> None:
-        self._keys = [k.encode() for k in api_keys if k]
+    """The proxy keys (some named after the client that holds them) and the engines' keys."""
+
+    def __init__(
+        self,
+        api_keys: list[str],
+        upstream_keys: dict[str, str],
+        key_clients: dict[str, str] | None = None,
+    ) -> None:
+        names = key_clients or {}
+        #: (key, client name or "") for every proxy key
+        self._keys = [(k.encode(), names.get(k, "")) for k in api_keys if k]
         self._upstream = {name: ("Bearer " + key).encode() for name, key in upstream_keys.items()}
 
     @property
@@ -28,28 +38,38 @@ class Access:
     def allowed(self, headers: Iterable[tuple[bytes, bytes]], basic: bool = False) -> bool:
         """Whether the request carries a valid proxy key (always, when none are set).
         `basic`: also take HTTP Basic's password (the own API's pages, for browsers)."""
+        return self.client(headers, basic) is not None
+
+    def client(self, headers: Iterable[tuple[bytes, bytes]], basic: bool = False) -> str | None:
+        """Who the request's key names: the client name of a named key, "" for a bare key
+        or when no keys are set, None when a key is required and none valid was sent."""
         if not self._keys:
-            return True
+            return ""
         for k, v in headers:
             if k == b"authorization" and v[:7].lower() == b"bearer ":
-                if self._match(v[7:].strip()):
-                    return True
+                found = self._match(v[7:].strip())
             elif k == b"authorization" and basic and v[:6].lower() == b"basic ":
                 try:
                     _, _, password = base64.b64decode(v[6:].strip(), validate=True).partition(b":")
                 except (binascii.Error, ValueError):
                     continue
-                if self._match(password):
-                    return True
-            elif k == b"x-api-key" and self._match(v.strip()):
-                return True
-        return False
+                found = self._match(password)
+            elif k == b"x-api-key":
+                found = self._match(v.strip())
+            else:
+                continue
+            if found is not None:
+                return found
+        return None
 
-    def _match(self, presented: bytes) -> bool:
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(presented, key)
-        return ok
+    def _match(self, presented: bytes) -> str | None:
+        """The client name of the key presented ("" for a bare key), None for no key;
+        every key is compared, in constant time."""
+        found = None
+        for key, name in self._keys:
+            if hmac.compare_digest(presented, key):
+                found = name
+        return found
 
     def upstream_headers(
         self, headers: list[tuple[bytes, bytes]], upstream: str
@@ -60,10 +80,11 @@ class Access:
             return headers
         out = []
         for k, v in headers:
-            if k == b"x-api-key" and self._keys and self._match(v.strip()):
+            if k == b"x-api-key" and self._keys and self._match(v.strip()) is not None:
                 continue  # the phasewatch key: not the engine's business
             if k == b"authorization" and (
-                key is not None or (v[:7].lower() == b"bearer " and self._match(v[7:].strip()))
+                key is not None
+                or (v[:7].lower() == b"bearer " and self._match(v[7:].strip()) is not None)
             ):
                 continue
             out.append((k, v))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..engines import Outcome, Prepared, Tap
 from ..measure.timeline import EngineTimings, Marks, Usage
@@ -30,6 +30,14 @@ class Exchange:
     abort_phase: str | None = None
     tap: Tap | None = None
     result: Outcome = field(default_factory=Outcome)
+    #: The bounded client label (proxy.core.clients).
+    client: str = "unknown"
+    #: Set by the tracing hook (--otel): the trace id of a sampled request (for the
+    #: exemplars and the log line), the hook's own handle of its span, and the trace
+    #: context headers (traceparent, tracestate) to send upstream.
+    trace_id: str | None = None
+    trace: Any = None
+    trace_headers: list[tuple[bytes, bytes]] | None = None
 
     @property
     def upstream_name(self) -> str:

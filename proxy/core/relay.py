@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -21,10 +22,11 @@ from ..measure.timeline import Marks
 from . import catalog
 from .access import Access
 from .asgi import Receive, Scope, Send
+from .clients import Clients
 from .errors import ErrorShape, UpstreamFailure, describe, send_error
 from .exchange import Exchange
 from .gate import QueueFull, QueueTimeout
-from .headers import encoded, request_headers, request_id, response_headers
+from .headers import Headers, encoded, request_headers, request_id, response_headers
 from .upstreams import Upstream, Upstreams
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,10 @@ _OLLAMA = get_dialect("ollama")
 
 #: Largest non-streamed measured response kept for reading its usage.
 _MAX_KEPT_BODY = 16 * 1024 * 1024
+
+#: Called once per measured request before it goes upstream (the tracing side service):
+#: it may set the exchange's trace id, span handle and trace context headers.
+TraceHook = Callable[[Exchange, Headers], None]
 
 
 class ClientGone(Exception):
@@ -72,12 +78,19 @@ class Relay:
         inject_usage: bool,
         max_body_bytes: int,
         access: Access | None = None,
+        clients: Clients | None = None,
+        trace_hook: TraceHook | None = None,
+        echo_request_id: bool = False,
     ) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
         self.inject_usage = inject_usage
         self.max_body_bytes = max_body_bytes
         self.access = access or Access([], {})
+        self.clients = clients or Clients()
+        self.trace_hook = trace_hook
+        #: Return the request id in an x-request-id response header (measured requests).
+        self.echo_request_id = echo_request_id
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
 
@@ -87,7 +100,8 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
-        if not self.access.allowed(headers):
+        key_client = self.access.client(headers)
+        if key_client is None:
             await send_error(
                 send,
                 401,
@@ -154,6 +168,12 @@ class Relay:
             label,
             upstream.precision_of(label).precision,
         )
+        ex.client = self.clients.label(headers, key_client)
+        if self.trace_hook is not None:
+            try:
+                self.trace_hook(ex, headers)
+            except Exception:  # a side service must never break the request path
+                log.exception("trace hook failed (request %s)", ex.request_id)
         await self._measured(scope, receive, send, ex)
 
     # --- unmeasured paths -----------------------------------------------------------
@@ -218,7 +238,9 @@ class Relay:
             if self.draining:
                 state.finished = True
                 ex.outcome, ex.status = "rejected", 503
-                await send_error(send, 503, "phasewatch is shutting down", "unavailable")
+                await send_error(
+                    send, 503, "phasewatch is shutting down", "unavailable", self._echo(ex)
+                )
                 return
             queued.inc()
             try:
@@ -232,7 +254,7 @@ class Relay:
                     f"upstream {upstream.name} queue is full "
                     f"({upstream.gate.max_queue} waiting); retry later",
                     "rate_limit_exceeded",
-                    [(b"retry-after", b"1")],
+                    [(b"retry-after", b"1"), *self._echo(ex)],
                 )
                 return
             except QueueTimeout:
@@ -243,7 +265,7 @@ class Relay:
                     503,
                     f"waited {upstream.gate.timeout:g}s in the queue for upstream {upstream.name}",
                     "queue_timeout",
-                    [(b"retry-after", b"1")],
+                    [(b"retry-after", b"1"), *self._echo(ex)],
                 )
                 return
             finally:
@@ -252,13 +274,18 @@ class Relay:
             upstream.active.add(ex)
             in_flight.inc()
             ex.marks.t_admit = time.monotonic()
-            resp = await self._open(upstream, scope, ex.prepared.body, ex.marks)
+            resp = await self._open(upstream, scope, ex.prepared.body, ex.marks, ex.trace_headers)
             await self._respond(send, resp, ex, state)
         except UpstreamFailure as exc:
             state.finished = True
             ex.fail(exc.kind, exc.message, exc.status)
             await send_error(
-                send, exc.status, exc.message, exc.kind, shape=_shape(upstream, scope["path"])
+                send,
+                exc.status,
+                exc.message,
+                exc.kind,
+                self._echo(ex),
+                shape=_shape(upstream, scope["path"]),
             )
         except asyncio.CancelledError:
             if not state.disconnected:
@@ -293,9 +320,10 @@ class Relay:
                 resp.headers.get("content-type", ""), ex.marks, ex.prepared
             )
         ex.tap = tap
-        await send(
-            {"type": "http.response.start", "status": ex.status, "headers": response_headers(raw)}
-        )
+        headers = response_headers(raw)
+        if self.echo_request_id:
+            headers = [h for h in headers if h[0] != b"x-request-id"] + self._echo(ex)
+        await send({"type": "http.response.start", "status": ex.status, "headers": headers})
         try:
             if tap is not None:
                 tail = await self._stream(send, resp, tap, ex)
@@ -352,6 +380,12 @@ class Relay:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         return b"".join(kept)
 
+    def _echo(self, ex: Exchange) -> Headers:
+        """The x-request-id response header, with --echo-request-id."""
+        if not self.echo_request_id:
+            return []
+        return [(b"x-request-id", ex.request_id.encode("latin-1"))]
+
     def _settle(self, ex: Exchange, body: bytes | None) -> None:
         """Read what the finished answer said (usage, engine timings, errors)."""
         ex.result = result = ex.upstream.dialect.outcome(ex.tap, body, ex.status)
@@ -359,14 +393,23 @@ class Relay:
             ex.fail(result.error_kind, result.error_message or result.error_kind)
 
     async def _open(
-        self, upstream: Upstream, scope: Scope, body: bytes, marks: Marks | None = None
+        self,
+        upstream: Upstream,
+        scope: Scope,
+        body: bytes,
+        marks: Marks | None = None,
+        extra: Headers | None = None,
     ) -> httpx.Response:
         """Send the request upstream and return the response with its body unread. The
         request goes straight to the upstream's transport: exactly the client's end-to-end
-        headers (httpx's client would add its defaults and keep cookies)."""
+        headers (httpx's client would add its defaults and keep cookies); `extra` headers
+        (the trace context, with --otel) replace the client's of the same name."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
         headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
+        if extra:
+            names = {k for k, _ in extra}
+            headers = [h for h in headers if h[0] not in names] + extra
         where = f"upstream {upstream.name} ({upstream.url})"
         try:
             req = httpx.Request(

@@ -49,6 +49,8 @@ class Outcome:
     error_kind: str | None = None  # midstream, truncated, protocol, upstream_status
     error_message: str | None = None
     finished: bool = False  # the response reached its normal end
+    response_model: str | None = None  # the model the engine says answered
+    finish_reasons: tuple[str, ...] = ()  # why generation stopped, per choice
 
 
 class Tap:
@@ -63,6 +65,7 @@ class Tap:
         "_last_out",
         "done",
         "error_payload",
+        "finish_payload",
         "finish_seen",
         "gap_counts",
         "gap_sum",
@@ -82,6 +85,7 @@ class Tap:
         self.usage_payload: bytes | None = None
         self.timings_payload: bytes | None = None
         self.finish_seen = False
+        self.finish_payload: bytes | None = None  # the last event that had a finish reason
         self._buf = b""
 
     def _output(self, now: float) -> None:
@@ -125,6 +129,34 @@ def error_message(obj) -> str:
             return str(err.get("message") or err.get("type") or err)[:300]
         return str(err)[:300]
     return "upstream error"
+
+
+#: Longest model name or finish reason kept from a response (they go on spans).
+_MAX_RESPONSE_TEXT = 256
+#: Most finish reasons kept (one per choice; a client may ask for many choices).
+_MAX_FINISH_REASONS = 16
+
+
+def read_response(obj: dict, out: Outcome) -> None:
+    """The answering model and the finish reasons, from a response object of any engine:
+    OpenAI ``model`` and ``choices[].finish_reason``, Ollama ``done_reason``,
+    llama-server ``stop_type``."""
+    model = obj.get("model")
+    if isinstance(model, str) and model and out.response_model is None:
+        out.response_model = model[:_MAX_RESPONSE_TEXT]
+    reasons = []
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices[:_MAX_FINISH_REASONS]:
+            reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+            if isinstance(reason, str):
+                reasons.append(reason[:_MAX_RESPONSE_TEXT])
+    for key in ("done_reason", "stop_type"):
+        reason = obj.get(key)
+        if isinstance(reason, str) and reason:
+            reasons.append(reason[:_MAX_RESPONSE_TEXT])
+    if reasons and not out.finish_reasons:
+        out.finish_reasons = tuple(reasons)
 
 
 def settle(tap: Tap, out: Outcome, terminator: str) -> Outcome:

@@ -44,6 +44,7 @@ from .base import (
     Tap,
     as_int,
     loads,
+    read_response,
     settle,
 )
 from .openai import OpenAIDialect
@@ -231,6 +232,7 @@ def read_timings(obj: dict, out: Outcome) -> None:
     """Counts and engine timings from an object carrying ``timings`` (and maybe usage)."""
     if out.usage.prompt_tokens is None and isinstance(obj.get("usage"), dict):
         OpenAIDialect._read_usage(obj, out.usage)
+    read_response(obj, out)
     t = obj.get("timings")
     if not isinstance(t, dict):
         return

@@ -49,6 +49,7 @@ from .base import (
     as_int,
     error_message,
     loads,
+    read_response,
     settle,
 )
 from .openai import OpenAIDialect
@@ -282,6 +283,7 @@ def read_done_line(obj: dict, out: Outcome) -> None:
         e.total_seconds = total / 1e9
         e.queue_seconds = max(0, total - load - prompt_ns - eval_ns) / 1e9
     out.engine = e
+    read_response(obj, out)
 
 
 # --- precision and state ----------------------------------------------------------------------

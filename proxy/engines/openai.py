@@ -33,6 +33,7 @@ from .base import (
     canonical_name,
     error_message,
     loads,
+    read_response,
     settle,
 )
 from .probe import get_json
@@ -167,11 +168,16 @@ class OpenAIDialect:
                 out.error_kind, out.error_message = "protocol", "response is not JSON"
                 return out
             self._read_usage(obj, out.usage)
+            read_response(obj, out)
             out.finished = True
             return out
         obj = loads(tap.usage_payload)
         if isinstance(obj, dict):
             self._read_usage(obj, out.usage)
+            read_response(obj, out)
+        finish = loads(tap.finish_payload)
+        if isinstance(finish, dict):
+            read_response(finish, out)
         return settle(tap, out, "[DONE]")
 
     @staticmethod

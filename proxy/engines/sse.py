@@ -50,6 +50,7 @@ class SSETap(Tap):
             self._output(now)
             if is_finish(payload):
                 self.finish_seen = True
+                self.finish_payload = payload
                 kind = _FINISH
         if has_usage(payload):
             self.usage_payload = payload

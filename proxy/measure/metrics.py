@@ -278,18 +278,21 @@ class Metrics:
         )
 
         # Counters.
+        # `client` (a named key's client, a listed --client-header value, `other` or
+        # `unknown`) is on the counters people charge back by, never on the histograms.
         self.requests_total = Counter(
             PREFIX + "requests",
-            "Measured generation requests by outcome (ok, error, aborted, rejected) and endpoint.",
-            BASE + ("endpoint", "outcome"),
+            "Measured generation requests by outcome (ok, error, aborted, rejected), "
+            "endpoint and client.",
+            BASE + ("endpoint", "outcome", "client"),
             registry=r,
         )
         self.tokens_total = Counter(
             PREFIX + "tokens",
-            "Tokens by phase: prefill = prompt tokens processed, "
+            "Tokens by phase and client: prefill = prompt tokens processed, "
             "cached = prompt tokens served from the engine's prefix cache, decode = "
             "generated tokens.",
-            BASE + ("phase",),
+            BASE + ("phase", "client"),
             registry=r,
         )
         self.errors_total = Counter(
@@ -356,6 +359,15 @@ class Metrics:
             BASE + ("gpu",),
             registry=r,
         )
+        self.request_energy_joules_total = Counter(
+            PREFIX + "request_energy_joules",
+            "GPU energy attributed to requests, by client: each request's share of its "
+            "GPUs' energy from sending it upstream to its last token (split evenly among "
+            "the requests in flight). Idle energy is nobody's: the sum over clients stays "
+            "below gpu_energy_joules_total.",
+            BASE + ("client",),
+            registry=r,
+        )
         self.gpu_power_sample_watts = Histogram(
             PREFIX + "gpu_power_sample_watts",
             "Power samples, classified by what the "
@@ -415,6 +427,14 @@ class Metrics:
         self.engine_model_expiry_seconds = engine_gauge(
             "model_expiry_seconds",
             "Seconds until the engine unloads an idle model (Ollama expires_at).",
+        )
+        # OpenTelemetry export (--otel), fed by proxy.services.tracing.
+        self.otel_spans_dropped_total = Counter(
+            PREFIX + "otel_spans_dropped",
+            "Spans not delivered: reason=queue_full (the batch queue, OTEL_BSP_MAX_QUEUE_SIZE, "
+            "was full) or export_failed (the OTLP endpoint refused or could not be reached).",
+            ("reason",),
+            registry=r,
         )
         self.engine_scrape_up = Gauge(
             PREFIX + "engine_scrape_up",

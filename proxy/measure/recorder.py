@@ -9,6 +9,7 @@ needs of a request is the :class:`Finished` protocol, so it knows nothing of the
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -24,6 +25,8 @@ class Finished(Protocol):
     """A finished request as the recorder reads it."""
 
     request_id: str
+    client: str
+    trace_id: str | None
     model_label: str
     precision: str
     status: int
@@ -51,6 +54,27 @@ class Finished(Protocol):
 
 #: Called with (request, figures) after each request; returns extra log-line fields.
 Listener = Callable[[Any, Figures], "dict | None"]
+#: Called last with (request, figures, every field of the log line): exporters that want
+#: what the listeners added (the power listener's watts and joules).
+Sink = Callable[[Any, Figures, dict], None]
+
+#: OpenMetrics caps an exemplar's label names and values at 128 characters in all.
+_EXEMPLAR_CHARS = 128
+
+
+#: What a request id may keep in an exemplar; anything else becomes "_". A client's id
+#: is free text, and some OpenMetrics parsers misread a label value holding "} #".
+_UNSAFE_ID_RE = re.compile(r"[^A-Za-z0-9._:/+=@-]")
+
+
+def exemplar(request_id: str, trace_id: str | None) -> dict[str, str]:
+    """The exemplar labels of a request's observations: its trace id (when it was traced)
+    and its request id, made safe and cut to fit OpenMetrics' limit."""
+    rid = _UNSAFE_ID_RE.sub("_", request_id)
+    if trace_id:
+        room = _EXEMPLAR_CHARS - len("trace_id") - len(trace_id) - len("request_id")
+        return {"trace_id": trace_id, "request_id": rid[: max(0, room)]}
+    return {"request_id": rid[: _EXEMPLAR_CHARS - len("request_id")]}
 
 
 class Recorder:
@@ -62,18 +86,23 @@ class Recorder:
         #: Side services hook in here (the power sampler attaches per-phase watts, the
         #: status page keeps recent points).
         self.listeners: list[Listener] = []
+        #: Exporters (the OpenTelemetry spans) see the whole line, listeners' fields included.
+        self.sinks: list[Sink] = []
 
     def record(self, ex: Finished) -> None:
         m = self.metrics
         base = (ex.upstream_name, ex.model_label, ex.precision)
         f = figures(ex.marks, ex.usage, ex.engine_timings, streamed=ex.streamed)
         band = prompt_band(f.prompt_tokens)
+        client = ex.client
+        # Grafana jumps from a slow bucket to the trace and the log line through these.
+        marker = exemplar(ex.request_id, ex.trace_id)
 
-        m.requests_total.labels(*base, ex.endpoint, ex.outcome).inc()
+        m.requests_total.labels(*base, ex.endpoint, ex.outcome, client).inc()
         if f.request_seconds is not None:
-            m.request_seconds.labels(*base, ex.outcome).observe(f.request_seconds)
+            m.request_seconds.labels(*base, ex.outcome).observe(f.request_seconds, marker)
         if ex.outcome == "rejected":
-            self._log(ex, f, {})
+            self._finish(ex, f, [])
             return
         if f.queue_proxy is not None:
             m.queue_seconds.labels(*base, "proxy").observe(f.queue_proxy)
@@ -83,7 +112,7 @@ class Recorder:
             m.aborts_total.labels(*base, ex.abort_phase or "unknown").inc()
 
         if f.ttft is not None:
-            m.ttft_seconds.labels(*base, band).observe(f.ttft)
+            m.ttft_seconds.labels(*base, band).observe(f.ttft, marker)
         gaps = ex.gaps
         if gaps is not None and ex.marks.output_events > 1:
             observe_counts(m.inter_token_seconds.labels(*base), gaps[0], gaps[1])
@@ -99,35 +128,51 @@ class Recorder:
             for source, value in f.decode_seconds.items():
                 m.decode_seconds.labels(*base, source, band).observe(value)
             for source, value in f.decode_tps.items():
-                m.decode_tokens_per_second.labels(*base, source, band).observe(value)
+                m.decode_tokens_per_second.labels(*base, source, band).observe(value, marker)
             if f.load_seconds is not None:
                 m.load_seconds.labels(*base).observe(f.load_seconds)
         if f.prompt_tokens is not None:
             m.prompt_tokens.labels(*base).observe(f.prompt_tokens)
             if f.processed_prompt_tokens:
-                m.tokens_total.labels(*base, "prefill").inc(f.processed_prompt_tokens)
+                m.tokens_total.labels(*base, "prefill", client).inc(f.processed_prompt_tokens)
             if f.cached_tokens:
-                m.tokens_total.labels(*base, "cached").inc(f.cached_tokens)
+                m.tokens_total.labels(*base, "cached", client).inc(f.cached_tokens)
         if f.completion_tokens is not None:
             m.completion_tokens.labels(*base).observe(f.completion_tokens)
             if f.completion_tokens:
-                m.tokens_total.labels(*base, "decode").inc(f.completion_tokens)
+                m.tokens_total.labels(*base, "decode", client).inc(f.completion_tokens)
+        self._finish(ex, f, self.listeners)
 
+    def _finish(self, ex: Finished, f: Figures, listeners: list[Listener]) -> None:
+        """Run the listeners, then the sinks, then write the line."""
         extra: dict = {}
-        for listener in self.listeners:
+        for listener in listeners:
             try:
                 extra.update(listener(ex, f) or {})
             except Exception:  # a side service must never break the request path
                 log.exception("request listener %r failed", listener)
-        self._log(ex, f, extra)
+        log_line = self.access_lines and access_log.isEnabledFor(logging.INFO)
+        if not (log_line or self.sinks):
+            return
+        fields = self._fields(ex, f, extra)
+        for sink in self.sinks:
+            try:
+                sink(ex, f, fields)
+            except Exception:  # a side service must never break the request path
+                log.exception("request sink %r failed", sink)
+        if log_line:
+            # the formatter (proxy.runtime.logs) renders and escapes the fields
+            access_log.info(
+                "request", extra={"fields": {k: v for k, v in fields.items() if v is not None}}
+            )
 
     # --- the per-request line ---------------------------------------------------------
 
-    def _log(self, ex: Finished, f: Figures, extra: dict) -> None:
-        if not self.access_lines or not access_log.isEnabledFor(logging.INFO):
-            return
+    def _fields(self, ex: Finished, f: Figures, extra: dict) -> dict:
         fields = {
             "request_id": ex.request_id,
+            "trace_id": ex.trace_id,
+            "client": ex.client,
             "upstream": ex.upstream_name,
             "model": ex.model_label,
             "precision": ex.precision,
@@ -153,10 +198,7 @@ class Recorder:
             fields["error"] = ex.error_kind
             fields["error_message"] = ex.error_message
         fields.update(extra)
-        # the formatter (proxy.runtime.logs) renders and escapes the fields
-        access_log.info(
-            "request", extra={"fields": {k: v for k, v in fields.items() if v is not None}}
-        )
+        return fields
 
 
 def _r(value: float | None, digits: int = 4) -> float | None:

@@ -120,6 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.workers > 1:  # N processes, metrics summed, one power sampler
         from ..runtime.workers import run as run_workers
 
+        if app.tracing is not None:  # each worker exports its own; not this process
+            app.tracing.shutdown()
         del app  # built above only to check the configuration
         return run_workers(given_settings(args), settings, sock, msock)
     from ..runtime.server import run

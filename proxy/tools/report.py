@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..measure.attribution import ClientRow, by_client
 from ..measure.metrics import PREFIX, PROMPT_BANDS
 from ..measure.summary import (
     BAND_4K,
@@ -36,7 +37,12 @@ _HISTOGRAMS = (
     "gpu_power_watts",
     "gpu_power_sample_watts",
 )
-_COUNTERS = ("requests_total", "tokens_total", "gpu_energy_joules_total")
+_COUNTERS = (
+    "requests_total",
+    "tokens_total",
+    "gpu_energy_joules_total",
+    "request_energy_joules_total",
+)
 _GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
 
 
@@ -252,6 +258,43 @@ def to_json(rep: Report) -> str:
     return json.dumps(rep.as_dict(), indent=2, sort_keys=False)
 
 
+def clients_markdown(rows: list[ClientRow], source: str) -> str:
+    """``--by client``: requests, tokens and energy per client."""
+    if not rows:
+        return "No measured requests yet: send some traffic through phasewatch first.\n"
+    power = any(r.energy_joules is not None for r in rows)
+    na = "—" if power else "n/a"
+    out = [
+        "| client | requests | ok | errors | aborted | prompt tokens | cached | "
+        "completion tokens | energy J | Wh | J/tok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        energy = r.energy_joules
+        wh = None if energy is None else energy / 3600
+        out.append(
+            f"| {r.client} | {r.requests:.0f} | {r.ok:.0f} | {r.errors:.0f} | {r.aborted:.0f} "
+            f"| {r.prompt_tokens:.0f} | {r.cached_tokens:.0f} | {r.completion_tokens:.0f} "
+            f"| {_f(energy, '{:.1f}', na)} | {_f(wh, '{:.3f}', na)} "
+            f"| {_f(r.joules_per_token, '{:.3f}', na)} |"
+        )
+    out.append("")
+    out.append(f"- From phasewatch's counters (source: {source}).")
+    out.append(
+        "- client: the name of a named key (--api-key NAME=KEY), else a --client-header "
+        "value listed in --clients ('other' for any other value, 'unknown' for none)."
+    )
+    if power:
+        out.append(
+            "- Energy: each request's share of its GPUs' energy from sending it upstream to "
+            "its last token (split evenly among the requests in flight); idle energy is "
+            "nobody's."
+        )
+    else:
+        out.append("- Energy: n/a (phasewatch is not sampling GPU power here).")
+    return "\n".join(out) + "\n"
+
+
 def run(args) -> int:
     import httpx
 
@@ -260,6 +303,13 @@ def run(args) -> int:
     except (httpx.HTTPError, ValueError) as exc:
         print(f"phasewatch report: cannot read {args.source}: {exc}", file=sys.stderr)
         return 1
+    if getattr(args, "by", "model") == "client":
+        rows = by_client(samples)
+        if args.format == "json":
+            sys.stdout.write(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
+        else:
+            sys.stdout.write(clients_markdown(rows, args.source))
+        return 0
     rep = build(samples, source=args.source)
     sys.stdout.write(to_json(rep) + "\n" if args.format == "json" else markdown(rep))
     return 0
@@ -278,6 +328,13 @@ def add_arguments(parser) -> None:
         choices=("markdown", "json"),
         default="markdown",
         help="Output format [default markdown].",
+    )
+    parser.add_argument(
+        "--by",
+        choices=("model", "client"),
+        default="model",
+        help="model: the per-precision table [default]; client: requests, tokens and "
+        "energy per client (chargeback).",
     )
     parser.add_argument(
         "--window",

@@ -586,6 +586,59 @@ def print_table(
             print("  " + "  ".join("-" * w for w in widths))
 
 
+# --- what --otel costs (optional: --otel) ----------------------------------------------------
+
+
+def start_phasewatch_otel(upstream: str, sink: str) -> Proc:
+    """``phasewatch serve --otel`` exporting spans and GenAI metrics to `sink`."""
+    port = free_port()
+    argv = [PY, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port)]
+    argv += ["--log-format", "none", "--log-level", "warning", "--power-source", "none"]
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink, "OTEL_METRIC_EXPORT_INTERVAL": "5000"}
+    return spawn("pw×1+otel", argv + ["--otel"], port, "/phasewatch/health", env)
+
+
+async def otel_cost(args, upstream: str) -> None:
+    """phasewatch with and without --otel, rounds interleaved: added TTFT at concurrency 1,
+    CPU per request on short streams (where per-request work shows), and CPU per event on
+    long ones (where it must not)."""
+    port = free_port()
+    sink = spawn("otlp-sink", [PY, str(HERE / "otlp_sink.py"), str(port)], port, "/")
+    plain, traced = start_phasewatch(upstream, 1), start_phasewatch_otel(upstream, sink.url)
+    short, long_ = 8, args.tokens
+    res: dict[str, dict[str, list[float]]] = {t.name: {} for t in (plain, traced)}
+    try:
+        for rnd in range(args.rounds):
+            order = [plain, traced] if rnd % 2 == 0 else [traced, plain]
+            for n, v in (await scenario_ttft(order, args.ttft_requests, 64)).items():
+                res[n].setdefault("ttft_p50", []).append(pct(v, 0.5) * 1e3)
+            for t in order:
+                r = await scenario_load(t, 16, max(1, args.streams // 4), short)
+                streams = 16 * max(1, args.streams // 4)
+                res[t.name].setdefault("us_req", []).append(
+                    r["us_per_event"] * r["events"] / streams
+                )
+                r = await scenario_load(t, 64, max(1, args.streams // 64), long_)
+                res[t.name].setdefault("us_event", []).append(r["us_per_event"])
+        p, o = res[plain.name], res[traced.name]
+        print()
+        print(
+            f"--otel: {args.rounds} round(s), medians; spans and GenAI metrics to a local OTLP sink"
+        )
+        print(f"| metric | {plain.name} | {traced.name} | added by --otel |")
+        print("| --- | --: | --: | --: |")
+        for label, key in (
+            ("(a) TTFT p50 ms, concurrency 1", "ttft_p50"),
+            (f"CPU µs/request, {short}-token streams, c16", "us_req"),
+            (f"CPU µs/event, {long_}-token streams, c64", "us_event"),
+        ):
+            a, b = med(p[key]), med(o[key])
+            print(f"| {label} | {fmt(a)} | {fmt(b)} | {fmt(b - a)} |")
+    finally:
+        for t in (plain, traced, sink):
+            t.stop()
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -769,6 +822,8 @@ async def bench(args) -> int:
                         for w in ws
                     )
                 )
+        if args.otel:
+            await otel_cost(args, up.url)
         return 1 if bad else 0
     finally:
         for p in procs:
@@ -826,6 +881,9 @@ def main(argv: list[str] | None = None) -> int:
         "--paced-repeat", type=int, default=3, help="streams per connection in (c), back to back"
     )
     p.add_argument("--paced-rate", type=float, default=50.0)
+    p.add_argument(
+        "--otel", action="store_true", help="also measure what --otel adds (spans to a local sink)"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.ttft_requests, args.concurrency, args.streams = 1, 5, [8], 8

@@ -162,6 +162,9 @@ class PowerService:
                 fields[f"{phase}_watts"] = round(got[phase], 1)
         if "energy" in got:
             fields["energy_j"] = round(got["energy"], 3)
+            if got["energy"] > 0:  # the request's share, attributed to its client
+                client = getattr(ex, "client", "unknown")
+                self.metrics.request_energy_joules_total.labels(*base, client).inc(got["energy"])
         if "joules_per_token" in got:
             fields["joules_per_token"] = round(got["joules_per_token"], 4)
         return fields
