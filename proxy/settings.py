@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .core.upstreams import UpstreamOptions, UpstreamSpec
 from .engines import ENGINES
+from .measure.kvcache import KV_DTYPE_BYTES, kv_dtype
 from .services.power import PowerOptions
 from .transport import ClientOptions
 
@@ -119,6 +120,13 @@ class Settings(BaseSettings):
         description="Folder where the upstreams' checkpoints are readable (vLLM): "
         "each model's config.json there tells its precision (quantization_config, "
         "torch_dtype).",
+    )
+    kv_cache_dtype: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="KV-cache element type per model or upstream, name=dtype (fp16, bf16, "
+        "fp8, q8_0, q4_0 ...), where the engine does not say: llama-server's "
+        "--cache-type-k, Ollama's OLLAMA_KV_CACHE_TYPE (default for both: f16). vLLM's "
+        "is read from the engine.",
     )
     engine_scrape: float = Field(
         5.0,
@@ -227,7 +235,7 @@ class Settings(BaseSettings):
                 raise ValueError("each upstream key must be name=KEY (value not shown)")
         return value
 
-    @field_validator("upstream", "engine", "precision", "models", mode="before")
+    @field_validator("upstream", "engine", "precision", "models", "kv_cache_dtype", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
@@ -250,6 +258,18 @@ class Settings(BaseSettings):
         for item in value:
             if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
                 raise ValueError(f"{item!r} is not a name=value pair")
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _check_kv_dtypes(cls, value: list[str]) -> list[str]:
+        for item in value:
+            name, _, dtype = item.partition("=")
+            if not name or kv_dtype(dtype) is None:
+                raise ValueError(
+                    f"{item!r} is not name=dtype with a KV-cache type phasewatch knows "
+                    f"({', '.join(KV_DTYPE_BYTES)})"
+                )
         return value
 
     @field_validator("power_gpu", mode="before")
@@ -334,6 +354,10 @@ class Settings(BaseSettings):
             extra_models=frozenset(self.models),
             precision_overrides=tuple(self._precision.items()),
             model_dir=self.model_dir,
+            kv_dtype_overrides=tuple(
+                (name, kv_dtype(dtype) or dtype)
+                for name, _, dtype in (item.partition("=") for item in self.kv_cache_dtype)
+            ),
         )
 
     def power_options(self) -> PowerOptions:
