@@ -247,6 +247,8 @@ class LlamaCppDialect(OpenAIDialect):
                 out.error_kind, out.error_message = "protocol", "response is not JSON"
                 return out
             read_timings(obj, out)
+            if "choices" not in obj and "content" not in obj:  # embeddings, rerank
+                out.usage.completion_tokens = None
             out.finished = True
             return out
         usage_obj = loads(tap.usage_payload)

@@ -179,6 +179,8 @@ class OpenAIDialect:
                 out.error_kind, out.error_message = "protocol", "response is not JSON"
                 return out
             self._read_usage(obj, out.usage)
+            if "choices" not in obj:  # embeddings, rerank, score: nothing was generated
+                out.usage.completion_tokens = None
             out.finished = True
             return out
         obj = loads(tap.usage_payload)
