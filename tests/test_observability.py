@@ -363,6 +363,13 @@ class Traffic:
             f"{model} max_tokens=-5 -> {r.status_code}",
         )
 
+    def embed(self, client: httpx.Client, model: str, path: str = "/v1/embeddings") -> None:
+        """An embeddings request (a whole-body endpoint every engine offers)."""
+        r = client.post(path, json={"model": model, "input": [words(12, 1), words(7, 2)]})
+        self._count(
+            "ok" if r.status_code == 200 else "failed", f"{model} {path} -> {r.status_code}"
+        )
+
     def abort(self, client: httpx.Client, model: str) -> None:
         body = {
             "model": model,
@@ -389,6 +396,9 @@ class Traffic:
             for k in range(3):
                 out.append((self.chat, (m, 40 + 30 * k + 5 * first, 32 + 16 * k, True, k)))
             out.append((self.chat, (m, 60, 24, False, i)))
+            out.append((self.embed, (m,)))
+            if engine == "ollama":
+                out.append((self.embed, (m, "/api/embed")))
             if engine == "vllm":
                 out.append((self.bad, (m,)))
             if first:
@@ -519,11 +529,20 @@ def stack():
     tool("prometheus")
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="pw-prom-"))
-    sims = [start_sim(engine, speed=10.0, deterministic=False) for engine in engines_simulated()]
+    model_dir = tmp / "checkpoints"  # the simulated vLLM's config.json files: KV shapes
+    sims = [
+        start_sim(
+            engine,
+            speed=10.0,
+            deterministic=False,
+            extra=["--model-dir", str(model_dir)] if engine == "vllm" else None,
+        )
+        for engine in engines_simulated()
+    ]
     servers = list(sims)
     prom = traffic = thread = None
     try:
-        args = ["--max-concurrency", "6"]
+        args = ["--max-concurrency", "6", "--model-dir", str(model_dir), "--engine-scrape", "1"]
         flags = proxy_flags()
         if "--power-dcgm-url" in flags:
             # the power sampler reads the simulated vLLM's GPUs, one model on each

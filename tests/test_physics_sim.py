@@ -39,9 +39,7 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
 def vllm():
     model_dir = tempfile.mkdtemp(prefix="pw-ckpt-")
     sim = start_sim("vllm", speed=20.0, extra=["--model-dir", model_dir])
-    proxy = start_proxy(
-        f"sim={sim.url}", args=["--model-dir", model_dir, "--engine-scrape", "0.2"]
-    )
+    proxy = start_proxy(f"sim={sim.url}", args=["--model-dir", model_dir, "--engine-scrape", "0.2"])
     yield sim, proxy
     proxy.stop()
     sim.stop()
