@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import socket
+import tempfile
 
 from ..app import ProxyApp
 from ..runtime.server import SignalFreeServer, uvicorn_config
@@ -52,6 +53,18 @@ async def run_demo(args: argparse.Namespace) -> None:
     if args.duration < 0:
         raise ValueError("--duration must not be negative")
     sim_port = args.sim_port or _free_port("127.0.0.1")
+    # the simulated checkpoints' config.json files: the proxy reads their KV-cache shapes
+    own_dir = None if getattr(args, "model_dir", None) else tempfile.TemporaryDirectory()
+    model_dir = own_dir.name if own_dir is not None else args.model_dir
+    args.model_dir = model_dir
+    try:
+        await _run(args, sim_port, model_dir)
+    finally:
+        if own_dir is not None:
+            own_dir.cleanup()
+
+
+async def _run(args: argparse.Namespace, sim_port: int, model_dir: str) -> None:
     sim_app = from_args(args)
     sim_config = uvicorn_config(sim_app, "127.0.0.1", sim_port, "warning")
     sim_config.server_header, sim_config.date_header = True, True
@@ -65,6 +78,7 @@ async def run_demo(args: argparse.Namespace) -> None:
         power_source="dcgm",
         power_dcgm_url=f"http://127.0.0.1:{sim_port}/metrics",
         power_gpu=power_gpu,
+        model_dir=model_dir,
     )
     proxy_server = SignalFreeServer(
         uvicorn_config(ProxyApp(settings), args.host, args.port, "info")
