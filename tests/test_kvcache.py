@@ -213,3 +213,46 @@ def test_gguf_reader_refuses_what_is_not_gguf(tmp_path):
         read_metadata(str(cut))
     with pytest.raises(OSError):
         read_metadata(str(tmp_path / "missing.gguf"))
+
+
+def test_report_and_summary_rows_carry_tpot_and_kv():
+    from proxy.measure.summary import Samples, build
+    from proxy.tools.report import markdown
+
+    base = 'upstream="u",model="m",precision="bf16"'
+    lines = [
+        f'phasewatch_requests_total{{{base},endpoint="chat",outcome="ok"}} 4',
+        f'phasewatch_model_kv_bytes_per_token{{{base},kv_dtype="bf16"}} 131072',
+        'phasewatch_model_kv_bytes_per_token{upstream="u",model="x",precision="int4",kv_dtype="unknown"} NaN',
+        'phasewatch_requests_total{upstream="u",model="x",precision="int4",endpoint="chat",outcome="ok"} 1',
+        f"phasewatch_engine_kv_cache_capacity_tokens{{{base}}} 40000",
+    ]
+    # 4 requests of 1000 tokens each: 131,072,000 bytes, all in the (2^26, 2^27] bucket
+    for le, c in ((2**26, 0), (2**27, 4), ("+Inf", 4)):
+        le_text = le if isinstance(le, str) else f"{float(le)}"
+        lines.append(f'phasewatch_kv_cache_bytes_bucket{{{base},le="{le_text}"}} {c}')
+        lines.append(
+            f'phasewatch_time_per_output_token_seconds_bucket{{{base},source="proxy",'
+            f'prompt_band="0-2k",le="{0.01 if le == 2**26 else (0.02 if le == 2**27 else "+Inf")}"}} '
+            f"{c}"
+        )
+    lines += [
+        f"phasewatch_kv_cache_bytes_sum{{{base}}} {4 * 131072000}",
+        f"phasewatch_kv_cache_bytes_count{{{base}}} 4",
+        f'phasewatch_time_per_output_token_seconds_sum{{{base},source="proxy",prompt_band="0-2k"}} 0.06',
+        f'phasewatch_time_per_output_token_seconds_count{{{base},source="proxy",prompt_band="0-2k"}} 4',
+    ]
+    rep = build(Samples.from_text("\n".join(lines) + "\n"))
+    rows = {r.model: r for r in rep.rows}
+    m = rows["m"]
+    assert m.kv_bytes_per_token == 131072 and m.kv_dtype == "bf16"
+    assert m.kv_request_bytes == 131072000  # the mean lies in the median's bucket
+    assert m.tpot_ms == pytest.approx(15.0)
+    assert m.kv_capacity_tokens == 40000
+    assert m.kv_fit_requests == pytest.approx(40000 * 131072 / 131072000)  # 40 requests
+    assert rows["x"].kv_bytes_per_token is None and rows["x"].kv_dtype == "unknown"
+    text = markdown(rep)
+    assert "| TPOT ms | KV B/tok |" in text
+    assert "15.00 | 131,072 (bf16) |" in text
+    assert "| u | x | int4 | unknown |" in text
+    assert "| 40 |" in text
