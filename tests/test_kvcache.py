@@ -137,7 +137,7 @@ def test_vllm_cache_config_from_the_real_metrics_page():
     text = (FIXTURES / "vllm-real" / "raw-words" / "metrics_after.body").read_text()
     reading = vllm_reading(text, {"tiny"})
     assert reading.gauges["tiny"]["kv_capacity"] == 2048 * 128  # num_gpu_blocks x block_size
-    assert reading.kv_dtype == {}  # cache_dtype "auto": the model's own
+    assert reading.kv_dtype == {"tiny": "auto"}  # the model's own dtype
     assert reading.counters["tiny"]["preemptions"] == 0.0
     ttft = reading.histograms["tiny"]["ttft"]
     assert ttft.count == 22 and math.isinf(ttft.buckets[-1][0]) and ttft.buckets[-1][1] == 22

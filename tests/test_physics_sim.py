@@ -9,6 +9,8 @@ simulator's ground-truth token counts.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -18,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .servers import metric_samples, sample, start_proxy, start_sim
+from .servers import ROOT, metric_samples, sample, start_proxy, start_sim
 
 LLAMA_BF16 = "meta-llama/Llama-3.1-8B-Instruct"
 LLAMA_FP8 = "RedHatAI/Llama-3.1-8B-Instruct-FP8"
@@ -79,7 +81,13 @@ def kv_per_token(samples) -> dict[str, tuple[str, float]]:
 
 def test_vllm_kv_bytes_per_token_by_hand(vllm):
     _, proxy = vllm
-    got = kv_per_token(metric_samples(proxy.url))
+    # the cache's element type is vLLM's word (cache_config_info): unknown until scraped
+    got = wait_for(
+        lambda: (
+            lambda g: g if len(g) == 3 and all(d != "unknown" for d, _ in g.values()) else None
+        )(kv_per_token(metric_samples(proxy.url))),
+        what="vLLM's cache_config_info scraped",
+    )
     per_token = 2 * 32 * 8 * 128  # elements: K and V of 32 layers, 8 KV heads of 128
     assert got[LLAMA_BF16] == ("bf16", per_token * 2)  # cache "auto": the config's bf16
     assert got[LLAMA_FP8] == ("fp8", per_token * 1)  # --kv-cache-dtype fp8_e4m3: halved
@@ -150,6 +158,27 @@ def test_vllm_capacity_requests_tpot_and_engine_histograms(vllm):
     assert sample(s, "phasewatch_engine_preemptions_total", **base) == 0
     prompt_tokens = sum(t["prompt_tokens"] for t in truth)
     assert sample(s, "phasewatch_engine_prefix_cache_queries_total", **base) == prompt_tokens
+
+
+def test_vllm_status_page_and_report_rows(vllm):
+    """The status page's JSON and `phasewatch report` carry TPOT and the KV figures (after
+    the streams of the test above)."""
+    _, proxy = vllm
+    rows = httpx.get(proxy.url + "/phasewatch/api/summary", timeout=10).json()["rows"]
+    row = next(r for r in rows if r["model"] == LLAMA_BF16)
+    assert row["kv_bytes_per_token"] == 131072 and row["kv_dtype"] == "bf16"
+    assert row["tpot_ms"] > 0 and row["kv_request_bytes"] > 0
+    blocks = int((24e9 * 0.9 - 8.03e9 * 2) // (131072 * 16))
+    assert row["kv_capacity_tokens"] == blocks * 16
+    assert row["kv_fit_requests"] == pytest.approx(blocks * 16 * 131072 / row["kv_request_bytes"])
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy", "report", "--from", proxy.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    ).stdout
+    assert "| TPOT ms | KV B/tok |" in out and "131,072 (bf16)" in out
 
 
 def _key(base: dict, le: str | None = None) -> tuple:

@@ -250,7 +250,8 @@ class EngineReading:
     counters: dict[str, dict[str, float]] = field(default_factory=dict)
     #: its own histograms: {model: {ttft | e2e | tpot: histogram}}
     histograms: dict[str, dict[str, EngineHistogram]] = field(default_factory=dict)
-    #: the element type it keeps each model's KV cache in, where it says
+    #: the element type it keeps each model's KV cache in, where it says ("auto": the
+    #: model's own dtype, from its config)
     kv_dtype: dict[str, str] = field(default_factory=dict)
 
 

@@ -102,7 +102,8 @@ def vllm_reading(text: str, models: set[str]) -> EngineReading:
         if blocks and size:
             gauges = reading.gauges.setdefault(model, {})
             gauges["kv_capacity"] = gauges.get("kv_capacity", 0.0) + float(blocks * size)
-        dtype = kv_dtype(labels.get("cache_dtype"))  # "auto": the model's own, from its config
+        raw = labels.get("cache_dtype")
+        dtype = "auto" if raw == "auto" else kv_dtype(raw)  # auto: the model's own dtype
         if dtype is not None:
             reading.kv_dtype[model] = dtype
     return reading
