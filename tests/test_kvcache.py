@@ -233,14 +233,14 @@ def test_report_and_summary_rows_carry_tpot_and_kv():
         lines.append(f'phasewatch_kv_cache_bytes_bucket{{{base},le="{le_text}"}} {c}')
         lines.append(
             f'phasewatch_time_per_output_token_seconds_bucket{{{base},source="proxy",'
-            f'prompt_band="0-2k",le="{0.01 if le == 2**26 else (0.02 if le == 2**27 else "+Inf")}"}} '
+            f'le="{0.01 if le == 2**26 else (0.02 if le == 2**27 else "+Inf")}"}} '
             f"{c}"
         )
     lines += [
         f"phasewatch_kv_cache_bytes_sum{{{base}}} {4 * 131072000}",
         f"phasewatch_kv_cache_bytes_count{{{base}}} 4",
-        f'phasewatch_time_per_output_token_seconds_sum{{{base},source="proxy",prompt_band="0-2k"}} 0.06',
-        f'phasewatch_time_per_output_token_seconds_count{{{base},source="proxy",prompt_band="0-2k"}} 4',
+        f'phasewatch_time_per_output_token_seconds_sum{{{base},source="proxy"}} 0.06',
+        f'phasewatch_time_per_output_token_seconds_count{{{base},source="proxy"}} 4',
     ]
     rep = build(Samples.from_text("\n".join(lines) + "\n"))
     rows = {r.model: r for r in rep.rows}

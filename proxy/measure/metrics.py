@@ -281,8 +281,9 @@ class Metrics:
             "Time per output token of one request: decode_seconds / (completion_tokens - 1), "
             "for requests with at least 2 generated tokens (as vLLM's "
             "request_time_per_output_token_seconds); source=proxy from the stream's events, "
-            "source=engine from the engine's own decode time.",
-            ("source", "prompt_band"),
+            "source=engine from the engine's own decode time. (By prompt length: "
+            "decode_tokens_per_second's prompt_band.)",
+            ("source",),
             TPOT_BUCKETS,
         )
         self.kv_cache_bytes = hist(

@@ -104,7 +104,7 @@ class Recorder:
             for source, value in f.decode_tps.items():
                 m.decode_tokens_per_second.labels(*base, source, band).observe(value)
             for source, value in f.tpot.items():
-                m.time_per_output_token_seconds.labels(*base, source, band).observe(value)
+                m.time_per_output_token_seconds.labels(*base, source).observe(value)
             kv = ex.kv
             kv_bytes = kv.request_bytes(f.context_tokens) if kv and f.context_tokens else None
             if kv_bytes is not None:
