@@ -542,7 +542,7 @@ def stack():
     servers = list(sims)
     prom = traffic = thread = None
     try:
-        args = ["--max-concurrency", "6", "--model-dir", str(model_dir), "--engine-scrape", "1"]
+        args = ["--max-concurrency", "6", "--model-dir", str(model_dir)]
         flags = proxy_flags()
         if "--power-dcgm-url" in flags:
             # the power sampler reads the simulated vLLM's GPUs, one model on each
@@ -569,6 +569,9 @@ def stack():
         config.pop("alerting", None)
         jobs = {j["job_name"]: j for j in config["scrape_configs"]}
         jobs["phasewatch"]["static_configs"] = [{"targets": [proxy.url.removeprefix("http://")]}]
+        # phasewatch every 5 s as the shipped config scrapes it: a busy 2-core machine can
+        # take seconds to render its /metrics, and a 1 s timeout then marks it down
+        jobs["phasewatch"]["scrape_interval"] = jobs["phasewatch"]["scrape_timeout"] = "5s"
         jobs["engine"]["static_configs"] = [
             {"targets": [s.url.removeprefix("http://") for s in sims]}
         ]
@@ -582,13 +585,19 @@ def stack():
 
         def scraped(n: int, timeout: float = 60) -> None:
             deadline = time.monotonic() + timeout
+            got = None
             while time.monotonic() < deadline:
                 got = prom.query("sum(phasewatch_requests_total)")
                 if got and float(got[0]["value"][1]) >= n:
                     return
                 time.sleep(0.3)
+            targets = [
+                (t["labels"].get("job"), t["health"], t.get("lastError"), t["lastScrapeDuration"])
+                for t in prom.api("/api/v1/targets")["activeTargets"]
+            ]
             raise AssertionError(
-                f"Prometheus did not see {n} requests:\n" + prom.log_path.read_text()
+                f"Prometheus did not see {n} requests (last: {got}; traffic {traffic.counts}; "
+                f"targets {targets}):\n" + prom.log_path.read_text()
             )
 
         assert traffic.round1_done.wait(120), "first round of traffic did not finish"
