@@ -976,7 +976,276 @@ def overview() -> dict:
         ),
         w=8,
     )
+    overview_physics(d)
     return d.json()
+
+
+#: Endpoints that generate (the rest are whole-body requests: embeddings, rerank, ...).
+GENERATION = 'endpoint=~"chat|completions|ollama_chat|ollama_generate|llamacpp_completion"'
+NOT_GENERATION = 'endpoint!~"chat|completions|ollama_chat|ollama_generate|llamacpp_completion"'
+
+
+def overview_physics(d: Dash) -> None:
+    """Rows of the overview for whole-body requests, the vLLM-parity figures and the KV
+    cache (appended, so the panels above keep their ids)."""
+    d.row("Embeddings, rerank and other whole-body requests")
+    d.add(
+        timeseries(
+            "Requests per second by endpoint",
+            "Every measured request by endpoint: chat / completions (OpenAI), ollama_chat / "
+            "ollama_generate, llamacpp_completion, and the whole-body ones: embeddings (/v1), "
+            "ollama_embed (/api/embed), ollama_embeddings (/api/embeddings), "
+            "llamacpp_embedding (/embedding), rerank, score, classify, pooling.",
+            [
+                target(
+                    f"sum by (endpoint) (rate(phasewatch_requests_total{{{SEL}}}[$__rate_interval]))",
+                    "{{endpoint}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "Whole-body request latency p50 / p95",
+            "End-to-end latency of completed embeddings, rerank and other requests that "
+            "generate nothing, by endpoint (recording rule phasewatch:request_seconds_bucket:rate5m).",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (endpoint, le) "
+                    f"(phasewatch:request_seconds_bucket:rate5m{{{SEL}, {NOT_GENERATION}}}))",
+                    "p50 {{endpoint}}",
+                ),
+                target(
+                    "histogram_quantile(0.95, sum by (endpoint, le) "
+                    f"(phasewatch:request_seconds_bucket:rate5m{{{SEL}, {NOT_GENERATION}}}))",
+                    "p95 {{endpoint}}",
+                ),
+            ],
+            "s",
+            steps(GREEN, (1, YELLOW), (5, RED)),
+            fill=0,
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "Whole-body requests by outcome",
+            "Embeddings and other whole-body requests per second by endpoint and outcome "
+            "(error: the engine answered >= 400 or was unreachable).",
+            [
+                target(
+                    "sum by (endpoint, outcome) (rate(phasewatch_requests_total"
+                    f"{{{SEL}, {NOT_GENERATION}}}[$__rate_interval]))",
+                    "{{endpoint}} {{outcome}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
+    )
+
+    d.row("vLLM parity: time per output token, latency, prefix cache, preemptions")
+    d.add(
+        timeseries(
+            "Time per output token p50 / p95 / p99",
+            "Per request, decode time / (completion tokens - 1): vLLM's "
+            "request_time_per_output_token_seconds, with buckets of 1 ms to 100 ms fine enough "
+            "for fast decoders (recording rule). The inverse of the decode rate.",
+            [
+                target(
+                    f"histogram_quantile({p}, sum by (le) (phasewatch:time_per_output_token_seconds_bucket:rate5m"
+                    f'{{{SEL}, source="$source"}}))',
+                    f"p{int(p * 100)}",
+                )
+                for p in (0.5, 0.95, 0.99)
+            ],
+            "s",
+            steps(GREEN, (0.05, YELLOW), (0.1, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "End-to-end latency p50 / p95 / p99 (generation)",
+            "Completed generation requests, from phasewatch having the request to the last "
+            "byte forwarded (vLLM's e2e_request_latency_seconds, as the client feels it).",
+            [
+                target(
+                    f"histogram_quantile({p}, sum by (le) (phasewatch:request_seconds_bucket:rate5m"
+                    f"{{{SEL}, {GENERATION}}}))",
+                    f"p{int(p * 100)}",
+                )
+                for p in (0.5, 0.95, 0.99)
+            ],
+            "s",
+            steps(GREEN, (30, YELLOW), (120, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "TTFT p50: client-felt vs engine-reported",
+            "phasewatch's TTFT (request received -> first token forwarded: what the client "
+            "feels) beside the engine's own (vLLM time_to_first_token_seconds, re-exported), "
+            "and their gap: the time outside the engine's clock (HTTP, the API server's "
+            "tokenising and queueing, the proxy). Each is interpolated in its own buckets.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (upstream, model, le) "
+                    f"(phasewatch:ttft_seconds_bucket:rate5m{{{SEL}}}) and on (upstream, model) "
+                    f"sum by (upstream, model, le) (phasewatch:engine_ttft_seconds_bucket:rate5m{{{SEL}}}))",
+                    "client {{model}}",
+                ),
+                target(
+                    "histogram_quantile(0.5, sum by (upstream, model, le) "
+                    f"(phasewatch:engine_ttft_seconds_bucket:rate5m{{{SEL}}}))",
+                    "engine {{model}}",
+                ),
+                target(
+                    f"max by (upstream, model) (phasewatch:ttft_gap_seconds:p50_5m{{{SEL}}})",
+                    "gap {{model}}",
+                ),
+            ],
+            "s",
+            steps(GREEN, (0.5, YELLOW), (2, RED)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Prefix-cache hit ratio",
+            "Share of prompt tokens served from the engine's prefix cache. phasewatch: from "
+            "each request's cached-token count (OpenAI cached_tokens, llama-server cache_n; "
+            "vLLM only with --enable-prompt-tokens-details, Ollama never). engine: vLLM's own "
+            "prefix_cache_hits / prefix_cache_queries (recording rules).",
+            [
+                target(
+                    f"max by (upstream, model) (phasewatch:prefix_cache_hit_ratio:rate5m{{{SEL}}})",
+                    "phasewatch {{model}}",
+                ),
+                target(
+                    f"max by (upstream, model) (phasewatch:engine_prefix_cache_hit_ratio:rate5m{{{SEL}}})",
+                    "engine {{model}}",
+                ),
+            ],
+            "percentunit",
+            steps(BLUE),
+            max_=1,
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Engine preemptions per second",
+            "Requests the engine preempted because its KV cache was full, to recompute later "
+            "(vLLM num_preemptions, re-exported; max over replicas, which re-export the same "
+            "engine). Sustained preemptions: fewer concurrent requests or a smaller context fit.",
+            [
+                target(
+                    "max by (upstream, model) (rate(phasewatch_engine_preemptions_total"
+                    f"{{{SEL}}}[$__rate_interval]))",
+                    "{{upstream}} {{model}}",
+                )
+            ],
+            "reqps",
+            steps(GREEN, (0.01, YELLOW), (0.1, RED)),
+            fill=10,
+        )
+    )
+    d.add(
+        timeseries(
+            "Engine end-to-end latency p95",
+            "The engine's own end-to-end latency (vLLM e2e_request_latency_seconds, "
+            "re-exported in its own buckets) beside phasewatch's p95 for generation requests.",
+            [
+                target(
+                    "histogram_quantile(0.95, max by (upstream, model, le) "
+                    f"(rate(phasewatch_engine_e2e_request_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+                    "engine {{model}}",
+                ),
+                target(
+                    "histogram_quantile(0.95, sum by (upstream, model, le) "
+                    f"(phasewatch:request_seconds_bucket:rate5m{{{SEL}, {GENERATION}}}))",
+                    "phasewatch {{model}}",
+                ),
+            ],
+            "s",
+            steps(GREEN, (30, YELLOW), (120, RED)),
+            fill=0,
+        )
+    )
+
+    d.row("KV cache: the memory side of the physics")
+    d.add(
+        bargauge(
+            "KV-cache bytes per token by model",
+            "2 x layers x kv_heads x head_dim x bytes per element of the engine's cache "
+            "(kv_dtype), from the model's config.json (vLLM, --model-dir), GGUF metadata "
+            "(llama-server) or /api/show (Ollama). Sliding-window models (Gemma 2/3): the "
+            "full-attention upper bound. Models whose shape is unknown are left out.",
+            [
+                target(
+                    "max by (upstream, model, kv_dtype) (phasewatch_model_kv_bytes_per_token"
+                    f'{{{SEL}, kv_dtype!="unknown"}})',
+                    "{{model}} ({{kv_dtype}})",
+                    instant=True,
+                )
+            ],
+            "bytes",
+            steps(GREEN, (262144, YELLOW), (1048576, RED)),
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "KV-cache bytes per request p50 / p95",
+            "What one request holds in the KV cache at its end: bytes per token x (prompt + "
+            "completion tokens), sliding-window layers capped at their window.",
+            [
+                target(
+                    f"histogram_quantile({p}, sum by (le) (rate(phasewatch_kv_cache_bytes_bucket"
+                    f"{{{SEL}}}[$__rate_interval])))",
+                    f"p{int(p * 100)}",
+                )
+                for p in (0.5, 0.95)
+            ],
+            "bytes",
+            steps(GREEN, (1e9, YELLOW), (8e9, RED)),
+            fill=0,
+            log=True,
+            min_=None,
+        ),
+        w=8,
+    )
+    fits = (
+        "max by (upstream, model) (phasewatch_engine_kv_cache_capacity_tokens"
+        f"{{{SEL}}}) * on (upstream, model) max by (upstream, model) "
+        f'(phasewatch_model_kv_bytes_per_token{{{SEL}, kv_dtype!="unknown"}}) / on (upstream, model) '
+        "histogram_quantile(0.5, sum by (upstream, model, le) "
+        f"(rate(phasewatch_kv_cache_bytes_bucket{{{SEL}}}[$__range])))"
+    )
+    d.add(
+        bargauge(
+            "Requests of median length the KV cache holds at once",
+            "The engine's KV-cache capacity (vLLM num_gpu_blocks x block_size; llama-server "
+            "the slots' contexts) in bytes, over the median KV bytes of one request in the "
+            "time range. The engine's own limit on sequences (max_num_seqs, llama-server "
+            "slots) may bind first.",
+            [target(fits, "{{upstream}} {{model}}", instant=True)],
+            "short",
+            steps(RED, (4, YELLOW), (16, GREEN)),
+            decimals=0,
+        ),
+        w=8,
+    )
 
 
 # --- Precision comparison -------------------------------------------------------------------
@@ -1282,6 +1551,51 @@ def precision_comparison() -> dict:
             fill=0,
             decimals=3,
         )
+    )
+
+    d.row("Memory: KV cache by precision")
+    kv = _sel('precision=~"$precision", kv_dtype!="unknown"')
+    precision_sel = _sel('precision=~"$precision"')
+    d.add(
+        stat(
+            "KV-cache bytes per token by precision",
+            "Bytes one token adds to the KV cache (2 x layers x kv_heads x head_dim x bytes "
+            "per cache element), per weight precision and cache element type. Weight "
+            "quantisation leaves it unchanged; an fp8 (or q8_0) cache halves it: the memory "
+            "side of the physics. Sliding-window models: the full-attention upper bound.",
+            [
+                target(
+                    f"max by (precision, kv_dtype) (phasewatch_model_kv_bytes_per_token{{{kv}}})",
+                    "{{precision}} (cache {{kv_dtype}})",
+                    instant=True,
+                )
+            ],
+            "bytes",
+            steps(GREEN, (262144, YELLOW), (1048576, RED)),
+            decimals=0,
+        ),
+        w=12,
+        h=6,
+    )
+    d.add(
+        stat(
+            "Median KV-cache bytes per request by precision",
+            "Median bytes a request held in the KV cache at its end, per precision, over the "
+            "time range.",
+            [
+                target(
+                    "histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_kv_cache_bytes_bucket"
+                    f"{{{precision_sel}}}[$__range])))",
+                    "{{precision}}",
+                    instant=True,
+                )
+            ],
+            "bytes",
+            steps(GREEN, (1e9, YELLOW), (8e9, RED)),
+            decimals=0,
+        ),
+        w=12,
+        h=6,
     )
     return d.json()
 

@@ -85,8 +85,9 @@ class ProxyApp:
         is detected and its models read in the background."""
         s = self.settings
         self.upstreams.start(s.model_refresh, self.host)
-        if self.primary:  # once per host, not per worker: the engines are scraped once
-            engine_state.start(self.upstreams, self.metrics, s.engine_scrape)
+        # once per host, not per worker: the primary scrapes, the others read its board
+        engine_state.start(self.upstreams, self.metrics, s.engine_scrape, self.host)
+        if self.primary:
             self.upstreams.spawn(self.power.check_mapping())
         self.power.start()  # samples in the primary only: energy must not count N times
         for u in self.upstreams.all:

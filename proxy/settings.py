@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .core.upstreams import UpstreamOptions, UpstreamSpec
 from .engines import ENGINES
+from .measure.kvcache import KV_DTYPE_BYTES, kv_dtype
 from .measure.precision import PRECISIONS, normalise
 from .services.power import PowerOptions
 from .transport import ClientOptions, TLSOptions
@@ -85,20 +86,22 @@ def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
 
 
 ENV_PREFIX = "PHASEWATCH_"
-#: Variables of phasewatch's other commands and of its test tier: not settings of
-#: ``serve``, yet no misspelling either.
+#: Variables of phasewatch's other commands (the simulator's ``PHASEWATCH_SIM_*``), of its
+#: compose file and of its test tier: not settings of ``serve``, yet no misspelling either.
 OTHER_VARIABLES = frozenset(
     {
-        "PHASEWATCH_SIM_ENGINE",
-        "PHASEWATCH_SIM_SPEED",
-        "PHASEWATCH_SIM_TRUTH_LOG",
         "PHASEWATCH_REAL_ENGINES",
         "PHASEWATCH_ENGINES_DIR",
         "PHASEWATCH_ENGINES_MANIFEST",
         "PHASEWATCH_ENGINES_PYTHON",
         "PHASEWATCH_ARTIFACTS",
+        "PHASEWATCH_CONTAINERS",
+        "PHASEWATCH_CONTAINERS_CACHE",
+        "PHASEWATCH_DEBIAN_MIRROR",
+        "PHASEWATCH_IMAGE",
     }
 )
+OTHER_PREFIXES = ("PHASEWATCH_SIM_",)
 
 
 def unknown_variables(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
@@ -108,6 +111,8 @@ def unknown_variables(environ: Mapping[str, str], known: frozenset[str]) -> list
     notes = []
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
+            continue
+        if name.startswith(OTHER_PREFIXES):
             continue
         near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {near[0]}?" if near else "phasewatch serve --help lists the settings"
@@ -211,6 +216,13 @@ class Settings(BaseSettings):
         description="Folder where the upstreams' checkpoints are readable (vLLM): "
         "each model's config.json there tells its precision (quantization_config, "
         "torch_dtype).",
+    )
+    kv_cache_dtype: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="KV-cache element type per model or upstream, name=dtype (fp16, bf16, "
+        "fp8, q8_0, q4_0 ...), where the engine does not say: llama-server's "
+        "--cache-type-k, Ollama's OLLAMA_KV_CACHE_TYPE (default for both: f16). vLLM's "
+        "is read from the engine.",
     )
     engine_scrape: float = Field(
         5.0,
@@ -438,6 +450,7 @@ class Settings(BaseSettings):
         "engine",
         "precision",
         "models",
+        "kv_cache_dtype",
         "upstream_ca",
         "upstream_cert",
         "upstream_key_file",
@@ -473,6 +486,18 @@ class Settings(BaseSettings):
     def _check_precisions(cls, value: list[str]) -> list[str]:
         for item in value:
             check_precision(item)
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _check_kv_dtypes(cls, value: list[str]) -> list[str]:
+        for item in value:
+            name, _, dtype = item.partition("=")
+            if not name or kv_dtype(dtype) is None:
+                raise ValueError(
+                    f"{item!r} is not name=dtype with a KV-cache type phasewatch knows "
+                    f"({', '.join(KV_DTYPE_BYTES)})"
+                )
         return value
 
     @field_validator("power_gpu", mode="before")
@@ -630,6 +655,10 @@ class Settings(BaseSettings):
             extra_models=frozenset(self.models),
             precision_overrides=tuple(self._precision.items()),
             model_dir=self.model_dir,
+            kv_dtype_overrides=tuple(
+                (name, kv_dtype(dtype) or dtype)
+                for name, _, dtype in (item.partition("=") for item in self.kv_cache_dtype)
+            ),
         )
 
     def power_options(self) -> PowerOptions:

@@ -363,6 +363,13 @@ class Traffic:
             f"{model} max_tokens=-5 -> {r.status_code}",
         )
 
+    def embed(self, client: httpx.Client, model: str, path: str = "/v1/embeddings") -> None:
+        """An embeddings request (a whole-body endpoint every engine offers)."""
+        r = client.post(path, json={"model": model, "input": [words(12, 1), words(7, 2)]})
+        self._count(
+            "ok" if r.status_code == 200 else "failed", f"{model} {path} -> {r.status_code}"
+        )
+
     def abort(self, client: httpx.Client, model: str) -> None:
         body = {
             "model": model,
@@ -389,6 +396,9 @@ class Traffic:
             for k in range(3):
                 out.append((self.chat, (m, 40 + 30 * k + 5 * first, 32 + 16 * k, True, k)))
             out.append((self.chat, (m, 60, 24, False, i)))
+            out.append((self.embed, (m,)))
+            if engine == "ollama":
+                out.append((self.embed, (m, "/api/embed")))
             if engine == "vllm":
                 out.append((self.bad, (m,)))
             if first:
@@ -519,11 +529,20 @@ def stack():
     tool("prometheus")
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="pw-prom-"))
-    sims = [start_sim(engine, speed=10.0, deterministic=False) for engine in engines_simulated()]
+    model_dir = tmp / "checkpoints"  # the simulated vLLM's config.json files: KV shapes
+    sims = [
+        start_sim(
+            engine,
+            speed=10.0,
+            deterministic=False,
+            extra=["--model-dir", str(model_dir)] if engine == "vllm" else None,
+        )
+        for engine in engines_simulated()
+    ]
     servers = list(sims)
     prom = traffic = thread = None
     try:
-        args = ["--max-concurrency", "6"]
+        args = ["--max-concurrency", "6", "--model-dir", str(model_dir)]
         flags = proxy_flags()
         if "--power-dcgm-url" in flags:
             # the power sampler reads the simulated vLLM's GPUs, one model on each
@@ -550,6 +569,9 @@ def stack():
         config.pop("alerting", None)
         jobs = {j["job_name"]: j for j in config["scrape_configs"]}
         jobs["phasewatch"]["static_configs"] = [{"targets": [proxy.url.removeprefix("http://")]}]
+        # phasewatch every 5 s as the shipped config scrapes it: a busy 2-core machine can
+        # take seconds to render its /metrics, and a 1 s timeout then marks it down
+        jobs["phasewatch"]["scrape_interval"] = jobs["phasewatch"]["scrape_timeout"] = "5s"
         jobs["engine"]["static_configs"] = [
             {"targets": [s.url.removeprefix("http://") for s in sims]}
         ]
@@ -563,13 +585,19 @@ def stack():
 
         def scraped(n: int, timeout: float = 60) -> None:
             deadline = time.monotonic() + timeout
+            got = None
             while time.monotonic() < deadline:
                 got = prom.query("sum(phasewatch_requests_total)")
                 if got and float(got[0]["value"][1]) >= n:
                     return
                 time.sleep(0.3)
+            targets = [
+                (t["labels"].get("job"), t["health"], t.get("lastError"), t["lastScrapeDuration"])
+                for t in prom.api("/api/v1/targets")["activeTargets"]
+            ]
             raise AssertionError(
-                f"Prometheus did not see {n} requests:\n" + prom.log_path.read_text()
+                f"Prometheus did not see {n} requests (last: {got}; traffic {traffic.counts}; "
+                f"targets {targets}):\n" + prom.log_path.read_text()
             )
 
         assert traffic.round1_done.wait(120), "first round of traffic did not finish"
@@ -641,9 +669,19 @@ def test_traffic_covered_what_the_panels_show(stack):
     assert counts["failed"] == 0, (counts, stack["traffic"].failures)
     assert counts["aborted"] == len(models), counts
     assert counts["error"] == 2 * sum(e == "vllm" for e in models.values()), counts
-    upstreams = {s["metric"]["upstream"] for s in stack["prom"].query("phasewatch_requests_total")}
-    assert upstreams == {f"sim-{e}" for e in stack["engines"]}
     prom = stack["prom"]
+    want = {f"sim-{e}" for e in stack["engines"]}
+    deadline = time.monotonic() + 30  # a scrape missed on a loaded machine leaves a gap
+    while True:
+        upstreams = {s["metric"]["upstream"] for s in prom.query("phasewatch_requests_total")}
+        if upstreams == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    targets = [
+        (t["labels"].get("job"), t["health"], t.get("lastError"), t.get("lastScrapeDuration"))
+        for t in prom.api("/api/v1/targets")["activeTargets"]
+    ]
+    assert upstreams == want, targets
     precisions = {s["metric"]["precision"] for s in prom.query("phasewatch_model_info")}
     assert {"bf16", "fp8", "int4"} <= precisions
     bands = {s["metric"]["prompt_band"] for s in prom.query("phasewatch_ttft_seconds_count")}
@@ -684,6 +722,11 @@ def test_every_dashboard_panel_returns_data(stack):
         checked += 1
         if not finite(result):
             empty.append(f"{name} / {title}: {q}")
+    # a scrape missed on a loaded machine leaves instant gauges stale until the next one
+    deadline = time.monotonic() + 30
+    while empty and time.monotonic() < deadline:
+        time.sleep(1)
+        empty = [e for e in empty if not finite(prom.query(e.split(": ", 1)[1]))]
     assert not empty, "panels without data:\n" + "\n".join(empty)
     assert checked >= 40
 

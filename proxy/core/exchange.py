@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..engines import Outcome, Prepared, Tap
+from ..measure.kvcache import KVModel
 from ..measure.timeline import EngineTimings, Marks, Usage
 
 if TYPE_CHECKING:
@@ -68,6 +69,11 @@ class Exchange:
     def gaps(self) -> tuple[list[int], float] | None:
         tap = self.tap
         return None if tap is None else (tap.gap_counts, tap.gap_sum)
+
+    @property
+    def kv(self) -> KVModel | None:
+        """The model's KV cache as far as it is known (for the per-request bytes)."""
+        return self.upstream.kv_of(self.model_label)
 
     def fail(self, kind: str, message: str, status: int | None = None) -> None:
         self.outcome, self.error_kind, self.error_message = "error", kind, message

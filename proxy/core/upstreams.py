@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from dataclasses import astuple, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
+from ..measure.kvcache import KVModel, KVShape
 from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
 from ..transport import ClientOptions, TLSOptions, make_client, make_transport
@@ -58,6 +60,9 @@ class UpstreamOptions:
     extra_models: frozenset[str] = frozenset()
     precision_overrides: tuple[tuple[str, str], ...] = ()
     model_dir: str | None = None
+    #: KV-cache element type per model or upstream name (``fp8``, ``q8_0`` ...), for
+    #: engines that do not say (llama-server's --cache-type-k, OLLAMA_KV_CACHE_TYPE)
+    kv_dtype_overrides: tuple[tuple[str, str], ...] = ()
 
 
 class Upstream:
@@ -95,6 +100,13 @@ class Upstream:
         #: The proxy's own calls (probes, model lists, gauges), over the same transport.
         self.client = make_client(spec.url, client, spec.api_key, self.transport)
         self._label_cache: dict[str, str] = {}
+        #: KV-cache shapes read from the engine (None: it does not say), the element type
+        #: the engine reports per model, and the series published from them.
+        self.kv_shapes: dict[str, KVShape | None] = {}
+        self.kv_engine_dtype: dict[str, str] = {}
+        self._kv_overrides = dict(options.kv_dtype_overrides)
+        self._kv_models: dict[str, KVModel] = {}
+        self._kv_published: dict[str, tuple[str, str, str, str]] = {}
         #: Exchanges admitted and not finished. Side services (the power sampler) read it
         #: from their own thread to classify the GPU's state: a request with no first
         #: token yet is in prefill, one with a first token is decoding.
@@ -121,6 +133,54 @@ class Upstream:
             return Precision.unknown()
         return self.precision.get(model_label)
 
+    def kv_of(self, model_label: str) -> KVModel | None:
+        """The model's KV cache as far as it is known; None for ``other``."""
+        if model_label == OTHER:
+            return None
+        kv = self._kv_models.get(model_label)
+        if kv is None:
+            shape = self.kv_shapes.get(model_label)
+            said = self.kv_engine_dtype.get(model_label)
+            if said == "auto":  # the engine keeps it in the model's dtype: the config's
+                said = shape.dtype if shape is not None else None
+            dtype = (
+                self._kv_overrides.get(model_label)
+                or self._kv_overrides.get(self.name)
+                or said
+                or self.dialect.kv_default_dtype
+            )
+            kv = self._kv_models[model_label] = KVModel(shape, dtype)
+        return kv
+
+    def set_kv_dtype(self, model: str, dtype: str) -> None:
+        """The element type the engine says it keeps a model's KV cache in."""
+        if self.kv_engine_dtype.get(model) != dtype:
+            self.kv_engine_dtype[model] = dtype
+            self._kv_models.pop(model, None)
+            self.publish_kv()
+
+    def publish_kv(self) -> None:
+        """phasewatch_model_kv_bytes_per_token for every model (NaN where unknown)."""
+        gauge = self.metrics.model_kv_bytes_per_token
+        for model in sorted(self.models | self.configured_models):
+            kv = self.kv_of(model)
+            per_token = kv.bytes_per_token if kv is not None else None
+            dtype = kv.dtype if kv is not None and per_token is not None else "unknown"
+            labels = (self.name, model, self.precision.get(model).precision, dtype or "unknown")
+            old = self._kv_published.get(model)
+            if old is not None and old != labels:
+                try:
+                    gauge.remove(*old)
+                except KeyError:
+                    pass
+            gauge.labels(*labels).set(per_token if per_token is not None else math.nan)
+            self._kv_published[model] = labels
+        for model in set(self._kv_published) - (self.models | self.configured_models):
+            try:
+                gauge.remove(*self._kv_published.pop(model))
+            except KeyError:
+                pass
+
     def canonical(self, model: str) -> str | None:
         """The listed name a request's model means (Ollama: ``llama3.2`` is
         ``llama3.2:latest``), or None when the upstream does not list it."""
@@ -140,6 +200,7 @@ class Upstream:
             self.engine = engine
             self.dialect = get_dialect(engine)
             self._label_cache.clear()
+            self._kv_models.clear()
 
     # --- engine and model list (off the request path) -----------------------------------
 
@@ -169,6 +230,9 @@ class Upstream:
         for model, p in listed.precision.items():
             self.precision_read.add(model)
             self.precision.set_engine(model, p)  # its source says whether the engine or a name told
+        for model, shape in listed.kv.items():
+            self.kv_shapes[model] = shape
+            self._kv_models.pop(model, None)
         self.precision_read &= set(listed.names)  # a model that comes back is read again
         new = set(listed.names)
         came_up = not self.up
@@ -216,6 +280,10 @@ class Upstream:
             "up": self.up,
             "models": sorted(self.models),
             "precision": {m: list(astuple(self.precision.get(m))) for m in sorted(self.models)},
+            "kv": {
+                m: (list(astuple(s)) if s is not None else None) for m, s in self.kv_shapes.items()
+            },
+            "kv_dtype": dict(self.kv_engine_dtype),
         }
 
     def apply(self, state: dict[str, Any]) -> None:
@@ -225,11 +293,16 @@ class Upstream:
             self.set_engine(engine)
         for model, p in (state.get("precision") or {}).items():
             self.precision.set_engine(model, Precision(*p))
+        for model, shape in (state.get("kv") or {}).items():
+            self.kv_shapes[model] = KVShape(*shape) if shape else None
+        self.kv_engine_dtype.update(state.get("kv_dtype") or {})
+        self._kv_models.clear()
         models = set(state.get("models") or ())
         if models != self.models:
             self.models = models
             self._label_cache.clear()
             self.publish_models()
+        self.publish_kv()
         up = state.get("up")
         if up is not None:
             self.up = bool(up)
@@ -240,6 +313,7 @@ class Upstream:
         for model in sorted(self.models | self.configured_models):
             p = self.precision.get(model)
             self.metrics.model_info.labels(self.name, model, p.precision, p.quant, p.source).set(1)
+        self.publish_kv()
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import httpx
 
-from .base import Dialect, EngineState, ModelList, ModelQuery, Outcome, Prepared, Tap
+from .base import (
+    Dialect,
+    EngineHistogram,
+    EngineReading,
+    EngineState,
+    ModelList,
+    ModelQuery,
+    Outcome,
+    Prepared,
+    Tap,
+)
 from .llamacpp import LlamaCppDialect
 from .ollama import OllamaDialect
 from .openai import OpenAIDialect
@@ -58,6 +68,8 @@ __all__ = [
     "DETECTION_ORDER",
     "ENGINES",
     "Dialect",
+    "EngineHistogram",
+    "EngineReading",
     "EngineState",
     "ModelList",
     "ModelQuery",

@@ -21,6 +21,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from ..measure.kvcache import KVShape
 from ..measure.metrics import GAP_BUCKETS
 from ..measure.precision import Precision
 from ..measure.timeline import EngineTimings, Marks, Usage
@@ -253,11 +254,37 @@ class ModelList:
 
     names: list[str]
     precision: dict[str, Precision | None] = field(default_factory=dict)
+    #: The KV-cache shape of the models read this time (None: the engine does not say).
+    kv: dict[str, KVShape | None] = field(default_factory=dict)
 
 
 #: An engine's own state per model: {model name ("" when the engine does not say):
 #: {running | waiting | kv | loaded | vram | size | expiry: value}}.
 EngineState = dict[str, dict[str, float]]
+
+
+@dataclass(slots=True)
+class EngineHistogram:
+    """One of an engine's own histograms as it exported it: cumulative buckets."""
+
+    buckets: list[tuple[float, float]]  # (upper bound, cumulative count), +Inf last
+    sum: float
+    count: float
+
+
+@dataclass(slots=True)
+class EngineReading:
+    """One scrape of an engine's own state, per model name ("" when it does not say)."""
+
+    #: gauges: {model: {running | waiting | kv | kv_capacity | loaded | ...: value}}
+    gauges: EngineState = field(default_factory=dict)
+    #: its own counters, re-exported as they are: {model: {preemptions | ...: value}}
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: its own histograms: {model: {ttft | e2e | tpot: histogram}}
+    histograms: dict[str, dict[str, EngineHistogram]] = field(default_factory=dict)
+    #: the element type it keeps each model's KV cache in, where it says ("auto": the
+    #: model's own dtype, from its config)
+    kv_dtype: dict[str, str] = field(default_factory=dict)
 
 
 class Dialect(Protocol):
@@ -266,10 +293,14 @@ class Dialect(Protocol):
     name: ClassVar[str]
     #: llama-server answers any model name with the one model it serves.
     answers_any_model: ClassVar[bool]
+    #: The KV cache's element type when the engine does not say and no setting does: its
+    #: documented default (llama.cpp and Ollama: f16), or None (unknown).
+    kv_default_dtype: ClassVar[str | None]
 
     # --- the request path -------------------------------------------------------------
     def endpoint(self, method: str, path: str) -> str | None:
-        """The bounded endpoint label when (method, path) generates, else None."""
+        """The bounded endpoint label when (method, path) is measured (a generation, or a
+        whole-body request such as embeddings), else None."""
 
     def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
         """What to send upstream; None when this request is not measured after all."""
@@ -295,8 +326,8 @@ class Dialect(Protocol):
     async def list_models(self, query: ModelQuery) -> ModelList | None:
         """The engine's models (None when it does not answer)."""
 
-    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
-        """The engine's own gauges (None when it does not answer or has none)."""
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
+        """The engine's own state (None when it does not answer or has none)."""
 
 
 def canonical_name(model: str, listed: set[str]) -> str | None:

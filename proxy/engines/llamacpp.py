@@ -14,29 +14,39 @@ Wire facts (tests/fixtures/llama-server captures, tests/fixtures/wire/README.md 
   ``"stop":true`` event, with no ``[DONE]``. A mid-stream error is ``data: {"error":...}``
   and the stream ends without ``[DONE]``.
 
+Embeddings (``--embeddings``: ``/v1/embeddings``, ``/embeddings``, the older ``/embedding``
+with no counts) and reranking (``--rerank``: ``/rerank``, ``/v1/rerank``, ``/reranking``,
+``/v1/reranking``) answer whole JSON bodies with ``usage.prompt_tokens``.
+
 Recognised by ``GET /props`` (build and generation settings) or models ``owned_by:
 "llamacpp"``. It serves one model and answers any model name with it. Precision comes from
 ``/props`` ``model_ftype``, ``/v1/models`` ``meta.ftype``, the GGUF file name, else bits per
-weight. Its own state comes from ``/slots`` (slots processing, tokens held over the slots'
-context); only where ``/slots`` is off (``--no-slots``) from ``/metrics``, because every
-scrape of that resets the server's throughput gauges for whoever else scrapes it.
+weight. The KV-cache shape comes from the GGUF file's metadata where ``/props``
+``model_path`` is readable from the proxy (or found under ``--model-dir`` by its name);
+the cache's element type (``--cache-type-k``) is not on any endpoint. Its own state
+comes from ``/slots`` (slots processing, tokens held over the slots' context); only
+where ``/slots`` is off (``--no-slots``) from ``/metrics``, because every scrape of that
+resets the server's throughput gauges for whoever else scrapes it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
+from ..measure.kvcache import KVShape, from_gguf
 from ..measure.precision import Precision, from_bits_per_weight, from_gguf_type, from_llama_ftype
 from ..measure.timeline import EngineTimings, Marks
 from .base import (
     OUTPUT_RE,
     USAGE_RE,
-    EngineState,
+    EngineReading,
     ModelList,
     ModelQuery,
     Outcome,
@@ -47,12 +57,15 @@ from .base import (
     read_response,
     settle,
 )
+from .gguf import GGUFError, read_metadata
 from .openai import OpenAIDialect
 from .probe import get_json, read_bounded
 from .prometheus import parse_prometheus
 
 if TYPE_CHECKING:
     from .probe import Prober
+
+log = logging.getLogger(__name__)
 
 #: llama-server's /metrics names (``--metrics``), read only where /slots is off.
 GAUGES = {
@@ -70,6 +83,15 @@ ENDPOINTS = {
     "/v1/completions": "completions",
     "/completions": "completions",
     "/completion": "llamacpp_completion",
+}
+WHOLE = {
+    "/v1/embeddings": "embeddings",
+    "/embeddings": "embeddings",
+    "/embedding": "llamacpp_embedding",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/reranking": "rerank",
+    "/reranking": "rerank",
 }
 
 
@@ -133,8 +155,11 @@ class LlamaCppDialect(OpenAIDialect):
 
     name: ClassVar[str] = "llamacpp"
     answers_any_model: ClassVar[bool] = True
+    #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
+    kv_default_dtype: ClassVar[str | None] = "fp16"
     empty_stream_options_is_usage: ClassVar[bool] = False
-    endpoints: ClassVar[dict[str, str]] = ENDPOINTS
+    endpoints: ClassVar[dict[str, str]] = {**ENDPOINTS, **WHOLE}
+    whole_endpoints: ClassVar[frozenset[str]] = frozenset(WHOLE.values())
 
     # --- recognising it, its model and its precision, its state --------------------------
 
@@ -174,19 +199,22 @@ class LlamaCppDialect(OpenAIDialect):
             out.names.append(e["id"])
             if e["id"] not in query.known:
                 # /props describes the loaded model; with one model it is this one
-                out.precision[e["id"]] = llamacpp_precision(props if len(entries) == 1 else None, e)
+                mine = props if len(entries) == 1 else None
+                out.precision[e["id"]] = llamacpp_precision(mine, e)
+                out.kv[e["id"]] = await gguf_kv_shape(mine, query.model_dir)
         return out
 
-    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         only = next(iter(models)) if len(models) == 1 else ""
         status, body = await read_bounded(client, "GET", "/slots")
         if status == 200:
             state = slots_state(json.loads(body))
-            return {only: state} if state else None
+            return EngineReading({only: state}) if state else None
         status, body = await read_bounded(client, "GET", "/metrics")
         if status != 200:
             return None
-        return parse_prometheus(body.decode("utf-8", "replace"), GAUGES, only) or None
+        gauges = parse_prometheus(body.decode("utf-8", "replace"), GAUGES, only)
+        return EngineReading(gauges) if gauges else None
 
     # --- the request path ---------------------------------------------------------------
 
@@ -213,10 +241,15 @@ class LlamaCppDialect(OpenAIDialect):
         out = Outcome()
         if tap is None:
             obj = loads(body)
+            if isinstance(obj, list) and obj and isinstance(obj[0], dict):
+                out.finished = True  # the older /embedding: embeddings with no counts
+                return out
             if not isinstance(obj, dict):
                 out.error_kind, out.error_message = "protocol", "response is not JSON"
                 return out
             read_timings(obj, out)
+            if "choices" not in obj and "content" not in obj:  # embeddings, rerank
+                out.usage.completion_tokens = None
             out.finished = True
             return out
         usage_obj = loads(tap.usage_payload)
@@ -287,6 +320,31 @@ def llamacpp_precision(props: object, model_entry: object) -> Precision | None:
     return from_bits_per_weight(meta.get("size"), meta.get("n_params"))
 
 
+async def gguf_kv_shape(props: object, model_dir: str | None) -> KVShape | None:
+    """The KV shape from the GGUF file ``/props`` names, where the proxy can read it (the
+    engine on this host, or the file under --model-dir by its name). None otherwise."""
+    path = props.get("model_path") if isinstance(props, dict) else None
+    if not isinstance(path, str) or not path.lower().endswith(".gguf"):
+        return None
+    candidates = [path]
+    if model_dir:
+        candidates.append(os.path.join(model_dir, os.path.basename(path)))
+    for candidate in candidates:
+        try:  # a header read (long arrays skipped): off the event loop all the same
+            meta = await asyncio.to_thread(read_metadata, candidate)
+        except FileNotFoundError:
+            continue
+        except (OSError, GGUFError) as exc:
+            log.warning(
+                "cannot read the GGUF metadata of the upstream's model; its KV-cache "
+                "figures are unknown",
+                extra={"fields": {"path": candidate[:300], "error": str(exc)[:200]}},
+            )
+            return None
+        return from_gguf(meta)
+    return None
+
+
 def slots_state(slots: object) -> dict[str, float]:
     """Running requests and KV-cache use from llama-server's /slots."""
     if not isinstance(slots, list):
@@ -306,6 +364,7 @@ def slots_state(slots: object) -> dict[str, float]:
     state = {"running": float(running)}
     if ctx:
         state["kv"] = min(1.0, held / ctx)
+        state["kv_capacity"] = float(ctx)  # tokens: the slots' contexts together
     return state
 
 

@@ -16,8 +16,13 @@ Wire facts (tests/fixtures/wire/README.md §2, §6):
   ``/v1/completions`` also a zero ``usage`` object inside *every* event, both removed here
   byte for byte. A stream that loses its error ends without ``[DONE]``.
 
+Embeddings: native ``/api/embed`` (``prompt_eval_count``, ns durations) and the older
+``/api/embeddings`` (no counts), and ``/v1/embeddings`` (OpenAI ``usage``): whole bodies.
+
 Recognised by ``GET /api/version``. Models come from ``/api/tags``, their precision from
-``details.quantization_level`` (``/api/show`` when the tag does not say); a model asked
+``details.quantization_level`` (``/api/show`` when the tag does not say), their KV-cache
+shape from ``/api/show``'s ``model_info`` (GGUF keys; the cache's element type is the
+server's ``OLLAMA_KV_CACHE_TYPE``, which no API shows); a model asked
 for without a tag means ``:latest``. Its own state comes from ``/api/ps``: the loaded
 models, their size in VRAM and when they unload.
 """
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
+from ..measure.kvcache import from_gguf
 from ..measure.precision import (
     Precision,
     from_gguf_file_type,
@@ -40,6 +46,7 @@ from ..measure.precision import (
 )
 from ..measure.timeline import EngineTimings, Marks, Usage
 from .base import (
+    EngineReading,
     EngineState,
     ModelList,
     ModelQuery,
@@ -71,6 +78,11 @@ _ZERO_USAGE_EVENT_END = b',"usage":{"prompt_tokens":0,"completion_tokens":0,"tot
 
 NATIVE = {"/api/chat": "ollama_chat", "/api/generate": "ollama_generate"}
 OPENAI = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+EMBED = {
+    "/api/embed": "ollama_embed",
+    "/api/embeddings": "ollama_embeddings",
+    "/v1/embeddings": "embeddings",
+}
 
 
 class NDJSONTap(Tap):
@@ -147,8 +159,11 @@ class OllamaDialect(OpenAIDialect):
     """Ollama, native and /v1."""
 
     name: ClassVar[str] = "ollama"
+    #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
+    kv_default_dtype: ClassVar[str | None] = "fp16"
     empty_stream_options_is_usage: ClassVar[bool] = False
-    endpoints: ClassVar[dict[str, str]] = {**NATIVE, **OPENAI}
+    endpoints: ClassVar[dict[str, str]] = {**NATIVE, **OPENAI, **EMBED}
+    whole_endpoints: ClassVar[frozenset[str]] = frozenset(EMBED.values())
 
     # --- recognising it, its models and their precision, its state ----------------------
 
@@ -177,23 +192,25 @@ class OllamaDialect(OpenAIDialect):
                 name = item["name"]
                 out.names.append(name)
                 if name not in query.known:
+                    # /api/show: the KV shape, and the precision the tag may not give
+                    s_status, show = await get_json(
+                        query.client, "POST", "/api/show", {"model": name}
+                    )
+                    show = show if s_status == 200 and isinstance(show, dict) else {}
                     p = ollama_precision(item.get("details"))
-                    if p is None:  # ask /api/show (it fills an unknown level from the GGUF)
-                        s_status, show = await get_json(
-                            query.client, "POST", "/api/show", {"model": name}
-                        )
-                        if s_status == 200 and isinstance(show, dict):
-                            p = ollama_precision(show.get("details"), show.get("model_info"))
+                    if p is None:  # /api/show fills an unknown level from the GGUF
+                        p = ollama_precision(show.get("details"), show.get("model_info"))
                     out.precision[name] = p
+                    out.kv[name] = from_gguf(show.get("model_info"))
                 if len(out.names) >= query.max_models:
                     break
             return out
         except httpx.HTTPError:
             return None
 
-    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         status, body = await read_bounded(client, "GET", "/api/ps")
-        return ollama_ps(json.loads(body)) if status == 200 else None
+        return EngineReading(ollama_ps(json.loads(body))) if status == 200 else None
 
     # --- the request path ---------------------------------------------------------------
 
@@ -208,6 +225,8 @@ class OllamaDialect(OpenAIDialect):
             return Prepared(endpoint, None, False, raw)
         model = obj.get("model", obj.get("name"))
         model = model if isinstance(model, str) else None
+        if endpoint in self.whole_endpoints:
+            return Prepared(endpoint, model, False, raw)
         if endpoint == "ollama_chat":
             load_only = obj.get("messages") in (None, [])
         else:
@@ -247,6 +266,10 @@ class OllamaDialect(OpenAIDialect):
             return settle(tap, out, "its done line")
         if tap is None and status < 400:
             obj = loads(body)
+            if isinstance(obj, dict) and ("embeddings" in obj or "embedding" in obj):
+                out = Outcome(finished=True)  # /api/embed counts its input; /api/embeddings not
+                read_embed(obj, out)
+                return out
             if isinstance(obj, dict) and "choices" not in obj and "done" in obj:
                 out = Outcome()
                 if "error" in obj:
@@ -284,6 +307,19 @@ def read_done_line(obj: dict, out: Outcome) -> None:
         e.queue_seconds = max(0, total - load - prompt_ns - eval_ns) / 1e9
     out.engine = e
     read_response(obj, out)
+
+
+def read_embed(obj: dict, out: Outcome) -> None:
+    """Input tokens and engine timings from a native embeddings answer (ns)."""
+    prompt_n = as_int(obj.get("prompt_eval_count"))
+    out.usage = Usage(prompt_tokens=prompt_n)
+    e = EngineTimings()
+    total, load = as_int(obj.get("total_duration")), as_int(obj.get("load_duration"))
+    if load is not None:
+        e.load_seconds = load / 1e9
+    if total:
+        e.total_seconds = total / 1e9
+    out.engine = e
 
 
 # --- precision and state ----------------------------------------------------------------------

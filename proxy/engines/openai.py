@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
+from ..measure import kvcache
+from ..measure.kvcache import KVShape
 from ..measure.precision import Precision, from_hf_config, from_name
 from ..measure.timeline import Marks, Usage
 from .base import (
-    EngineState,
+    EngineReading,
     ModelList,
     ModelQuery,
     Outcome,
@@ -48,12 +50,17 @@ class OpenAIDialect:
 
     name: ClassVar[str] = "openai"
     answers_any_model: ClassVar[bool] = False
+    kv_default_dtype: ClassVar[str | None] = None
     #: Whether ``"stream_options":{}`` means include_usage=true (vLLM) or false (OpenAI).
     empty_stream_options_is_usage: ClassVar[bool] = False
     endpoints: ClassVar[dict[str, str]] = {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",
+        "/v1/embeddings": "embeddings",
     }
+    #: Measured endpoints whose answer is one whole body (no tokens generated): counted,
+    #: timed and their prompt tokens read, never tapped as a stream.
+    whole_endpoints: ClassVar[frozenset[str]] = frozenset({"embeddings"})
 
     # --- recognising it, its models and their precision (off the request path) ---------
 
@@ -80,11 +87,12 @@ class OpenAIDialect:
                 if mid not in query.known:
                     root = item.get("root") if isinstance(item.get("root"), str) else None
                     out.precision[mid] = openai_precision(mid, root, query.model_dir)
+                    out.kv[mid] = openai_kv_shape(mid, root, query.model_dir)
                 if len(out.names) >= query.max_models:
                     break
         return out
 
-    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         return None  # a generic OpenAI-compatible server exports no known gauges
 
     # --- the request path ---------------------------------------------------------------
@@ -111,6 +119,8 @@ class OpenAIDialect:
             return Prepared(endpoint, None, False, raw)
         model = obj.get("model")
         model = model if isinstance(model, str) else None
+        if endpoint in self.whole_endpoints:
+            return Prepared(endpoint, model, False, raw)
         stream = obj.get("stream") is True
         prepared = Prepared(endpoint, model, stream, raw)
         if not (stream and inject_usage):
@@ -152,6 +162,8 @@ class OpenAIDialect:
         return b"application/json", json.dumps(err).encode()
 
     def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+        if prepared.endpoint in self.whole_endpoints:
+            return None
         if content_type.startswith("text/event-stream"):
             return SSETap(marks, strip=prepared.strip_usage)
         return None
@@ -169,6 +181,8 @@ class OpenAIDialect:
                 return out
             self._read_usage(obj, out.usage)
             read_response(obj, out)
+            if "choices" not in obj:  # embeddings, rerank, score: nothing was generated
+                out.usage.completion_tokens = None
             out.finished = True
             return out
         obj = loads(tap.usage_payload)
@@ -187,6 +201,9 @@ class OpenAIDialect:
             return
         usage.prompt_tokens = as_int(u.get("prompt_tokens"))
         usage.completion_tokens = as_int(u.get("completion_tokens"))
+        if usage.prompt_tokens is None and usage.completion_tokens is None:
+            # pooling answers (vLLM's rerank) count only total_tokens: all of them input
+            usage.prompt_tokens = as_int(u.get("total_tokens"))
         details = u.get("prompt_tokens_details")
         if isinstance(details, dict):
             usage.cached_tokens = as_int(details.get("cached_tokens"))
@@ -220,6 +237,13 @@ def read_model_config(model_dir: str | None, model_id: str, root: str | None) ->
         if isinstance(obj, dict):
             return obj
     return None
+
+
+def openai_kv_shape(model_id: str, root: str | None, model_dir: str | None) -> KVShape | None:
+    """The KV-cache shape from the checkpoint's config.json, where --model-dir makes it
+    readable (None otherwise: vLLM's API does not say)."""
+    config = read_model_config(model_dir, model_id, root)
+    return kvcache.from_hf_config(config) if config is not None else None
 
 
 def openai_precision(model_id: str, root: str | None, model_dir: str | None) -> Precision | None:

@@ -7,7 +7,14 @@ event (the SSE tap puts it back).
 
 Recognised by its models' ``owned_by: "vllm"``, or by ``GET /version``. Its own gauges
 come from ``/metrics``: ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
-``vllm:kv_cache_usage_perc`` (v0 engine: ``vllm:gpu_cache_usage_perc``), per ``model_name``.
+``vllm:kv_cache_usage_perc`` (v0 engine: ``vllm:gpu_cache_usage_perc``), per ``model_name``;
+the KV cache's size (``num_gpu_blocks × block_size`` tokens) and element type
+(``cache_dtype``; ``auto`` is the model's own dtype) from ``vllm:cache_config_info``; and
+its own preemption and prefix-cache counters and TTFT / end-to-end / time-per-output-token
+histograms, re-exported beside phasewatch's as they are.
+
+Besides generation it serves whole-body pooling endpoints: embeddings, rerank, score,
+classify, pooling.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
-from .base import EngineState
+from ..measure.kvcache import kv_dtype
+from .base import EngineReading
 from .openai import OpenAIDialect
 from .probe import read_bounded
-from .prometheus import parse_prometheus
+from .prometheus import read_metrics
 
 if TYPE_CHECKING:
     from .probe import Prober
@@ -30,11 +38,36 @@ GAUGES = {
     "vllm:kv_cache_usage_perc": "kv",
     "vllm:gpu_cache_usage_perc": "kv",
 }
+COUNTERS = {
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+}
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "ttft",
+    "vllm:e2e_request_latency_seconds": "e2e",
+    "vllm:request_time_per_output_token_seconds": "tpot",
+}
+CACHE_CONFIG = "vllm:cache_config_info"
+
+#: Pooling endpoints (whole JSON bodies, prompt tokens only).
+POOLING = {
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v1/score": "score",
+    "/score": "score",
+    "/classify": "classify",
+    "/pooling": "pooling",
+}
 
 
 class VLLMDialect(OpenAIDialect):
     name: ClassVar[str] = "vllm"
     empty_stream_options_is_usage: ClassVar[bool] = True
+    endpoints: ClassVar[dict[str, str]] = {**OpenAIDialect.endpoints, **POOLING}
+    whole_endpoints: ClassVar[frozenset[str]] = frozenset(POOLING.values())
 
     @staticmethod
     async def detect(probe: Prober) -> bool:
@@ -46,8 +79,35 @@ class VLLMDialect(OpenAIDialect):
         version = await probe.get_dict("/version")
         return version is not None and isinstance(version.get("version"), str)
 
-    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineState | None:
+    async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         status, body = await read_bounded(client, "GET", "/metrics")
         if status != 200:
             return None
-        return parse_prometheus(body.decode("utf-8", "replace"), GAUGES)
+        return vllm_reading(body.decode("utf-8", "replace"), models)
+
+
+def vllm_reading(text: str, models: set[str]) -> EngineReading:
+    """vLLM's gauges, counters, histograms and KV-cache configuration from its /metrics.
+    ``cache_config_info`` names no model: with one served model (one engine per model,
+    as vLLM runs) it is that model's."""
+    only = next(iter(models)) if len(models) == 1 else None
+    reading, infos = read_metrics(
+        text, GAUGES, COUNTERS, HISTOGRAMS, infos=frozenset({CACHE_CONFIG})
+    )
+    for labels in infos.get(CACHE_CONFIG, ()):
+        model = labels.get("model_name", only)
+        if model is None:
+            continue
+        blocks, size = _int(labels.get("num_gpu_blocks")), _int(labels.get("block_size"))
+        if blocks and size:
+            gauges = reading.gauges.setdefault(model, {})
+            gauges["kv_capacity"] = gauges.get("kv_capacity", 0.0) + float(blocks * size)
+        raw = labels.get("cache_dtype")
+        dtype = "auto" if raw == "auto" else kv_dtype(raw)  # auto: the model's own dtype
+        if dtype is not None:
+            reading.kv_dtype[model] = dtype
+    return reading
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None

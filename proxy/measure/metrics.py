@@ -13,7 +13,10 @@ loop never touches a lock in here.
 from __future__ import annotations
 
 import bisect
+import math
 import os
+import threading
+from collections.abc import Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,6 +27,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 
 # One `_created` series per counter and histogram child doubles the exposition for
@@ -130,6 +134,19 @@ GAP_BUCKETS = (
     2.0,
     5.0,
 )
+
+#: Time per output token: 0.5 ms .. 2.5 s, ten log-spaced steps per decade (E10) between
+#: 1 ms and 100 ms, where every decoder from int4 on an H100 (~3 ms) to a long-context
+#: 70B model (~50 ms) lives, so p50/p99 interpolate within a few percent.
+TPOT_BUCKETS = (
+    (0.0005,)
+    + tuple(round(m * 10.0**d, 6) for d in (-3, -2) for m in _E10)
+    + (0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+)
+
+#: KV-cache bytes held by one request: 4 KiB .. 256 GiB, one bucket per factor of two
+#: (a 1B model's short chat is ~1 MB, a 70B model's 128K-token context ~40 GB).
+KV_BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 39))
 
 #: Token counts: powers of two, 1 .. 256K.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(19))
@@ -253,9 +270,30 @@ class Metrics:
         )
         self.request_seconds = hist(
             "request_seconds",
-            "Whole request, from the proxy having it to the response complete or aborted.",
-            ("outcome",),
+            "Whole request, from the proxy having it to the response complete or aborted "
+            "(end-to-end latency, as vLLM's e2e_request_latency_seconds), by endpoint "
+            "(chat, completions, embeddings, ...).",
+            ("endpoint", "outcome"),
             DURATION_BUCKETS,
+        )
+        self.time_per_output_token_seconds = hist(
+            "time_per_output_token_seconds",
+            "Time per output token of one request: decode_seconds / (completion_tokens - 1), "
+            "for requests with at least 2 generated tokens (as vLLM's "
+            "request_time_per_output_token_seconds); source=proxy from the stream's events, "
+            "source=engine from the engine's own decode time. (By prompt length: "
+            "decode_tokens_per_second's prompt_band.)",
+            ("source",),
+            TPOT_BUCKETS,
+        )
+        self.kv_cache_bytes = hist(
+            "kv_cache_bytes",
+            "KV-cache bytes one request held at its end: 2 x layers x kv_heads x head_dim x "
+            "bytes per element x (prompt + completion tokens), layers with a sliding window "
+            "counting at most the window's tokens. Only for models whose shape and cache "
+            "element type are known (see model_kv_bytes_per_token).",
+            (),
+            KV_BYTES_BUCKETS,
         )
         self.prompt_tokens = hist(
             "prompt_tokens",
@@ -332,6 +370,17 @@ class Metrics:
             ("upstream", "engine"),
             registry=r,
             multiprocess_mode="livemostrecent",
+        )
+        self.model_kv_bytes_per_token = Gauge(
+            PREFIX + "model_kv_bytes_per_token",
+            "KV-cache bytes per token of a served model: 2 x layers x kv_heads x head_dim x "
+            "bytes per element of the engine's cache (kv_dtype). For models with "
+            "sliding-window layers (Gemma 2/3) it is the full-attention upper bound: beyond "
+            "the window only the global layers grow. NaN with kv_dtype=unknown where the "
+            "model's shape or the cache's element type is unknown.",
+            ("upstream", "model", "precision", "kv_dtype"),
+            registry=r,
+            multiprocess_mode="max",
         )
         self.model_info = Gauge(
             PREFIX + "model_info",
@@ -415,6 +464,11 @@ class Metrics:
             "kv_cache_usage_perc; llama-server kv_cache_usage_ratio or tokens held in busy "
             "slots over the slots' context).",
         )
+        self.engine_kv_cache_capacity_tokens = engine_gauge(
+            "kv_cache_capacity_tokens",
+            "Tokens the engine's KV cache holds in all (vLLM num_gpu_blocks x block_size from "
+            "cache_config_info; llama-server: the slots' contexts together).",
+        )
         self.engine_model_loaded = engine_gauge(
             "model_loaded", "1 for each model the engine has loaded (Ollama /api/ps)."
         )
@@ -436,6 +490,9 @@ class Metrics:
             ("reason",),
             registry=r,
         )
+        #: The engines' own counters and histograms, re-exported as they were scraped.
+        self.engine_series = EngineSeries()
+        self.exposition.register(self.engine_series)
         self.engine_scrape_up = Gauge(
             PREFIX + "engine_scrape_up",
             "1 when the last scrape of the engine's own state worked, else 0.",
@@ -443,6 +500,119 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+
+
+#: The engine series re-exported: key -> (phasewatch name, help). Counters, then histograms.
+ENGINE_COUNTERS = {
+    "preemptions": (
+        "engine_preemptions",
+        "Requests the engine preempted (its KV cache was full) and recomputed later, as "
+        "the engine counts them (vLLM num_preemptions).",
+    ),
+    "prefix_cache_queries": (
+        "engine_prefix_cache_queries",
+        "Prompt tokens the engine looked up in its prefix cache (vLLM prefix_cache_queries).",
+    ),
+    "prefix_cache_hits": (
+        "engine_prefix_cache_hits",
+        "Prompt tokens the engine found in its prefix cache (vLLM prefix_cache_hits).",
+    ),
+}
+ENGINE_HISTOGRAMS = {
+    "ttft": (
+        "engine_ttft_seconds",
+        "Time to first token as the engine measures it (vLLM time_to_first_token_seconds, "
+        "its own buckets): compare with phasewatch_ttft_seconds, what the client feels.",
+    ),
+    "e2e": (
+        "engine_e2e_request_seconds",
+        "End-to-end request latency as the engine measures it (vLLM "
+        "e2e_request_latency_seconds, its own buckets).",
+    ),
+    "tpot": (
+        "engine_time_per_output_token_seconds",
+        "Time per output token as the engine measures it (vLLM "
+        "request_time_per_output_token_seconds, its own buckets).",
+    ),
+}
+
+
+class EngineSeries:
+    """A collector re-exporting the counters and histograms an engine exports about
+    itself, with phasewatch's labels, exactly as last scraped (buckets, sums and counts
+    untouched; a restarted engine's counters start again from zero, which rate() reads as
+    a reset). Another process's histogram cannot go through a prometheus-client
+    Histogram, which only observes values; this serves the scraped numbers as they are.
+
+    Under ``--workers N`` the primary scrapes and the others load its snapshot
+    (:meth:`snapshot` / :meth:`load`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: (upstream, model, precision) -> {"counters": {key: v}, "histograms": {key: h}}
+        #: with h = [[le, cumulative], ...], sum, count
+        self._series: dict[tuple[str, str, str], dict] = {}
+
+    def set(
+        self,
+        upstream: str,
+        series: dict[tuple[str, str], tuple[dict[str, float], dict[str, tuple]]],
+    ) -> None:
+        """Replace one upstream's series: {(model, precision): (counters, histograms)}."""
+        with self._lock:
+            for key in [k for k in self._series if k[0] == upstream]:
+                del self._series[key]
+            for (model, precision), (counters, hists) in series.items():
+                self._series[(upstream, model, precision)] = {
+                    "counters": {k: v for k, v in counters.items() if k in ENGINE_COUNTERS},
+                    "histograms": {k: v for k, v in hists.items() if k in ENGINE_HISTOGRAMS},
+                }
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"series": [[list(k), v] for k, v in self._series.items()]}
+
+    def load(self, doc: dict) -> None:
+        items = doc.get("series") if isinstance(doc, dict) else None
+        if not isinstance(items, list):
+            return
+        with self._lock:
+            self._series = {
+                tuple(k): v
+                for k, v in items
+                if isinstance(k, list) and len(k) == 3 and isinstance(v, dict)
+            }
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            series = list(self._series.items())
+        labels = list(BASE)
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for base, v in series:
+                if key in v["counters"]:
+                    fam.add_metric(list(base), v["counters"][key])
+            yield fam
+        for key, (name, doc) in ENGINE_HISTOGRAMS.items():
+            hfam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+            for base, v in series:
+                h = v["histograms"].get(key)
+                if h is None:
+                    continue
+                buckets, total, _count = h
+                hfam.add_metric(
+                    list(base),
+                    [(_le(le), c) for le, c in buckets],
+                    sum_value=total,
+                )
+            yield hfam
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .kvcache import KVModel
 from .metrics import Metrics, observe_counts, prompt_band
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -50,6 +51,8 @@ class Finished(Protocol):
     def engine_timings(self) -> EngineTimings: ...
     @property
     def gaps(self) -> tuple[list[int], float] | None: ...
+    @property
+    def kv(self) -> KVModel | None: ...
 
 
 #: Called with (request, figures) after each request; returns extra log-line fields.
@@ -100,7 +103,9 @@ class Recorder:
 
         m.requests_total.labels(*base, ex.endpoint, ex.outcome, client).inc()
         if f.request_seconds is not None:
-            m.request_seconds.labels(*base, ex.outcome).observe(f.request_seconds, marker)
+            m.request_seconds.labels(*base, ex.endpoint, ex.outcome).observe(
+                f.request_seconds, marker
+            )
         if ex.outcome == "rejected":
             self._finish(ex, f, [])
             return
@@ -129,6 +134,12 @@ class Recorder:
                 m.decode_seconds.labels(*base, source, band).observe(value)
             for source, value in f.decode_tps.items():
                 m.decode_tokens_per_second.labels(*base, source, band).observe(value, marker)
+            for source, value in f.tpot.items():
+                m.time_per_output_token_seconds.labels(*base, source).observe(value)
+            kv = ex.kv
+            kv_bytes = kv.request_bytes(f.context_tokens) if kv and f.context_tokens else None
+            if kv_bytes is not None:
+                m.kv_cache_bytes.labels(*base).observe(kv_bytes)
             if f.load_seconds is not None:
                 m.load_seconds.labels(*base).observe(f.load_seconds)
         if f.prompt_tokens is not None:

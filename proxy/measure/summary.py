@@ -218,6 +218,12 @@ class Row:
     prefill_speedup_band: str | None = None
     power_saving: float | None = None  # 1 - decode W / baseline decode W
     energy_saving: float | None = None  # 1 - J/token / baseline J/token
+    tpot_ms: float | None = None  # median time per output token
+    kv_bytes_per_token: float | None = None  # None: the model's KV shape is unknown
+    kv_dtype: str = "unknown"  # the element type the engine keeps the cache in
+    kv_request_bytes: float | None = None  # median KV-cache bytes a request held
+    kv_capacity_tokens: float | None = None  # the engine's KV-cache size, where it says
+    kv_fit_requests: float | None = None  # requests of median size the cache holds at once
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -233,6 +239,8 @@ class Row:
             or self.ttft_s
             or self.share_prefill is not None
             or self.decode_watts is not None
+            or self.tpot_ms is not None
+            or self.kv_request_bytes is not None
         )
 
 
@@ -368,6 +376,7 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         r.idle_watts = _state_watts(samples, gpus, "idle")
         if r.decode_watts is not None and r.decode_tok_s:
             r.joules_per_token = r.decode_watts / r.decode_tok_s
+        kv_memory(samples, lab, r)
         rows.append(r)
 
     compare(rows)
@@ -379,6 +388,28 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         for s in samples.get(_n("gpu_power_current_watts"))
     ]
     return Report(rows, power, source, gpus_now)
+
+
+def kv_memory(samples: Samples, lab: dict, r: Row) -> None:
+    """Time per output token and the KV-cache figures of one row: bytes per token (the
+    gauge; NaN or absent where unknown), the median bytes a request held, the engine's
+    capacity, and how many requests of that median size it holds at once."""
+    for src in ("proxy", "engine"):
+        h = hist(samples, _n("time_per_output_token_seconds"), **lab, source=src)
+        if h.count:
+            median = h.quantile(0.5)
+            r.tpot_ms = median * 1000.0 if median is not None else None
+            break
+    for s in samples.get(_n("model_kv_bytes_per_token"), **lab):
+        if not math.isnan(s.value):
+            r.kv_bytes_per_token = s.value
+            r.kv_dtype = s.labels.get("kv_dtype", "unknown")
+    h = hist(samples, _n("kv_cache_bytes"), **lab)
+    r.kv_request_bytes = h.quantile(0.5) if h.count else None
+    capacity = [s.value for s in samples.get(_n("engine_kv_cache_capacity_tokens"), **lab)]
+    r.kv_capacity_tokens = max(capacity) if capacity else None
+    if r.kv_capacity_tokens and r.kv_bytes_per_token and r.kv_request_bytes:
+        r.kv_fit_requests = r.kv_capacity_tokens * r.kv_bytes_per_token / r.kv_request_bytes
 
 
 def _gpus_of(samples: Samples, upstream: str, model: str) -> tuple[list[dict], bool]:

@@ -65,12 +65,17 @@ class Figures:
     prefill_tps: dict[str, float] = field(default_factory=dict)
     decode_seconds: dict[str, float] = field(default_factory=dict)
     decode_tps: dict[str, float] = field(default_factory=dict)
+    #: time per output token, by source: decode_seconds / (completion_tokens - 1)
+    tpot: dict[str, float] = field(default_factory=dict)
     request_seconds: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     processed_prompt_tokens: int | None = None
     cached_tokens: int | None = None
     load_seconds: float | None = None
+    #: tokens a generation holds in the KV cache at its end (prompt + completion); None
+    #: for answers that generate nothing (embeddings) or carry no counts
+    context_tokens: int | None = None
 
 
 def _positive(x: float | None) -> TypeGuard[float]:
@@ -105,6 +110,8 @@ def figures(
     elif processed is not None and usage.cached_tokens:
         processed = max(0, processed - usage.cached_tokens)
     f.processed_prompt_tokens = processed
+    if usage.prompt_tokens is not None and usage.completion_tokens is not None:
+        f.context_tokens = usage.prompt_tokens + usage.completion_tokens
 
     # Engine-reported phases (source="engine").
     if _positive(engine.prefill_seconds):
@@ -117,6 +124,8 @@ def figures(
         f.decode_tps["engine"] = engine.decode_tokens_per_second
     elif _positive(engine.decode_seconds) and engine.decode_tokens and engine.decode_tokens >= 2:
         f.decode_tps["engine"] = engine.decode_tokens / engine.decode_seconds
+    if _positive(engine.decode_seconds) and engine.decode_tokens and engine.decode_tokens >= 2:
+        f.tpot["engine"] = engine.decode_seconds / (engine.decode_tokens - 1)
 
     if not streamed or marks.t_first is None:
         return f
@@ -137,4 +146,5 @@ def figures(
         if decode > 0:
             f.decode_seconds["proxy"] = decode
             f.decode_tps["proxy"] = (usage.completion_tokens - 1) / decode
+            f.tpot["proxy"] = decode / (usage.completion_tokens - 1)
     return f

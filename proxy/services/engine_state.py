@@ -1,11 +1,18 @@
-"""The engines' own gauges, scraped off the request path and re-exported under phasewatch
+"""The engines' own state, scraped off the request path and re-exported under phasewatch
 names with phasewatch's `upstream` / `model` / `precision` labels.
 
 What each engine exposes about state the proxy cannot see per request (running and
-waiting requests, KV-cache use, loaded models) is read by its engine module
-(:meth:`proxy.engines.base.Dialect.read_state`). A scrape that fails leaves the gauges as
-they were and sets ``phasewatch_engine_scrape_up`` to 0; series of models that went away
-are removed.
+waiting requests, KV-cache use and size, loaded models) is read by its engine module
+(:meth:`proxy.engines.base.Dialect.read_state`). Gauges go to the phasewatch_engine_*
+gauges; the engine's own counters and histograms (vLLM's preemptions, its TTFT and
+end-to-end histograms) are re-exported as scraped by
+:class:`proxy.measure.metrics.EngineSeries`; the element type the engine keeps a model's
+KV cache in goes to the upstream (its KV bytes per token). A scrape that fails leaves
+everything as it was and sets ``phasewatch_engine_scrape_up`` to 0; series of models that
+went away are removed.
+
+Under ``--workers N`` the primary scrapes and writes the re-exported series to a board
+the other workers load, so whichever worker answers /metrics serves them.
 """
 
 from __future__ import annotations
@@ -16,18 +23,21 @@ from typing import TYPE_CHECKING
 import httpx
 from prometheus_client import Gauge
 
+from ..core.host import Board, Host
 from ..core.supervisor import every
 
 if TYPE_CHECKING:
     from ..core.upstreams import Upstream, Upstreams
-    from ..engines import EngineState
+    from ..engines import EngineReading
     from ..measure.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+BOARD = "engine-series.json"
+
 
 class EngineGauges:
-    """Scrapes one upstream's state and sets the phasewatch_engine_* gauges."""
+    """Scrapes one upstream's state and sets the phasewatch_engine_* series."""
 
     def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
         self.u = upstream
@@ -37,32 +47,36 @@ class EngineGauges:
             "running": metrics.engine_requests_running,
             "waiting": metrics.engine_requests_waiting,
             "kv": metrics.engine_kv_cache_usage_ratio,
+            "kv_capacity": metrics.engine_kv_cache_capacity_tokens,
             "loaded": metrics.engine_model_loaded,
             "vram": metrics.engine_model_vram_bytes,
             "size": metrics.engine_model_size_bytes,
             "expiry": metrics.engine_model_expiry_seconds,
         }
 
-    async def read(self) -> EngineState | None:
+    async def read(self) -> EngineReading | None:
         return await self.u.dialect.read_state(self.u.client, self.u.models)
+
+    def _base(self, model: str) -> tuple[str, str, str]:
+        label = self.u.model_label(model or None)
+        return (self.u.name, label, self.u.precision_of(label).precision)
 
     async def scrape(self) -> bool:
         """One scrape; False when the engine's state could not be read."""
         if not self.u.up:
             return False
         try:
-            state = await self.read()
+            reading = await self.read()
         except (httpx.HTTPError, ValueError, RecursionError):  # TooLarge is a ValueError
-            state = None
+            reading = None
         self.m.engine_scrape_up.labels(self.u.name, self.u.engine).set(
-            1 if state is not None else 0
+            1 if reading is not None else 0
         )
-        if state is None:
+        if reading is None:
             return False
         seen = set()
-        for model, values in state.items():
-            label = self.u.model_label(model or None)
-            base = (self.u.name, label, self.u.precision_of(label).precision)
+        for model, values in reading.gauges.items():
+            base = self._base(model)
             for key, value in values.items():
                 gauge = self.gauges.get(key)
                 if gauge is None:
@@ -75,19 +89,53 @@ class EngineGauges:
             except KeyError:
                 pass
         self._series = seen
+        series: dict[tuple[str, str], tuple[dict[str, float], dict[str, tuple]]] = {}
+        for model in set(reading.counters) | set(reading.histograms):
+            _, label, precision = self._base(model)
+            if label == "other":  # a model the upstream does not list: not re-exported
+                continue
+            hists = {
+                k: (h.buckets, h.sum, h.count) for k, h in reading.histograms.get(model, {}).items()
+            }
+            series[(label, precision)] = (dict(reading.counters.get(model, {})), hists)
+        self.m.engine_series.set(self.u.name, series)
+        for model, dtype in reading.kv_dtype.items():
+            label = self.u.model_label(model or None)
+            if label != "other":
+                self.u.set_kv_dtype(label, dtype)
         return True
 
 
-def start(upstreams: Upstreams, metrics: Metrics, interval: float) -> None:
-    """Scrape every upstream's state every `interval` seconds (0: never)."""
+def start(
+    upstreams: Upstreams, metrics: Metrics, interval: float, host: Host | None = None
+) -> None:
+    """Scrape every upstream's state every `interval` seconds (0: never). Under --workers
+    N the primary scrapes and the others follow its board."""
     if interval <= 0:
+        return
+    board = Board(host.path(BOARD)) if host is not None else None
+    if host is not None and not host.primary:
+        assert board is not None
+
+        async def follow() -> None:
+            doc = board.read_if_changed()
+            if doc is not None:
+                metrics.engine_series.load(doc)
+
+        upstreams.spawn(every(min(1.0, interval), follow, "reading the primary's engine series"))
         return
     for u in upstreams.all:
         gauges = EngineGauges(u, metrics)
+
+        async def scrape(gauges: EngineGauges = gauges) -> None:
+            await gauges.scrape()
+            if board is not None:
+                board.write(metrics.engine_series.snapshot())
+
         upstreams.spawn(
             every(
                 interval,
-                gauges.scrape,
+                scrape,
                 f"engine state scrape of upstream {u.name}",
                 first_delay=min(1.0, interval),
             )

@@ -15,8 +15,11 @@ def build_app(
     truth_path: str | None = None,
     seed: int = 0,
     deterministic: bool = False,
+    model_dir: str | None = None,
 ):
-    """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server)."""
+    """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server). With
+    `model_dir`, the simulated vLLM's checkpoints' config.json files are written there (a
+    proxy reads them with --model-dir)."""
 
     def make(models: tuple[ModelSpec, ...] = DEFAULT_MODELS) -> SimEngine:
         return SimEngine(
@@ -32,6 +35,10 @@ def build_app(
     if engine == "vllm":
         from .vllm import VLLMSim
 
+        if model_dir:
+            from .checkpoint import write_hf_configs
+
+            write_hf_configs(DEFAULT_MODELS, model_dir)
         return VLLMSim(make())
     if engine == "ollama":
         from .gguf import OLLAMA_MODELS

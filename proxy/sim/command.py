@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "give equal bytes (for byte-equality tests) [env PHASEWATCH_SIM_DETERMINISTIC=1].",
     )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="vLLM: write each simulated checkpoint's config.json under this folder "
+        "(for the proxy's --model-dir: KV-cache shapes and precision from the config).",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Any:
@@ -65,4 +71,5 @@ def from_args(args: argparse.Namespace) -> Any:
         truth_path=args.truth_log,
         seed=args.seed,
         deterministic=args.deterministic,
+        model_dir=getattr(args, "model_dir", None),
     )

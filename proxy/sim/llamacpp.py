@@ -28,6 +28,7 @@ import time
 from .asgi import lifespan, loads, read_body, watch
 from .engine import SimEngine, plan_output, tokenize
 from .gguf import FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text
+from .llamacpp_extras import embeddings_route, model_file
 from .power import dcgm_metrics
 
 BUILD = "b6250-e92734d5"
@@ -71,6 +72,8 @@ class LlamaServerSim:
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
         self.alias, self.me = next(iter(engine.models.items()))
+        #: the model's GGUF file (its metadata; the simulator has no tensors)
+        self.model_path = model_file(self.me.spec, LLAMACPP_PATH)
         self.cache = PrefixCache()
         self.slots: list[dict] = [
             {"id": i, "n_ctx": N_CTX, "speculative": False, "is_processing": False}
@@ -100,6 +103,8 @@ class LlamaServerSim:
         }
         if path in routes and method == "POST":
             await self.generate(scope, receive, send, routes[path])
+        elif path in ("/v1/embeddings", "/embeddings", "/embedding") and method == "POST":
+            await embeddings_route(self, path, receive, send)
         elif path == "/health" and method == "GET":
             await _send(send, 200, b'{"status":"ok"}')
         elif path == "/props" and method == "GET":
@@ -131,7 +136,7 @@ class LlamaServerSim:
             "total_slots": len(self.slots),
             "model_alias": self.alias,
             "model_ftype": FTYPE_NAMES[self.me.spec.profile.quant],
-            "model_path": LLAMACPP_PATH,
+            "model_path": self.model_path,
             "modalities": {"vision": False, "video": False, "audio": False},
             "endpoint_slots": True,
             "endpoint_props": False,

@@ -27,6 +27,7 @@ from typing import ClassVar
 from .asgi import lifespan, loads, read_body, watch
 from .engine import SimEngine, plan_output, tokenize
 from .gguf import FILE_TYPES, EngineTruth, PrefixCache, chat_text
+from .ollama_extras import embeddings_route, shape_info
 from .power import dcgm_metrics
 
 VERSION = "0.12.3"
@@ -95,6 +96,8 @@ class OllamaSim:
             await _send(send, 200, go_json({"models": self._ps()}))
         elif path == "/api/show" and method == "POST":
             await self.show(receive, send)
+        elif path in ("/api/embed", "/api/embeddings", "/v1/embeddings") and method == "POST":
+            await embeddings_route(self, path, receive, send, go_json, _send)
         elif path == "/metrics" and method == "GET":
             # Ollama has no /metrics: this is the dcgm-exporter beside it (simulated power)
             await _send(
@@ -195,6 +198,7 @@ class OllamaSim:
                 "general.quantization_version": 2,
                 "llama.block_count": spec.layers,
                 "llama.context_length": spec.max_model_len,
+                **shape_info(spec),
             },
             "tensors": [],
             "capabilities": ["completion"],

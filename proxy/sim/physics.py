@@ -20,10 +20,11 @@ class GPU:
     tflops_bf16: float  # dense tensor-core throughput
     idle_watts: float
     tdp_watts: float
+    memory_gb: float = 24.0
 
 
-RTX_4090 = GPU("NVIDIA GeForce RTX 4090", 1008.0, 165.0, 22.0, 450.0)
-H100_SXM = GPU("NVIDIA H100 80GB HBM3", 3350.0, 989.0, 70.0, 700.0)
+RTX_4090 = GPU("NVIDIA GeForce RTX 4090", 1008.0, 165.0, 22.0, 450.0, 24.0)
+H100_SXM = GPU("NVIDIA H100 80GB HBM3", 3350.0, 989.0, 70.0, 700.0, 80.0)
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,44 @@ class ModelSpec:
     hidden: int
     profile: PrecisionProfile
     max_model_len: int = 32768
+    #: the KV cache's element type, as vLLM's --kv-cache-dtype names it ("auto": bf16)
+    kv_cache_dtype: str = "auto"
 
     @property
     def weight_bytes(self) -> float:
         return self.params_b * 1e9 * self.profile.bytes_per_param
 
     @property
+    def kv_element_bytes(self) -> float:
+        return 1.0 if self.kv_cache_dtype.startswith("fp8") else 2.0
+
+    @property
     def kv_bytes_per_token(self) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * 2.0  # K and V, bf16 cache
+        """K and V of every layer: 2 x layers x kv_heads x head_dim x element bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_element_bytes
 
 
-def llama_8b(model_id: str, precision: str) -> ModelSpec:
-    return ModelSpec(model_id, 8.03, 32, 8, 128, 4096, PROFILES[precision])
+#: GPU memory vLLM may use (--gpu-memory-utilization) and its KV-cache block size.
+GPU_MEMORY_UTILIZATION = 0.9
+BLOCK_SIZE = 16
+
+
+def kv_cache_blocks(model: ModelSpec, gpu_memory_bytes: float) -> int:
+    """vLLM's num_gpu_blocks: the memory left after the weights, in blocks of tokens."""
+    free = gpu_memory_bytes * GPU_MEMORY_UTILIZATION - model.weight_bytes
+    return max(0, int(free // (model.kv_bytes_per_token * BLOCK_SIZE)))
+
+
+def llama_8b(model_id: str, precision: str, kv_cache_dtype: str = "auto") -> ModelSpec:
+    return ModelSpec(
+        model_id, 8.03, 32, 8, 128, 4096, PROFILES[precision], kv_cache_dtype=kv_cache_dtype
+    )
 
 
 #: The default catalogue: one 8B model at three precisions (precision visible in the id).
 DEFAULT_MODELS = (
     llama_8b("meta-llama/Llama-3.1-8B-Instruct", "bf16"),
-    llama_8b("RedHatAI/Llama-3.1-8B-Instruct-FP8", "fp8"),
+    llama_8b("RedHatAI/Llama-3.1-8B-Instruct-FP8", "fp8", kv_cache_dtype="fp8_e4m3"),
     llama_8b("hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4", "int4"),
 )
 

@@ -17,6 +17,7 @@ import uuid
 from .asgi import lifespan, loads, read_body, watch
 from .engine import SimEngine, Truth, count_tokens, plan_output, tokenize
 from .power import dcgm_metrics
+from .vllm_extras import VLLMStats, inputs, vllm_embeddings_body
 
 VERSION = "0.32.0"
 
@@ -63,6 +64,7 @@ class VLLMSim:
         self.engine = engine
         digest = hashlib.sha256(",".join(engine.models).encode()).hexdigest()[:8]
         self.fingerprint = f"vllm-{VERSION}-{digest}"
+        self.stats = VLLMStats(engine)
 
     # --- ASGI ---------------------------------------------------------------------------
 
@@ -93,6 +95,8 @@ class VLLMSim:
             await _json(send, 200, self.models_body())
         elif path == "/tokenize" and method == "POST":
             await self.tokenize(receive, send)
+        elif path == "/v1/embeddings" and method == "POST":
+            await self.embeddings(receive, send)
         elif path == "/metrics" and method == "GET":
             body = self.metrics_text().encode()
             await send(
@@ -162,8 +166,32 @@ class VLLMSim:
             lines.append(f"# TYPE {name} {kind}")
             for mid, me in self.engine.models.items():
                 lines.append(f'{name}{{engine="0",model_name="{mid}"}} {float(fn(me))}')
+        lines += self.stats.metrics_lines()
         # the simulated GPUs' power, as a dcgm-exporter beside the engine would serve it
         return "\n".join(lines) + "\n" + dcgm_metrics(self.engine)
+
+    async def embeddings(self, receive, send) -> None:
+        """/v1/embeddings: one vector per input, usage counting the input tokens."""
+        obj = loads(await read_body(receive))
+        texts = inputs(obj.get("input")) if isinstance(obj, dict) else None
+        if texts is None:
+            await _json(
+                send,
+                400,
+                error_body(
+                    400, "input must be a string or a list of strings", "Bad Request", "input"
+                ),
+            )
+            return
+        name = obj.get("model") or next(iter(self.engine.models))
+        if name not in self.engine.models:
+            await _json(
+                send,
+                404,
+                error_body(404, f"The model `{name}` does not exist.", "NotFoundError", "model"),
+            )
+            return
+        await _json(send, 200, vllm_embeddings_body(name, texts, self.engine.deterministic))
 
     async def tokenize(self, receive, send) -> None:
         obj = loads(await read_body(receive))
@@ -359,6 +387,7 @@ class VLLMSim:
                 truth.energy_joules = me.release(key)
             truth.t_end = time.monotonic()
             self.engine.write_truth(truth)
+            self.stats.observe(truth)
 
 
 class _Writer:

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
+import tempfile
 
 from ..app import ProxyApp
 from ..runtime.server import SignalFreeServer, announce, base_url, bind, uvicorn_config
@@ -46,6 +48,20 @@ async def run_demo(args: argparse.Namespace) -> None:
         raise ValueError("--duration must not be negative")
     sock = bind(args.host, args.port)  # a port in use is one line, before anything starts
     sim_sock = bind("127.0.0.1", args.sim_port, "--sim-port")
+    # the simulated checkpoints' config.json files: the proxy reads their KV-cache shapes
+    own_dir = None if getattr(args, "model_dir", None) else tempfile.TemporaryDirectory()
+    model_dir = own_dir.name if own_dir is not None else args.model_dir
+    args.model_dir = model_dir
+    try:
+        await _run(args, sock, sim_sock, model_dir)
+    finally:
+        if own_dir is not None:
+            own_dir.cleanup()
+
+
+async def _run(
+    args: argparse.Namespace, sock: socket.socket, sim_sock: socket.socket, model_dir: str
+) -> None:
     sim_port = int(sim_sock.getsockname()[1])
     sim_app = from_args(args)
     sim_config = uvicorn_config(sim_app, "127.0.0.1", sim_port, "warning")
@@ -60,6 +76,7 @@ async def run_demo(args: argparse.Namespace) -> None:
         power_source="dcgm",
         power_dcgm_url=f"http://127.0.0.1:{sim_port}/metrics",
         power_gpu=power_gpu,
+        model_dir=model_dir,
     )
     proxy_server = SignalFreeServer(
         uvicorn_config(ProxyApp(settings), args.host, args.port, "info")

@@ -36,6 +36,8 @@ _HISTOGRAMS = (
     "decode_seconds",
     "gpu_power_watts",
     "gpu_power_sample_watts",
+    "time_per_output_token_seconds",
+    "kv_cache_bytes",
 )
 _COUNTERS = (
     "requests_total",
@@ -44,6 +46,8 @@ _COUNTERS = (
     "request_energy_joules_total",
 )
 _GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
+#: Gauges every replica reports the same value of (a model's figure, an engine's size).
+_SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens")
 
 
 def load(url: str, window: str | None = None, timeout: float = 15.0) -> Samples:
@@ -98,6 +102,8 @@ def from_prometheus(client, base: str, window: str | None = None) -> Samples:
         cumulative(c)
     for g in _GAUGES:
         query(f"sum without (instance, job) ({PREFIX + g})", PREFIX + g)
+    for g in _SHARED_GAUGES:
+        query(f"max without (instance, job) ({PREFIX + g})", PREFIX + g)
     return Samples(items)
 
 
@@ -158,7 +164,8 @@ def markdown(rep: Report) -> str:
     head = (
         "| upstream | model | precision | requests | errors / aborted | decode tok/s "
         "| prefill ms/tok ~4K | prefill ms/tok ~16K | TTFT ~8K | decode W | idle W | J/tok "
-        "| prefill / decode time | decode speed-up | prefill speed-up | power saving |"
+        "| prefill / decode time | decode speed-up | prefill speed-up | power saving "
+        "| TPOT ms | KV B/tok |"
     )
     out.append(head)
     out.append("|" + "---|" * head.count(" | ") + "---|")
@@ -189,6 +196,8 @@ def markdown(rep: Report) -> str:
                     _x(r.decode_speedup),
                     _x(r.prefill_speedup),
                     _pct(r.power_saving) if rep.power else "n/a",
+                    _f(r.tpot_ms, "{:.2f}"),
+                    _kv(r.kv_bytes_per_token, r.kv_dtype),
                     "",
                 ]
             ).strip()
@@ -214,6 +223,7 @@ def markdown(rep: Report) -> str:
                 )
             out.append(f"| {r.upstream} | {r.model} | {r.precision} | " + " | ".join(cells) + " |")
         out.append("")
+    out.extend(kv_section(rep))
     notes = [
         "Medians from phasewatch's histograms (read from: " + (rep.source or "metrics") + "). "
         "requests: every outcome; errors: failed or refused; aborted: the client hung up."
@@ -252,6 +262,40 @@ def markdown(rep: Report) -> str:
         )
     out.extend("- " + n for n in notes)
     return "\n".join(out) + "\n"
+
+
+def _kv(per_token: float | None, dtype: str) -> str:
+    return "unknown" if per_token is None else f"{per_token:,.0f} ({dtype})"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def kv_section(rep: Report) -> list[str]:
+    """The KV-cache table: per token, per median request, the engine's capacity and how
+    many median requests it holds at once."""
+    out = [
+        "KV cache (2 × layers × kv_heads × head_dim × bytes per element; sliding-window "
+        "models: the full-attention upper bound per token):",
+        "",
+        "| upstream | model | precision | KV B/tok (cache type) | median KV per request "
+        "| capacity tokens | median requests that fit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rep.rows:
+        out.append(
+            f"| {r.upstream} | {r.model} | {r.precision} | {_kv(r.kv_bytes_per_token, r.kv_dtype)} "
+            f"| {_bytes(r.kv_request_bytes)} | {_f(r.kv_capacity_tokens, '{:,.0f}')} "
+            f"| {_f(r.kv_fit_requests, '{:,.0f}')} |"
+        )
+    out.append("")
+    return out
 
 
 def to_json(rep: Report) -> str:

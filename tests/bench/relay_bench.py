@@ -604,7 +604,8 @@ async def otel_cost(args, upstream: str) -> None:
     long ones (where it must not)."""
     port = free_port()
     sink = spawn("otlp-sink", [PY, str(HERE / "otlp_sink.py"), str(port)], port, "/")
-    plain, traced = start_phasewatch(upstream, 1), start_phasewatch_otel(upstream, sink.url)
+    plain = start_phasewatch(upstream, 1, name="pw×1")
+    traced = start_phasewatch_otel(upstream, sink.url)
     short, long_ = 8, args.tokens
     res: dict[str, dict[str, list[float]]] = {t.name: {} for t in (plain, traced)}
     try:
