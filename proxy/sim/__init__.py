@@ -15,8 +15,10 @@ def build_app(
     truth_path: str | None = None,
     seed: int = 0,
     deterministic: bool = False,
+    ctx_size: int | None = None,
 ):
-    """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server)."""
+    """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server);
+    `ctx_size` is llama-server's context per slot (default: the real captures' 4096)."""
 
     def make(models: tuple[ModelSpec, ...] = DEFAULT_MODELS) -> SimEngine:
         return SimEngine(
@@ -40,7 +42,7 @@ def build_app(
         return OllamaSim(make(OLLAMA_MODELS))
     if engine == "llamacpp":
         from .gguf import LLAMACPP_MODELS
-        from .llamacpp import LlamaServerSim
+        from .llamacpp import N_CTX, LlamaServerSim
 
-        return LlamaServerSim(make(LLAMACPP_MODELS))
+        return LlamaServerSim(make(LLAMACPP_MODELS), ctx_size or N_CTX)
     raise ValueError(f"the simulator does not speak {engine!r} (vllm, ollama, llamacpp)")

@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "give equal bytes (for byte-equality tests).",
     )
     parser.add_argument("--seed", type=int, default=0, help="Random seed.")
+    parser.add_argument(
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="llama-server: context of each slot in tokens, its /props n_ctx (a real "
+        "llama-server splits -c over its -np slots) [default 4096, as in the real "
+        "captures; 32768 takes the bench's ~16K prompts].",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Any:
@@ -56,6 +64,9 @@ def from_args(args: argparse.Namespace) -> Any:
         raise ValueError("--max-num-seqs must be at least 1")
     if args.jitter < 0:
         raise ValueError("--jitter must not be negative")
+    ctx_size = getattr(args, "ctx_size", None)
+    if ctx_size is not None and ctx_size < 16:
+        raise ValueError("--ctx-size must be at least 16 tokens")
     return build_app(
         args.engine,
         speed=args.speed,
@@ -64,4 +75,5 @@ def from_args(args: argparse.Namespace) -> Any:
         truth_path=args.truth_log,
         seed=args.seed,
         deterministic=args.deterministic,
+        ctx_size=ctx_size,
     )
