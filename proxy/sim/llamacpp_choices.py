@@ -85,7 +85,7 @@ async def generate_choices(sim, w, truth, plans, tokens, text, stream: bool, rec
         c.index: _call_id(sim.engine.deterministic, f"{w.ident}|{c.index}") for c in choices
     }
     slots: dict[int, dict] = {}
-    started = {"headers": False, "prompt_ms": 0.0, "cached": 0, "admit_ns": 0}
+    started: dict = {"headers": False, "prompt_ms": 0.0, "cached": 0, "admit_ns": 0}
     finals: dict[int, tuple] = {}
 
     async def on_admit(c: Choice) -> None:

@@ -509,7 +509,7 @@ class _Writer:
             await self._write(go_json(d) + b"\n")
         else:
             await self._start(b"text/event-stream")
-            delta = {"role": "assistant", "content": ""} if self.first else {"content": ""}
+            delta: dict = {"role": "assistant", "content": ""} if self.first else {"content": ""}
             delta["tool_calls"] = self.tool_calls[1]
             await self._write(b"data: " + go_json(self._v1_chat(delta, None)) + b"\n\n")
         self.first = False

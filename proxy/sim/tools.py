@@ -99,8 +99,10 @@ def plan_call(
     """The call choice `index` makes; `dumps` serialises the arguments as the engine does."""
     rng = random.Random(hashlib.sha256(f"tool|{index}|{seed_text}".encode()).digest())
     func = next((f for f in funcs if f["name"] == forced), None) or funcs[rng.randrange(len(funcs))]
-    params = func.get("parameters") if isinstance(func.get("parameters"), dict) else {}
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    given = func.get("parameters")
+    params: dict = given if isinstance(given, dict) else {}
+    listed = params.get("properties")
+    props: dict = listed if isinstance(listed, dict) else {}
     required = params.get("required")
     names = [n for n in required if n in props] if isinstance(required, list) else list(props)
     arguments = {n: _value(props[n], rng) for n in names}

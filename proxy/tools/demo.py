@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate",
         type=float,
         default=1.0,
-        help="Mean requests per second of the traffic generator [default 1].",
+        help="Mean requests per second of the traffic generator [default 1]; 0 sends none "
+        "(a quiet engine to benchmark).",
     )
     parser.add_argument(
         "--duration",
@@ -47,8 +48,8 @@ def _free_port(host: str) -> int:
 
 
 async def run_demo(args: argparse.Namespace) -> None:
-    if args.rate <= 0:
-        raise ValueError("--rate must be positive (requests per second)")
+    if not args.rate >= 0:  # also refuses NaN
+        raise ValueError("--rate must not be negative (requests per second; 0: no traffic)")
     if args.duration < 0:
         raise ValueError("--duration must not be negative")
     sim_port = args.sim_port or _free_port("127.0.0.1")
@@ -94,9 +95,10 @@ async def run_demo(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     if args.duration:
         loop.call_later(args.duration, stop.set)
-    traffic = asyncio.create_task(run_traffic(url, args.rate, stop))
+    traffic = asyncio.create_task(run_traffic(url, args.rate, stop)) if args.rate > 0 else None
     await stop.wait()
-    await traffic
+    if traffic is not None:
+        await traffic
     proxy_server.should_exit = True
     await proxy_task
     sim_server.should_exit = True
