@@ -36,6 +36,7 @@ class ToolCallPlan:
     arguments_json: str  # as the engine serialises them
     steps: list[tuple[str, str]] = field(default_factory=list)  # (kind, text) per token
     finish_reason: str = "stop"  # "length" when max_tokens cut the call short
+    forced: bool = False  # the request named the function (tool_choice)
 
     @property
     def fragments(self) -> list[str]:
@@ -113,7 +114,7 @@ def plan_call(
     steps = [(OPEN, "<tool_call>"), (NAME, func["name"])]
     steps += [(ARGS, f) for f in frags]
     steps += [(CLOSE, "</tool_call>"), (EOS, "")]
-    plan = ToolCallPlan(func["name"], arguments, text, steps)
+    plan = ToolCallPlan(func["name"], arguments, text, steps, forced=forced is not None)
     if max_tokens is not None and max_tokens < len(steps):
         plan.steps, plan.finish_reason = steps[:max_tokens], "length"
     return plan

@@ -414,9 +414,7 @@ class VLLMSim:
             if isinstance(plan, ToolCallPlan):
                 kind, piece = plan.steps[i]
                 visible = kind in (NAME, ARGS)
-                finish = (
-                    ("tool_calls" if plan.finish_reason == "stop" else "length") if last else None
-                )
+                finish = _tool_finish(plan) if last else None
                 if stream and (visible or last):
                     if not started["roles"]:
                         started["roles"] = True
@@ -615,7 +613,7 @@ class _Writer:
         parts = []
         for index, plan, tool_id in choices:
             if isinstance(plan, ToolCallPlan):
-                finish = "tool_calls" if plan.finish_reason == "stop" else "length"
+                finish = _tool_finish(plan)
                 call = (
                     f'{{"id":"{tool_id}","type":"function","function":{{"name":{_s(plan.name)},'
                     f'"arguments":{_s("".join(plan.fragments))}}}}}'
@@ -690,6 +688,14 @@ class _Writer:
             )
         self.state["finished"] = True
         await _json(self.send, 200, body.encode())
+
+
+def _tool_finish(plan: ToolCallPlan) -> str:
+    """vLLM's finish reason for a call: ``tool_calls`` when the model chose to call (auto
+    or required), the plain ``stop`` when the request named the function."""
+    if plan.finish_reason == "stop" and not plan.forced:
+        return "tool_calls"
+    return plan.finish_reason
 
 
 async def _json(send, status: int, body: bytes, extra=None) -> None:

@@ -40,7 +40,7 @@ import httpx
 from .. import __version__
 from ..measure.precision import from_name
 from ..measure.summary import BASELINES, Samples, model_family
-from .bench_traffic import Own, Watch
+from .bench_traffic import NAMES, POWER, Own, Watch
 
 #: Common words that most tokenizers (Llama, Qwen, Mistral, GPT) keep as one token each
 #: with their leading space, so word counts track token counts closely.
@@ -220,7 +220,8 @@ class Prompts:
         self.overhead = 0.0
         self.max_model_len: int | None = None
         self.fixed = 0.0  # tokens a prompt has besides its words (template, BOS)
-        self.seconds = 0.0  # spent making prompts (tokenizer calls)
+        self.seconds = 0.0  # spent making prompts (tokenizer calls), wall time
+        self._active, self._since = 0, 0.0
         self.calls = 0  # tokenizer calls
 
     @property
@@ -312,11 +313,15 @@ class Prompts:
 
     async def make(self, tokens: int) -> tuple[str, int]:
         """A prompt of `tokens` tokens (exact where countable) and its expected length."""
-        t0 = time.monotonic()
+        if not self._active:  # wall time while any prompt is being made
+            self._since = time.monotonic()
+        self._active += 1
         try:
             return await self._make(tokens)
         finally:
-            self.seconds += time.monotonic() - t0
+            self._active -= 1
+            if not self._active:
+                self.seconds += time.monotonic() - self._since
 
     async def _make(self, tokens: int) -> tuple[str, int]:
         if self.kind not in ("vllm", "llamacpp"):
@@ -457,17 +462,15 @@ def _context_length(model: dict) -> int | None:
     return None
 
 
-#: The series the bench reads from phasewatch's page (the rest is skipped unparsed: a
-#: page after thousands of requests takes a busy client far longer to parse whole).
-_POWER_SERIES = (
-    "phasewatch_model_info",
-    "phasewatch_gpu_power_watts_",
-    "phasewatch_gpu_power_sample_watts_",
-)
+#: The series the bench reads from phasewatch's page (the rest, the histograms' buckets
+#: above all, is skipped unparsed: a busy client takes far longer to parse a whole page).
+_POWER_SERIES = ("phasewatch_model_info", *POWER)
 
 
 def _samples_of(text: str | None) -> Samples | None:
-    if not text or "phasewatch_" not in text:
+    """phasewatch's power series from a /metrics page; None for an engine's page (the
+    simulator's has phasewatch_sim_* series of its own: only a proxy has model_info)."""
+    if not text or "phasewatch_model_info" not in text:
         return None
     wanted = [ln for ln in text.splitlines() if ln.startswith(_POWER_SERIES)]
     try:
@@ -478,7 +481,7 @@ def _samples_of(text: str | None) -> Samples | None:
 
 async def _phasewatch_samples(client: Client) -> Samples | None:
     try:
-        resp = await client.http.get("/metrics")
+        resp = await client.http.get("/metrics", params={"name[]": NAMES})
     except httpx.HTTPError:
         return None
     return _samples_of(resp.text) if resp.status_code == 200 else None
@@ -564,14 +567,14 @@ async def bench_model(
     watch = Watch(client.http, client.own, model)
 
     # warm-up, also checking our token counting against the engine's usage
-    t0 = time.monotonic()
     for _ in range(max(1, opts.warmup)):
         text, counted = await prompts.make(opts.decode_prompt)
+        t0 = time.monotonic()
         shot = await client.shot(model, text, 16)
+        clock.add("warm-up", time.monotonic() - t0)
         await prompts.check(shot.prompt_tokens, counted)
         progress.step(f"{model}: warm-up")
     res.token_counting = prompts.method
-    clock.add("warm-up", time.monotonic() - t0)
 
     # idle power: a pause with nothing sent, the GPU's idle samples over it
     if meta["power"] and opts.idle_seconds > 0:
@@ -594,8 +597,8 @@ async def bench_model(
 
     await watch.begin()
 
-    async def measured(scenario: str, run: int, coro):
-        result, seen = await watch.during(coro)
+    async def measured(scenario: str, run: int, coro, check: bool = True):
+        result, seen = await watch.during(coro, check)
         if seen:
             res.other_traffic.setdefault(scenario, []).append(f"run {run}: {seen}")
         return result
@@ -653,7 +656,11 @@ async def bench_model(
             for i in range(opts.repeat):
                 text, _ = await prompts.make(size)
                 t0 = time.monotonic()
-                shots.append(await measured(f"prefill {size}", i + 1, client.shot(model, text, 1)))
+                # each run's power needs the page after it; else the size's last run will do
+                check = meta["power"] or i == opts.repeat - 1
+                shots.append(
+                    await measured(f"prefill {size}", i + 1, client.shot(model, text, 1), check)
+                )
                 clock.add("prefill", time.monotonic() - t0)
                 if meta["power"]:
                     w, n = _run_watts(watch, model, "prefill")
@@ -718,7 +725,9 @@ async def bench_model(
                 return t0, shots
 
             t_run = time.monotonic()
-            t0, shots = await measured(f"{level} at once", i + 1, sweep())
+            t0, shots = await measured(
+                f"{level} at once", i + 1, sweep(), check=i == opts.repeat - 1
+            )
             clock.add("sweep", time.monotonic() - t_run)
             wall = max(s.t_end for s in shots) - t0
             tokens = sum(s.completion_tokens or s.content_events for s in shots)
@@ -789,14 +798,22 @@ def warnings(result: dict, max_spread: float) -> list[str]:
     """What makes a figure doubtful: runs that disagree, other traffic on the engine."""
     out = []
     for m in result["models"]:
+        wide = []
         for label, st in _figures(m):
             sp = spread(st)
-            if sp is not None and sp > max_spread:
-                out.append(
-                    f"{m['model']} ({m['precision']}): {label} runs spread {sp * 100:.0f}% "
-                    f"({_num(st['min'])}–{_num(st['max'])} around a median of "
-                    f"{_num(st['median'])}), over --max-spread {max_spread * 100:.0f}%"
+            if sp is not None and sp > max_spread and not label.startswith("TTFT"):
+                wide.append(f"{label} {sp * 100:.0f}% ({_num(st['min'])}–{_num(st['max'])})")
+        if wide:
+            out.append(
+                f"{m['model']} ({m['precision']}): runs differ by more than --max-spread "
+                f"{max_spread * 100:.0f}% of their median: {', '.join(wide)}"
+                + (
+                    " (the TTFTs of the same runs alike)"
+                    if any("prefill" in w for w in wide)
+                    else ""
                 )
+                + "; more --repeat, or a quieter engine and client machine"
+            )
         for scenario, seen in m.get("other_traffic", {}).items():
             out.append(
                 f"{m['model']} ({m['precision']}): other traffic on the engine during the "
@@ -1090,9 +1107,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--idle-seconds",
         type=float,
-        default=2.0,
+        default=1.0,
         help="Pause before each model's runs, sending nothing, to measure idle GPU power "
-        "through phasewatch [default 2]; 0 skips it.",
+        "through phasewatch [default 1]; 0 skips it.",
     )
     parser.add_argument(
         "--max-spread",

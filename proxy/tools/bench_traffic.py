@@ -15,7 +15,8 @@ Three signals, from the ``/metrics`` page of the URL benched:
   ``queued_requests`` (live), the engine's ``requests_running`` and
   ``requests_waiting`` (through phasewatch they are scraped every few seconds, so they
   are compared with the most the bench had in flight over the last :data:`STALE_S`
-  seconds), polled every :data:`POLL_S` seconds during each measured run.
+  seconds), read as each measured run ends and every :data:`POLL_S` seconds during a
+  longer one.
 
 The page is filtered to the few series needed before it is parsed, so polling costs the
 client about a millisecond.
@@ -31,7 +32,11 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-POLL_S = 0.5
+#: Seconds between polls of the busy gauges during a run: half of phasewatch's default
+#: --engine-scrape (its engine gauges change no faster), and rare enough that serving
+#: and reading the page does not disturb what is measured (runs shorter than this are
+#: checked at their ends only).
+POLL_S = 2.5
 #: How old the engine's gauges can be when read through phasewatch (its --engine-scrape
 #: default is 5 s).
 STALE_S = 6.0
@@ -56,6 +61,16 @@ _WANTED = (
     *_ENGINE_TOKENS,
     "phasewatch_model_info",
 )
+#: The power series the bench reads from the same page (sums and counts, no buckets).
+POWER = (
+    "phasewatch_gpu_power_watts_sum",
+    "phasewatch_gpu_power_watts_count",
+    "phasewatch_gpu_power_sample_watts_sum",
+    "phasewatch_gpu_power_sample_watts_count",
+)
+#: Sample names asked for with ``?name[]=``: prometheus-client's exposition (vLLM's, and
+#: phasewatch's) then renders only those; a server that ignores it sends everything.
+NAMES = [*_WANTED, *POWER]
 
 
 @dataclass
@@ -132,6 +147,12 @@ class Own:
         return max(most, before)
 
 
+def seen_notes(seen: dict) -> list[str]:
+    if seen["busy"] >= 1:
+        return [f"up to {seen['busy']:.0f} more requests busy than the bench's"]
+    return []
+
+
 class Watch:
     """Watches one model's runs for traffic that is not the bench's."""
 
@@ -150,7 +171,7 @@ class Watch:
         if not self.available:
             return None
         try:
-            resp = await self.http.get("/metrics")
+            resp = await self.http.get("/metrics", params={"name[]": NAMES})
         except httpx.HTTPError:
             return None
         if resp.status_code != 200:
@@ -189,9 +210,11 @@ class Watch:
             worst = max(worst, r.stale_busy - self.own.most_since(r.at - STALE_S))
         return worst
 
-    async def during(self, coro):
+    async def during(self, coro, check: bool = True):
         """Run `coro` (one measured run) while polling the busy gauges; returns its
-        result and what was seen: None, or a short text saying what."""
+        result and what was seen: None, or a short text saying what. With `check` false
+        the page is not read at the run's end (the next checked run's end covers it:
+        the counters are compared cumulatively)."""
         stop = asyncio.Event()
         seen = {"busy": 0.0}
         self.before_text = self.text
@@ -199,14 +222,15 @@ class Watch:
         last_text = self.text
 
         async def poll() -> None:
-            while not stop.is_set():
+            while True:
+                try:
+                    await asyncio.wait_for(stop.wait(), POLL_S)
+                    return
+                except TimeoutError:
+                    pass
                 r = await self.read()
                 if r is not None:
                     seen["busy"] = max(seen["busy"], self.excess(r))
-                try:
-                    await asyncio.wait_for(stop.wait(), POLL_S)
-                except TimeoutError:
-                    pass
 
         poller = asyncio.create_task(poll())
         try:
@@ -215,11 +239,15 @@ class Watch:
             stop.set()
             await poller
         self.text = last_text
+        if not check:
+            return result, ("; ".join(seen_notes(seen)) or None)
         notes = []
-        f = self.foreign(await self.read())
+        r = await self.read()
+        if r is not None:  # what is still busy as the run ends
+            seen["busy"] = max(seen["busy"], self.excess(r))
+        f = self.foreign(r)
         if f is not None and f[0] - self.reported >= 1:
             notes.append(f"{f[0] - self.reported:.0f} {f[1]} not the bench's")
             self.reported = f[0]
-        if seen["busy"] >= 1:
-            notes.append(f"up to {seen['busy']:.0f} more requests busy than the bench's")
+        notes += seen_notes(seen)
         return result, "; ".join(notes) or None

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..measure.summary import model_family
+
 #: Colours per precision, the baseline first (colour-blind-safe, matplotlib's tab10 order).
 COLOURS = {
     "bf16": "#1f77b4",
@@ -56,10 +58,19 @@ class Series:
     prefill: dict = field(default_factory=dict)  # prompt tokens -> stats of ms/token
     ttft: dict = field(default_factory=dict)  # prompt tokens -> stats of seconds
     power: dict = field(default_factory=dict)  # phase -> watts
+    family: str = ""
+    legend: str = ""  # set when every series is one model family: its precision alone
 
 
-def _short(model: str) -> str:
-    return model.rsplit("/", 1)[-1]
+def _short(model: str, width: int = 24) -> str:
+    """The model's name without its publisher, wrapped at hyphens to fit under a bar."""
+    lines: list[str] = []
+    for part in model.rsplit("/", 1)[-1].split("-"):
+        if lines and len(lines[-1]) + 1 + len(part) <= width:
+            lines[-1] += "-" + part
+        else:
+            lines.append(part)
+    return "-\n".join(lines)
 
 
 def _st(median, lo=None, hi=None, runs=None) -> dict | None:
@@ -77,6 +88,7 @@ def from_bench(result: dict) -> list[Series]:
     out = []
     for m in result["models"]:
         s = Series(f"{_short(m['model'])}\n{m['precision']}", m["precision"])
+        s.family = model_family(m["model"])
         d = m["decode"].get("tok_s_stats")
         if d:
             s.decode = _st(d["median"], d["min"], d["max"], m["decode"].get("runs_tok_s"))
@@ -103,6 +115,7 @@ def from_report(report) -> list[Series]:
     out = []
     for r in report.rows:
         s = Series(f"{_short(r.model)}\n{r.precision}", r.precision)
+        s.family = r.family or model_family(r.model)
         s.decode = _st(r.decode_tok_s)
         for band, tokens in _BAND_TOKENS.items():
             if band in r.prefill_ms_per_token:
@@ -122,6 +135,19 @@ def from_report(report) -> list[Series]:
 
 def _size(tokens: int) -> str:
     return f"~{round(tokens / 1024)}K" if tokens >= 1024 else str(tokens)
+
+
+def _legend(s: Series) -> str:
+    return s.legend or s.label.replace("-\n", "-").replace("\n", " ")
+
+
+def _baseline(series: list[Series]) -> Series | None:
+    """The unquantised series the others are compared with (bf16, else fp16, fp32)."""
+    for p in ("bf16", "fp16", "fp32"):
+        for s in series:
+            if s.precision == p and s.decode:
+                return s
+    return None
 
 
 def _colour(s: Series) -> str:
@@ -162,9 +188,13 @@ def _decode(ax, series: list[Series], spread: bool) -> None:
                 linewidths=0.8,
                 zorder=4,
             )
-    for b, (_, d) in zip(bars, rows):
+    base = _baseline(series)
+    for b, (s, d) in zip(bars, rows):
+        text = f"{d['median']:.0f}"
+        if base is not None and base.decode and s is not base:
+            text += f"\n{d['median'] / base.decode['median']:.2f}× {base.precision}"
         ax.annotate(
-            f"{d['median']:.0f}",
+            text,
             (b.get_x() + b.get_width() / 2, d["max"]),
             xytext=(0, 4),
             textcoords="offset points",
@@ -176,7 +206,7 @@ def _decode(ax, series: list[Series], spread: bool) -> None:
     ax.set_xticks(xs, [s.label for s, _ in rows], fontsize=8)
     ax.set_ylabel("tokens / s (one stream)")
     ax.set_title("Decode speed" + (" — median, min–max of the runs" if spread else " — median"))
-    ax.set_ylim(0, max(max((d["max"] for _, d in rows), default=1) * 1.18, 1))
+    ax.set_ylim(0, max(max((d["max"] for _, d in rows), default=1) * 1.25, 1))
 
 
 def _prefill(ax, series: list[Series], spread: bool) -> None:
@@ -191,7 +221,7 @@ def _prefill(ax, series: list[Series], spread: bool) -> None:
             [st["median"] for st in sts],
             width=width * 0.92,
             color=_colour(s),
-            label=s.label.replace("\n", " "),
+            label=_legend(s),
             zorder=2,
         )
         if spread:
@@ -199,7 +229,9 @@ def _prefill(ax, series: list[Series], spread: bool) -> None:
     ax.set_xticks(range(len(sizes)), [f"{_size(k)} tokens" for k in sizes])
     ax.set_ylabel("ms per prompt token (lower is faster)")
     ax.set_title("Prefill cost by prompt length")
-    ax.legend(fontsize=7, loc="upper left", frameon=False)
+    top = max((st["max"] for s in rows for st in s.prefill.values()), default=1)
+    ax.set_ylim(0, top * 1.3)
+    ax.legend(fontsize=7, loc="upper center", ncols=min(3, max(1, len(rows))), frameon=False)
 
 
 def _ttft(ax, series: list[Series], spread: bool) -> None:
@@ -208,13 +240,16 @@ def _ttft(ax, series: list[Series], spread: bool) -> None:
         if not ks:
             continue
         meds = [s.ttft[k]["median"] for k in ks]
-        ax.plot(ks, meds, marker="o", color=_colour(s), label=s.label.replace("\n", " "), zorder=3)
+        ax.plot(ks, meds, marker="o", color=_colour(s), label=_legend(s), zorder=3)
         if spread:
             _whiskers(ax, ks, [s.ttft[k] for k in ks], _colour(s))
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("seconds to the first token")
     ax.set_title("Time to first token against prompt length")
-    ax.set_xlim(left=0)
+    ks = sorted({k for s in series for k in s.ttft})
+    if ks:
+        ax.set_xticks(ks, [_size(k) for k in ks])
+    ax.set_xlim(0, (max(ks) if ks else 1) * 1.08)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="upper left", frameon=False)
 
@@ -260,6 +295,9 @@ def _power(ax, series: list[Series]) -> bool:
 def draw(series: list[Series], out_dir: str, title: str, spread: bool) -> list[str]:
     """Write the charts of `series` into `out_dir`; returns the paths written."""
     require()
+    if len({s.family for s in series}) == 1 and len({s.precision for s in series}) == len(series):
+        for s in series:  # one model at several precisions: the legends name precisions
+            s.legend = s.precision
     import matplotlib
 
     matplotlib.use("Agg")
