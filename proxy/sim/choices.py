@@ -18,7 +18,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import ModelEngine, Truth
+from .asgi import watch
+from .engine import ModelEngine, Plan, SimEngine, Truth, plan_output
+from .tools import offered, plan_call
 
 
 @dataclass
@@ -36,6 +38,23 @@ class Choice:
     def length(self) -> int:
         steps = getattr(self.plan, "steps", None)
         return len(steps) if steps is not None else len(self.plan.pieces)
+
+
+def plans(obj: dict, n: int, chat: bool, text: str, max_tokens, first: Plan, dumps) -> list:
+    """What each of a request's `n` choices will produce: text, or (chat with ``tools``)
+    a tool call with arguments as `dumps` writes them. Choice 0 of a plain request keeps
+    the one-choice plan `first`; the others answer differently."""
+    tools = offered(obj) if chat else None
+    out: list = []
+    for j in range(n):
+        if tools is not None:
+            out.append(plan_call(tools[0], tools[1], text, j, max_tokens, dumps))
+        elif j == 0:
+            out.append(first)
+        else:
+            ignore_eos = bool(obj.get("ignore_eos"))
+            out.append(plan_output(f"{text}|choice {j}", max_tokens, ignore_eos, obj.get("seed")))
+    return out
 
 
 async def run_choices(
@@ -87,6 +106,29 @@ async def run_choices(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_request(
+    receive, state: dict, me: ModelEngine, engine: SimEngine, truth: Truth, work
+) -> None:
+    """Run one request's `work` (a coroutine function), ended as an abort when the
+    client hangs up (the watch cancels it) or the server stops; its truth is written
+    either way."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(watch(receive, task, gone, state))
+    try:
+        await work()
+        me.finished_total += 1
+    except asyncio.CancelledError:
+        task.uncancel()
+        truth.aborted = True
+        me.aborted_total += 1
+    finally:
+        watcher.cancel()
+        truth.t_end = time.monotonic()
+        engine.write_truth(truth)
 
 
 class SendLock:

@@ -18,15 +18,15 @@ and ``tool_calls`` of ``type``, ``function`` and ``id``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import string
 import time
 
-from .choices import Choice, SendLock, run_choices
-from .engine import plan_output, tokenize
-from .tools import ARGS, NAME, ToolCallPlan, compact_dumps, offered, plan_call
+from .choices import Choice, SendLock, plans, run_choices, run_request
+from .engine import tokenize
+from .llamacpp_wire import BUILD, _send, nl_json, timings
+from .tools import ARGS, NAME, ToolCallPlan, compact_dumps
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -49,19 +49,10 @@ def too_many(n: int, slots: int) -> dict | None:
 
 
 def plans_for(obj: dict, kind: str, text: str, limit, first) -> list:
+    """The choices' plans; llama-server takes ``n_cmpl`` or ``n``."""
     n = obj.get("n_cmpl", obj.get("n", 1))
     n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-    tools = offered(obj) if kind == "chat" else None
-    plans: list = []
-    for j in range(n):
-        if tools is not None:
-            plans.append(plan_call(tools[0], tools[1], text, j, limit, compact_dumps))
-        elif j == 0:
-            plans.append(first)
-        else:
-            ignore_eos = bool(obj.get("ignore_eos"))
-            plans.append(plan_output(f"{text}|choice {j}", limit, ignore_eos, obj.get("seed")))
-    return plans
+    return plans(obj, n, kind == "chat", text, limit, first, compact_dumps)
 
 
 def _call_id(deterministic: bool, seed: str) -> str:
@@ -74,9 +65,6 @@ def _call_id(deterministic: bool, seed: str) -> str:
 
 async def generate_choices(sim, w, truth, plans, tokens, text, stream: bool, receive) -> None:
     """Run the choices of one request on `sim` (a LlamaServerSim), writing through `w`."""
-    from .asgi import watch
-    from .llamacpp import _send, nl_json, timings
-
     me = sim.me
     prompt_total = len(tokens)
     w.send = SendLock(w.send)
@@ -178,11 +166,7 @@ async def generate_choices(sim, w, truth, plans, tokens, text, stream: bool, rec
             slot["is_processing"] = False
             slot.pop("next_token", None)
 
-    task = asyncio.current_task()
-    assert task is not None
-    gone = asyncio.Event()
-    watcher = asyncio.create_task(watch(receive, task, gone, w.state))
-    try:
+    async def work() -> None:
         await run_choices(
             me, choices, prompt_total, 0, truth, on_token, on_admit=on_admit, on_end=on_end
         )
@@ -192,20 +176,14 @@ async def generate_choices(sim, w, truth, plans, tokens, text, stream: bool, rec
         else:
             body = whole_body(w, choices, finals, call_ids, text)
             w.state["finished"] = True
-            await _send(w.send, 200, nl_json(body) if not isinstance(body, bytes) else body)
-        me.finished_total += 1
-    except asyncio.CancelledError:
-        # a hang-up (the watch cancels us) or the server stopping: an abort either way
-        task.uncancel()
-        truth.aborted = True
-        me.aborted_total += 1
+            await _send(w.send, 200, nl_json(body))
+
+    try:
+        await run_request(receive, w.state, me, sim.engine, truth, work)
     finally:
-        watcher.cancel()
-        for slot in slots.values():
+        for slot in slots.values():  # the slots of choices cut short
             slot["is_processing"] = False
             slot.pop("next_token", None)
-        truth.t_end = time.monotonic()
-        sim.engine.write_truth(truth)
 
 
 def token_bytes(w, index: int, piece: str, first: bool, predicted: int, evaluated: int) -> bytes:
@@ -231,8 +209,6 @@ def token_bytes(w, index: int, piece: str, first: bool, predicted: int, evaluate
 
 def final_bytes(w, index: int, reason: str, usage: dict, t: dict) -> bytes:
     """Choice `index`'s finish: its finish event, its usage event, ``timings`` on the last."""
-    from .llamacpp import nl_json
-
     u, tm = nl_json(usage).decode(), nl_json(t).decode()
     if w.kind == "chat":
         fin = f'{{"finish_reason":"{reason}","index":{index},"delta":{{}}}}'
@@ -261,8 +237,6 @@ def final_bytes(w, index: int, reason: str, usage: dict, t: dict) -> bytes:
 
 def whole_body(w, choices: list[Choice], finals: dict, call_ids: dict, text: str):
     """The non-streamed answer: OAI results merged into choice 0's; native ones a list."""
-    from .llamacpp import BUILD
-
     results = []
     for c in choices:
         reason, usage, t = finals[c.index]

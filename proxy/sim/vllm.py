@@ -15,10 +15,11 @@ import time
 import uuid
 
 from .asgi import lifespan, loads, read_body, watch
-from .choices import Choice, SendLock, run_choices
+from .choices import Choice, SendLock, run_choices, run_request
+from .choices import plans as choice_plans
 from .engine import SimEngine, Truth, count_tokens, plan_output, tokenize
 from .power import dcgm_metrics
-from .tools import ARGS, NAME, ToolCallPlan, offered, plan_call, vllm_dumps
+from .tools import ARGS, NAME, ToolCallPlan, vllm_dumps
 
 VERSION = "0.32.0"
 
@@ -299,7 +300,7 @@ class VLLMSim:
         )
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
         plan = plan_output(text, max_tokens, bool(obj.get("ignore_eos")), obj.get("seed"))
-        plans = self._plans(obj, chat, text, max_tokens, plan)
+        plans = choice_plans(obj, obj.get("n") or 1, chat, text, max_tokens, plan, vllm_dumps)
         rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         if self.engine.deterministic:
             tag = hashlib.sha256(f"{model_id}|{text}|{max_tokens}".encode()).hexdigest()[:16]
@@ -372,23 +373,6 @@ class VLLMSim:
 
     # --- n choices and tool calls -----------------------------------------------------------
 
-    def _plans(self, obj: dict, chat: bool, text: str, max_tokens: int, first) -> list:
-        """What each of the request's ``n`` choices will produce: text, or (chat with
-        ``tools``) a tool call. Choice 0 of a plain request keeps the one-choice plan."""
-        n = obj.get("n") or 1
-        tools = offered(obj) if chat else None
-        plans: list = []
-        for j in range(n):
-            if tools is not None:
-                plans.append(plan_call(tools[0], tools[1], text, j, max_tokens, vllm_dumps))
-            elif j == 0:
-                plans.append(first)
-            else:
-                seed_text = f"{text}|choice {j}"
-                ignore_eos = bool(obj.get("ignore_eos"))
-                plans.append(plan_output(seed_text, max_tokens, ignore_eos, obj.get("seed")))
-        return plans
-
     async def _generate_choices(self, receive, writer, me, truth, plans, stream: bool) -> None:
         """``n`` > 1 or a tool call: each choice a sequence of its own, the role events
         for every index at the first output, then each choice's tokens as they come,
@@ -443,11 +427,7 @@ class VLLMSim:
                 truth.t_first = now
             truth.t_last = now
 
-        task = asyncio.current_task()
-        assert task is not None
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(watch(receive, task, gone, writer.state))
-        try:
+        async def work() -> None:
             if stream:  # vLLM sends its headers before the request is even queued
                 await writer.start_stream()
             await run_choices(me, choices, truth.prompt_tokens, 0, truth, on_token)
@@ -458,16 +438,8 @@ class VLLMSim:
                 await writer.whole_choices(
                     [(c.index, c.plan, tool_ids[c.index]) for c in choices], total
                 )
-            me.finished_total += 1
-        except asyncio.CancelledError:
-            # a hang-up (the watch cancels us) or the server stopping: an abort either way
-            task.uncancel()
-            truth.aborted = True
-            me.aborted_total += 1
-        finally:
-            watcher.cancel()
-            truth.t_end = time.monotonic()
-            self.engine.write_truth(truth)
+
+        await run_request(receive, writer.state, me, self.engine, truth, work)
 
 
 class _Writer:

@@ -40,6 +40,7 @@ import httpx
 from .. import __version__
 from ..measure.precision import from_name
 from ..measure.summary import BASELINES, Samples, model_family
+from .bench_stats import cell, legacy_stats, num, size_label, spread, stats
 from .bench_traffic import NAMES, POWER, Own, Watch
 
 #: Common words that most tokenizers (Llama, Qwen, Mistral, GPT) keep as one token each
@@ -396,26 +397,6 @@ class Progress:
         if not self.quiet:
             self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
             self.stream.flush()
-
-
-def stats(values) -> dict | None:
-    """Median, min and max of a scenario's runs (None when no run gave a figure)."""
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    return {
-        "median": statistics.median(vals),
-        "min": min(vals),
-        "max": max(vals),
-        "n": len(vals),
-    }
-
-
-def spread(st: dict | None) -> float | None:
-    """The runs' range relative to their median: (max - min) / median."""
-    if not st or st["n"] < 2 or not st["median"]:
-        return None
-    return (st["max"] - st["min"]) / abs(st["median"])
 
 
 @dataclass
@@ -787,8 +768,8 @@ def compare(results: list[ModelResult]) -> None:
 def _figures(m: dict):
     yield "decode tok/s", m["decode"].get("tok_s_stats")
     for p in m["prefill"]:
-        yield f"prefill ms/tok {_size(p['target_tokens'])}", p.get("ms_per_token_stats")
-        yield f"TTFT {_size(p['target_tokens'])}", p.get("ttft_s_stats")
+        yield f"prefill ms/tok {size_label(p['target_tokens'])}", p.get("ms_per_token_stats")
+        yield f"TTFT {size_label(p['target_tokens'])}", p.get("ttft_s_stats")
     for c in m["concurrency"]:
         yield f"{c['concurrency']} at once tok/s", c.get("aggregate_tok_s_stats")
     yield "decode W", m["power"].get("decode_watts_stats")
@@ -802,7 +783,7 @@ def warnings(result: dict, max_spread: float) -> list[str]:
         for label, st in _figures(m):
             sp = spread(st)
             if sp is not None and sp > max_spread and not label.startswith("TTFT"):
-                wide.append(f"{label} {sp * 100:.0f}% ({_num(st['min'])}–{_num(st['max'])})")
+                wide.append(f"{label} {sp * 100:.0f}% ({num(st['min'])}–{num(st['max'])})")
         if wide:
             out.append(
                 f"{m['model']} ({m['precision']}): runs differ by more than --max-spread "
@@ -895,39 +876,6 @@ def _f(v, fmt="{:.1f}", none="—"):
     return none if v is None else fmt.format(v)
 
 
-def _num(v: float) -> str:
-    """A figure with about three significant digits."""
-    a = abs(v)
-    if a >= 100:
-        return f"{v:.0f}"
-    if a >= 10:
-        return f"{v:.1f}"
-    if a >= 1:
-        return f"{v:.2f}"
-    return f"{v:.3f}"
-
-
-def _cell(st: dict | None, fmt: str = "{:.1f}", unit: str = "", none: str = "—") -> str:
-    """median (min–max): every figure with the spread of its runs."""
-    if not st:
-        return none
-    med = fmt.format(st["median"]) + unit
-    if st["n"] < 2:
-        return med
-    return f"{med} ({_num(st['min'])}–{_num(st['max'])})"
-
-
-def _size(tokens: int) -> str:
-    return f"~{round(tokens / 1024)}K" if tokens >= 1024 else f"{tokens} tok"
-
-
-def _legacy_stats(value, runs=None) -> dict | None:
-    """Stats for a figure of a result written before they were kept (--compare)."""
-    if runs:
-        return stats(runs)
-    return None if value is None else {"median": value, "min": value, "max": value, "n": 1}
-
-
 def table(result: dict) -> str:
     models = result["models"]
     sizes = sorted({p["target_tokens"] for m in models for p in m["prefill"]})
@@ -940,8 +888,8 @@ def table(result: dict) -> str:
         "",
     ]
     head = ["model", "precision", "decode tok/s"]
-    head += [f"prefill ms/tok {_size(s)}" for s in sizes]
-    head += [f"TTFT {_size(s)}" for s in sizes]
+    head += [f"prefill ms/tok {size_label(s)}" for s in sizes]
+    head += [f"TTFT {size_label(s)}" for s in sizes]
     head += ["decode W", "idle W", "J/tok", "decode speed-up", "prefill speed-up", "power saving"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
@@ -951,18 +899,18 @@ def table(result: dict) -> str:
             f" ({m['quant']})" if m["quant"] and m["quant"].lower() != m["precision"] else ""
         )
         d = m["decode"]
-        cells = [m["model"], prec, _cell(d.get("tok_s_stats") or _legacy_stats(d.get("tok_s")))]
+        cells = [m["model"], prec, cell(d.get("tok_s_stats") or legacy_stats(d.get("tok_s")))]
         cells += [
-            _cell(pre[s].get("ms_per_token_stats"), "{:.3f}") if s in pre else "—" for s in sizes
+            cell(pre[s].get("ms_per_token_stats"), "{:.3f}") if s in pre else "—" for s in sizes
         ]
         cells += [
-            _cell(pre[s].get("ttft_s_stats"), "{:.2f}", " s") if s in pre else "—" for s in sizes
+            cell(pre[s].get("ttft_s_stats"), "{:.2f}", " s") if s in pre else "—" for s in sizes
         ]
         pw = m["power"]
         cells += [
-            _cell(pw.get("decode_watts_stats"), "{:.0f}", none=na),
+            cell(pw.get("decode_watts_stats"), "{:.0f}", none=na),
             _f(pw.get("idle_watts"), "{:.0f}", na),
-            _cell(pw.get("joules_per_token_stats"), "{:.2f}", none=na),
+            cell(pw.get("joules_per_token_stats"), "{:.2f}", none=na),
             _f(m["decode_speedup"], "{:.2f}×"),
             _f(m["prefill_speedup"], "{:.2f}×"),
             _f(None if m["power_saving"] is None else m["power_saving"] * 100, "{:.0f}%", na),
@@ -980,7 +928,7 @@ def table(result: dict) -> str:
         for m in models:
             by = {c["concurrency"]: c for c in m["concurrency"]}
             cells = [
-                f"{_cell(by[c].get('aggregate_tok_s_stats'))} [{_f(by[c]['per_stream_tok_s'])}]"
+                f"{cell(by[c].get('aggregate_tok_s_stats'))} [{_f(by[c]['per_stream_tok_s'])}]"
                 if c in by
                 else "—"
                 for c in levels

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .bench import _legacy_stats, _num, _size
+from .bench_stats import legacy_stats, num, size_label
 
 HIGHER_IS_BETTER = ("decode tok/s", "at once")
 
@@ -27,24 +27,24 @@ def figures(m: dict) -> dict[str, dict | None]:
     """Every figure of one model's result, with its runs' stats."""
     d = m.get("decode") or {}
     out = {
-        "decode tok/s": d.get("tok_s_stats") or _legacy_stats(d.get("tok_s"), d.get("runs_tok_s"))
+        "decode tok/s": d.get("tok_s_stats") or legacy_stats(d.get("tok_s"), d.get("runs_tok_s"))
     }
     for p in m.get("prefill") or []:
-        size = _size(p["target_tokens"])
-        out[f"prefill ms/tok {size}"] = p.get("ms_per_token_stats") or _legacy_stats(
+        size = size_label(p["target_tokens"])
+        out[f"prefill ms/tok {size}"] = p.get("ms_per_token_stats") or legacy_stats(
             p.get("ms_per_token")
         )
-        out[f"TTFT {size} s"] = p.get("ttft_s_stats") or _legacy_stats(
+        out[f"TTFT {size} s"] = p.get("ttft_s_stats") or legacy_stats(
             p.get("ttft_s"), p.get("runs_ttft_s")
         )
     for c in m.get("concurrency") or []:
-        out[f"{c['concurrency']} at once tok/s"] = c.get("aggregate_tok_s_stats") or _legacy_stats(
+        out[f"{c['concurrency']} at once tok/s"] = c.get("aggregate_tok_s_stats") or legacy_stats(
             c.get("aggregate_tok_s")
         )
     pw = m.get("power") or {}
-    out["decode W"] = pw.get("decode_watts_stats") or _legacy_stats(pw.get("decode_watts"))
-    out["idle W"] = _legacy_stats(pw.get("idle_watts"))
-    out["J/tok"] = pw.get("joules_per_token_stats") or _legacy_stats(pw.get("joules_per_token"))
+    out["decode W"] = pw.get("decode_watts_stats") or legacy_stats(pw.get("decode_watts"))
+    out["idle W"] = legacy_stats(pw.get("idle_watts"))
+    out["J/tok"] = pw.get("joules_per_token_stats") or legacy_stats(pw.get("joules_per_token"))
     return out
 
 
@@ -52,8 +52,8 @@ def _value(st: dict | None) -> str:
     if not st:
         return "—"
     if st.get("n", 1) < 2:
-        return _num(st["median"])
-    return f"{_num(st['median'])} ({_num(st['min'])}–{_num(st['max'])})"
+        return num(st["median"])
+    return f"{num(st['median'])} ({num(st['min'])}–{num(st['max'])})"
 
 
 def diff(a: dict, b: dict) -> list[dict]:

@@ -186,7 +186,18 @@ class Watch:
         return reading
 
     async def begin(self) -> None:
+        """Take the counters as the baseline, once they have settled: the proxy counts
+        the bench's last request (the warm-up) a moment after the bench has read it."""
         self.base = await self.read()
+        for _ in range(3):
+            await asyncio.sleep(0.05)
+            again = await self.read()
+            if again is None or self.base is None:
+                break
+            settled = (again.requests, again.tokens) == (self.base.requests, self.base.tokens)
+            self.base = again
+            if settled:
+                break
         self.base_sent, self.base_max_tokens = self.own.sent, self.own.max_tokens
         self.reported = 0.0
 
