@@ -131,7 +131,10 @@ def test_n_choices_with_the_openai_sdk(sims, engine, via):
 
 def test_more_choices_than_llama_server_slots_is_refused(sims):
     started, _ = sims
-    with pytest.raises(openai.BadRequestError, match="n_cmpl cannot be greater"):
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"Field 'n': Value must be between 1 <= value <= 16, but got 17",
+    ):
         _client(started["llamacpp"].url).chat.completions.create(
             model=MODELS["llamacpp"], messages=ASK, n=17, max_tokens=4
         )
@@ -290,3 +293,40 @@ def test_stripping_usage_keeps_every_choices_fingerprint():
         return event[:-3] + b',"system_fingerprint":"fp-1"}\n\n'
 
     assert out == fp(fin0) + tok1 + fp(fin1) + done
+
+
+async def test_llama_server_tokenizer_endpoints():
+    """/tokenize, /detokenize and /apply-template shaped as a real llama-server answers
+    them (checked against the test tier's real build: pieces carry their spaces, no
+    content gives no tokens, the BOS token detokenizes as ``<bos>`` with no space)."""
+    from proxy.sim import build_app
+
+    app = build_app("llamacpp", speed=50, ctx_size=32768)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        toks = (
+            await c.post("/tokenize", json={"content": "hello world", "add_special": True})
+        ).json()
+        assert len(toks["tokens"]) == 3 and toks["tokens"][0] == 2
+        pieces = (
+            await c.post("/tokenize", json={"content": "hello world", "with_pieces": True})
+        ).json()
+        assert [p["piece"] for p in pieces["tokens"]] == ["hello", " world"]
+        assert (await c.post("/tokenize", json={})).json() == {"tokens": []}
+        text = (await c.post("/detokenize", json={"tokens": toks["tokens"]})).json()
+        assert text == {"content": "<bos>hello world"}
+        messages = [{"role": "user", "content": "hi there"}]
+        prompt = (await c.post("/apply-template", json={"messages": messages})).json()["prompt"]
+        bad = await c.post("/apply-template", json={})
+        assert bad.status_code == 400 and bad.json() == {
+            "error": {
+                "code": 400,
+                "message": "'messages' is required",
+                "type": "invalid_request_error",
+            }
+        }
+        # the template's prompt, tokenized with BOS, is what a chat request is counted as
+        counted = (await c.post("/tokenize", json={"content": prompt, "add_special": True})).json()
+        chat = await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert chat.json()["usage"]["prompt_tokens"] == len(counted["tokens"])
+        props = (await c.get("/props")).json()
+        assert props["default_generation_settings"]["n_ctx"] == 32768

@@ -1,9 +1,9 @@
 """``n`` choices and tool calls on the simulated llama-server.
 
 llama-server runs ``n`` (its ``n_cmpl``) as a parent task and ``n - 1`` children, each on
-a slot of its own (more than the slots is refused: "n_cmpl cannot be greater than the
-number of slots, please increase -np"); the children copy the parent's processed prompt,
-so their ``timings`` repeat its prompt figures. Each choice's results stream under its
+a slot of its own (more than the slots is refused with a 400, "Field 'n': Value must be
+between 1 <= value <= SLOTS"); the children share the parent's processed prompt, so their
+``timings`` repeat its prompt figures. Each choice's results stream under its
 ``index``: the role event with its first token, then one event per token, and its own
 finish event (its usage event with ``include_usage``, ``timings`` on the last), then one
 ``[DONE]`` after every choice. Not streamed, the choices are merged into the first
@@ -36,12 +36,13 @@ def _s(text: str) -> str:
 
 
 def too_many(n: int, slots: int) -> dict | None:
-    """The real server's answer to more choices than slots, or None."""
+    """The real server's answer to more choices than slots (worded as the real build of
+    the test tier answers it), or None."""
     if n > slots:
         return {
             "error": {
                 "code": 400,
-                "message": "n_cmpl cannot be greater than the number of slots, please increase -np",
+                "message": f"Field 'n': Value must be between 1 <= value <= {slots}, but got {n}",
                 "type": "invalid_request_error",
             }
         }

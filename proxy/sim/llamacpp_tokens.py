@@ -39,7 +39,13 @@ class Vocabulary:
         return list(zip(ids, pieces))
 
     def decode(self, ids: list[int]) -> str:
-        return " ".join(p for p in (self.pieces.get(i, "") for i in ids) if p)
+        """The text of `ids`: a word after another word gets its space back, as the
+        pieces of a real tokenizer carry it (``<bos>hello world``)."""
+        out = ""
+        for piece in (self.pieces.get(i, "") for i in ids):
+            if piece:
+                out += (" " if out and not out.endswith(BOS) and piece != BOS else "") + piece
+        return out
 
 
 class BadRequest(ValueError):
