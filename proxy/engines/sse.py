@@ -21,7 +21,8 @@ _KEEP, _FINISH, _USAGE_ONLY = 0, 1, 2
 
 class SSETap(Tap):
     """Server-sent events. With `strip` set, forwards whole events only, drops the usage
-    event the proxy asked for, and holds finish events until it knows whether their
+    event the proxy asked for, and holds finish events (and, to keep the order, what
+    follows them: other choices' tokens when ``n`` > 1) until it knows whether their
     fingerprint went to that usage event."""
 
     __slots__ = ("_held", "_sep", "strip")
@@ -30,7 +31,7 @@ class SSETap(Tap):
         super().__init__(marks)
         self.strip = strip
         self._sep = b""
-        self._held: list[bytes] = []
+        self._held: list[tuple[bytes, bool]] = []  # (event, is a finish event)
 
     def _classify(self, ev: bytes, now: float) -> int:
         if ev[:1] == b":":  # comment (keep-alive)
@@ -79,15 +80,14 @@ class SSETap(Tap):
             kind = self._classify(data[start:i], now)
             if kind == _USAGE_ONLY:
                 m = _FP_RE.search(data, start, i)
-                for ev in held:
-                    out.append(_with_fingerprint(ev, m.group(1) if m else None, step))
+                for ev, finish in held:
+                    out.append(
+                        _with_fingerprint(ev, m.group(1) if m else None, step) if finish else ev
+                    )
                 held.clear()
-            elif kind == _FINISH:
-                held.append(data[start:end])
+            elif kind == _FINISH or held:
+                held.append((data[start:end], kind == _FINISH))
             else:
-                if held:
-                    out.extend(held)
-                    held.clear()
                 out.append(data[start:end])
             start = end
         self._buf = data[start:]
@@ -97,7 +97,7 @@ class SSETap(Tap):
         if not self.strip:  # inspect mode forwarded every byte already
             self._buf = b""
             return b""
-        held = b"".join(self._held) + self._buf
+        held = b"".join(ev for ev, _ in self._held) + self._buf
         self._held.clear()
         self._buf = b""
         return held

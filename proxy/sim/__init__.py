@@ -16,10 +16,12 @@ def build_app(
     seed: int = 0,
     deterministic: bool = False,
     model_dir: str | None = None,
+    ctx_size: int | None = None,
 ):
     """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server). With
     `model_dir`, the simulated vLLM's checkpoints' config.json files are written there (a
-    proxy reads them with --model-dir)."""
+    proxy reads them with --model-dir); `ctx_size` is llama-server's context per slot
+    (default: the real captures' 4096)."""
 
     def make(models: tuple[ModelSpec, ...] = DEFAULT_MODELS) -> SimEngine:
         return SimEngine(
@@ -47,7 +49,7 @@ def build_app(
         return OllamaSim(make(OLLAMA_MODELS))
     if engine == "llamacpp":
         from .gguf import LLAMACPP_MODELS
-        from .llamacpp import LlamaServerSim
+        from .llamacpp import N_CTX, LlamaServerSim
 
-        return LlamaServerSim(make(LLAMACPP_MODELS))
+        return LlamaServerSim(make(LLAMACPP_MODELS), ctx_size or N_CTX)
     raise ValueError(f"the simulator does not speak {engine!r} (vllm, ollama, llamacpp)")

@@ -39,7 +39,11 @@ async def watch(receive, task: asyncio.Task, gone: asyncio.Event, state: dict) -
 async def lifespan(receive, send, engine) -> None:
     """Answer the server's lifespan messages; close the engine (its truth log) at the end."""
     while True:
-        msg = await receive()
+        try:
+            msg = await receive()
+        except asyncio.CancelledError:  # a forced quit: close quietly
+            engine.close()
+            return
         if msg["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
         elif msg["type"] == "lifespan.shutdown":

@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM: write each simulated checkpoint's config.json under this folder "
         "(for the proxy's --model-dir: KV-cache shapes and precision from the config).",
     )
+    parser.add_argument(
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="llama-server: context of each slot in tokens, its /props n_ctx (a real "
+        "llama-server splits -c over its -np slots) [default 4096, as in the real "
+        "captures; 32768 takes the bench's ~16K prompts].",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Any:
@@ -63,6 +71,9 @@ def from_args(args: argparse.Namespace) -> Any:
         raise ValueError("--max-num-seqs must be at least 1")
     if args.jitter < 0:
         raise ValueError("--jitter must not be negative")
+    ctx_size = getattr(args, "ctx_size", None)
+    if ctx_size is not None and ctx_size < 16:
+        raise ValueError("--ctx-size must be at least 16 tokens")
     return build_app(
         args.engine,
         speed=args.speed,
@@ -72,4 +83,5 @@ def from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         deterministic=args.deterministic,
         model_dir=getattr(args, "model_dir", None),
+        ctx_size=ctx_size,
     )

@@ -227,8 +227,8 @@ class ModelEngine:
                 await fut
             except asyncio.CancelledError:
                 if fut.done() and not fut.cancelled():
-                    self._wake_next()
-                else:
+                    self._wake_next()  # woken, then cancelled: the turn passes on
+                elif fut in self._waiting:  # a release may already have dropped it
                     self._waiting.remove(fut)
                 raise
         self._integrate()
@@ -321,7 +321,7 @@ class SimEngine:
         return self._key
 
     def write_truth(self, truth: Truth) -> None:
-        if self._truth is not None:
+        if self._truth is not None and not self._truth.closed:  # closed: shutting down
             self._truth.write(truth.as_json() + "\n")
 
     def close(self) -> None:

@@ -28,36 +28,22 @@ import time
 from .asgi import lifespan, loads, read_body, watch
 from .engine import SimEngine, plan_output, tokenize
 from .gguf import FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text
+from .llamacpp_choices import generate_choices, plans_for, too_many
 from .llamacpp_extras import embeddings_route, model_file
+from .llamacpp_tokens import (
+    BadRequest,
+    Vocabulary,
+    apply_template_body,
+    detokenize_body,
+    tokenize_body,
+)
+from .llamacpp_wire import BUILD, _send, nl_json, timings
 from .power import dcgm_metrics
+from .tools import ToolCallPlan
 
-BUILD = "b6250-e92734d5"
+#: Context of each slot in the real captures (``-c 16384 -np 4``); ``--ctx-size`` sets it.
 N_CTX = 4096
 _ALNUM = string.ascii_letters + string.digits
-
-
-def nl_json(obj) -> bytes:
-    """nlohmann::json dump(-1): compact, raw UTF-8, insertion order."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def timings(
-    cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float
-) -> dict:
-    prompt_ms, predicted_ms = round(prompt_ms, 3), round(predicted_ms, 3)
-    p_tok = prompt_ms / prompt_n if prompt_n else 0.0
-    g_tok = predicted_ms / max(1, predicted_n - 1)
-    return {
-        "cache_n": cache_n,
-        "prompt_n": prompt_n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": p_tok,
-        "prompt_per_second": 1e3 / p_tok if p_tok else 0.0,
-        "predicted_n": predicted_n,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": g_tok,
-        "predicted_per_second": 1e3 / g_tok if g_tok and predicted_n >= 2 else 0.0,
-    }
 
 
 class _Bad(Exception):
@@ -69,14 +55,16 @@ class _Bad(Exception):
 class LlamaServerSim:
     """ASGI app speaking llama-server's HTTP API over a :class:`SimEngine` (one model)."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: SimEngine, n_ctx: int = N_CTX) -> None:
         self.engine = engine
+        self.n_ctx = n_ctx
         self.alias, self.me = next(iter(engine.models.items()))
         #: the model's GGUF file (its metadata; the simulator has no tensors)
         self.model_path = model_file(self.me.spec, LLAMACPP_PATH)
         self.cache = PrefixCache()
+        self.vocab = Vocabulary()
         self.slots: list[dict] = [
-            {"id": i, "n_ctx": N_CTX, "speculative": False, "is_processing": False}
+            {"id": i, "n_ctx": n_ctx, "speculative": False, "is_processing": False}
             for i in range(self.me.max_num_seqs)
         ]
         self.counters = {
@@ -113,6 +101,8 @@ class LlamaServerSim:
             await _send(send, 200, nl_json(self.models()))
         elif path == "/slots" and method == "GET":
             await _send(send, 200, nl_json(self.slots))
+        elif path in ("/tokenize", "/detokenize", "/apply-template") and method == "POST":
+            await self.tokenizer(path, receive, send)
         elif path == "/metrics" and method == "GET":
             await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
         else:
@@ -129,7 +119,7 @@ class LlamaServerSim:
         return {
             "default_generation_settings": {
                 "id": 0,
-                "n_ctx": N_CTX,
+                "n_ctx": self.n_ctx,
                 "speculative": False,
                 "is_processing": False,
             },
@@ -185,7 +175,7 @@ class LlamaServerSim:
                     "meta": {
                         "vocab_type": 2,
                         "n_vocab": 152064,
-                        "n_ctx": N_CTX,
+                        "n_ctx": self.n_ctx,
                         "n_ctx_train": spec.max_model_len,
                         "n_embd": spec.hidden,
                         "n_params": int(spec.params_b * 1e9),
@@ -217,6 +207,22 @@ class LlamaServerSim:
             ]
         # the simulated GPUs' power, as a dcgm-exporter beside the engine would serve it
         return "\n".join(out) + "\n" + dcgm_metrics(self.engine)
+
+    async def tokenizer(self, path: str, receive, send) -> None:
+        """/tokenize, /detokenize and /apply-template."""
+        obj = loads(await read_body(receive))
+        try:
+            if path == "/tokenize":
+                body = tokenize_body(self.vocab, obj)
+            elif path == "/detokenize":
+                body = detokenize_body(self.vocab, obj)
+            else:
+                body = apply_template_body(obj, chat_text)
+        except BadRequest as exc:
+            err = {"error": {"code": 400, "message": str(exc), "type": "invalid_request_error"}}
+            await _send(send, 400, nl_json(err), close=True)
+            return
+        await _send(send, 200, nl_json(body))
 
     # --- generation -----------------------------------------------------------------------
 
@@ -267,18 +273,18 @@ class LlamaServerSim:
                 )
             text = prompt
         tokens = [2] + tokenize(text)  # <bos>
-        if len(tokens) >= N_CTX:
+        if len(tokens) >= self.n_ctx:
             raise _Bad(
                 400,
                 {
                     "error": {
                         "code": 400,
                         "message": f"request ({len(tokens)} tokens) "
-                        f"exceeds the available context size ({N_CTX} tokens), try "
+                        f"exceeds the available context size ({self.n_ctx} tokens), try "
                         "increasing it",
                         "type": "exceed_context_size_error",
                         "n_prompt_tokens": len(tokens),
-                        "n_ctx": N_CTX,
+                        "n_ctx": self.n_ctx,
                     }
                 },
             )
@@ -310,6 +316,14 @@ class LlamaServerSim:
             rid, self.alias, me.spec.profile.name, prompt_total, t_recv=t_recv, gpu=me.gpu_index
         )
         w = _Writer(send, kind, self.alias, ident, created, include_usage, stream)
+        plans = plans_for(obj, kind, text, limit, plan)
+        if len(plans) > 1 or isinstance(plans[0], ToolCallPlan):
+            refused = too_many(len(plans), len(self.slots))
+            if refused is not None:
+                await _send(send, 400, nl_json(refused), close=True)
+                return
+            await generate_choices(self, w, truth, plans, tokens, text, stream, receive)
+            return
         error_after = obj.get("sim_error_after")
         task = asyncio.current_task()
         assert task is not None
@@ -389,8 +403,7 @@ class LlamaServerSim:
             )
             me.finished_total += 1
         except asyncio.CancelledError:
-            if not gone.is_set():
-                raise
+            # a hang-up (the watch cancels us) or the server stopping: an abort either way
             task.uncancel()
             truth.aborted = True
             me.aborted_total += 1
@@ -558,21 +571,3 @@ class _Writer:
             "tokens_cached": info["tokens_evaluated"] + info["n"],
             "timings": t,
         }
-
-
-async def _send(
-    send,
-    status: int,
-    body: bytes,
-    ctype: bytes = b"application/json; charset=utf-8",
-    close: bool = False,
-) -> None:
-    headers = [
-        (b"access-control-allow-origin", b""),
-        (b"content-type", ctype),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -28,7 +28,9 @@ from .asgi import lifespan, loads, read_body, watch
 from .engine import SimEngine, plan_output, tokenize
 from .gguf import FILE_TYPES, EngineTruth, PrefixCache, chat_text
 from .ollama_extras import embeddings_route, shape_info
+from .ollama_tools import call_id, native_calls, plan_for, v1_calls
 from .power import dcgm_metrics
+from .tools import CLOSE
 
 VERSION = "0.12.3"
 KEEP_ALIVE = 300.0
@@ -264,6 +266,7 @@ class OllamaSim:
         max_tokens = opts.get("num_predict") if not v1 else obj.get("max_tokens")
         max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
         plan = plan_output(text, max_tokens, False, opts.get("seed"))
+        call = plan_for(obj, kind, text, max_tokens)  # a tool call instead of text
         rid = (
             dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
             or hashlib.md5(str(time.time_ns()).encode()).hexdigest()
@@ -272,6 +275,9 @@ class OllamaSim:
             rid, model, me.spec.profile.name, prompt_tokens, t_recv=t_recv, gpu=me.gpu_index
         )
         writer = _Writer(send, kind, name, obj, self.engine.deterministic, text)
+        if call is not None:
+            ident = call_id(self.engine.deterministic, f"{name}|{text}")
+            writer.tool_calls = (native_calls(call, ident), v1_calls(call, ident))
         error_after = opts.get("sim_error_after")
         task = asyncio.current_task()
         assert task is not None
@@ -294,10 +300,10 @@ class OllamaSim:
             await me.prefill(truth.t_admit, prompt_tokens - cached, cached)
             prefill_end = time.monotonic_ns()
             truth.prefill_seconds = (prefill_end - admit_ns) / 1e9
-            n = len(plan.pieces)
+            n = len(plan.pieces) if call is None else len(call.steps)
             first_ns = None
             async for i in me.steps(key, prompt_tokens, n):
-                piece = plan.pieces[i]
+                piece = plan.pieces[i] if call is None else ""
                 now_ns = time.monotonic_ns()
                 first_ns = first_ns or now_ns
                 truth.completion_tokens = i + 1
@@ -310,7 +316,11 @@ class OllamaSim:
                     truth.aborted = True
                     return
                 now = time.monotonic()  # the truth's marks: before the token is written
-                if piece or i < n - 1:
+                if call is not None:  # the parser holds the call back until it is whole
+                    if call.steps[i][0] == CLOSE:
+                        await writer.tool_chunk()
+                        truth.t_first = now
+                elif piece or i < n - 1:
                     await writer.chunk(piece)
                     if truth.t_first is None:
                         truth.t_first = now
@@ -326,12 +336,14 @@ class OllamaSim:
             }
             truth.reported = dict(metrics)
             context = tokens + tokenize("".join(plan.pieces)) if kind == "generate" else None
-            await writer.done(plan.finish_reason, "".join(plan.pieces), metrics, context)
+            if call is None:
+                await writer.done(plan.finish_reason, "".join(plan.pieces), metrics, context)
+            else:
+                await writer.done(call.finish_reason, "", metrics, context)
             self.loaded[model] = time.time() + KEEP_ALIVE
             me.finished_total += 1
         except asyncio.CancelledError:
-            if not gone.is_set():
-                raise
+            # a hang-up (the watch cancels us) or the server stopping: an abort either way
             task.uncancel()
             truth.aborted = True
             me.aborted_total += 1
@@ -411,6 +423,8 @@ class _Writer:
         self.created = 1755800000 if deterministic else int(time.time())
         self.first = True
         self.pieces: list[str] = []
+        self.tool_calls: tuple[list, list] | None = None  # (native, /v1) when the model calls
+        self.tool_sent = False
 
     async def _start(self, ctype: bytes) -> None:
         if not self.started:
@@ -485,6 +499,25 @@ class _Writer:
             )
         self.first = False
 
+    async def tool_chunk(self) -> None:
+        """The model's tool call, whole, as one chunk (held back when not streaming)."""
+        assert self.tool_calls is not None
+        self.tool_sent = True
+        if not self.stream:
+            return
+        if self.kind == "chat":
+            await self._start(b"application/x-ndjson")
+            d = self._native("")
+            d["message"]["tool_calls"] = self.tool_calls[0]
+            d["done"] = False
+            await self._write(go_json(d) + b"\n")
+        else:
+            await self._start(b"text/event-stream")
+            delta: dict = {"role": "assistant", "content": ""} if self.first else {"content": ""}
+            delta["tool_calls"] = self.tool_calls[1]
+            await self._write(b"data: " + go_json(self._v1_chat(delta, None)) + b"\n\n")
+        self.first = False
+
     async def error(self, message: str) -> None:
         if self.kind in ("chat", "generate"):
             if not self.started:
@@ -525,6 +558,8 @@ class _Writer:
         m = {k: v for k, v in metrics.items() if v}  # omitempty
         if self.kind in ("chat", "generate"):
             d = self._native(text if not self.stream else "")
+            if self.tool_sent and not self.stream and self.tool_calls is not None:
+                d["message"]["tool_calls"] = self.tool_calls[0]
             d["done"] = True
             d["done_reason"] = reason
             if context is not None:
@@ -544,8 +579,13 @@ class _Writer:
             "completion_tokens": metrics["eval_count"],
             "total_tokens": metrics["prompt_eval_count"] + metrics["eval_count"],
         }
+        if self.tool_sent and reason == "stop":
+            reason = "tool_calls"
         if not self.stream:
             if self.kind == "v1chat":
+                message: dict = {"role": "assistant", "content": text}
+                if self.tool_sent and self.tool_calls is not None:
+                    message["tool_calls"] = self.tool_calls[1]
                 body = {
                     "id": self.ident,
                     "object": "chat.completion",
@@ -555,7 +595,7 @@ class _Writer:
                     "choices": [
                         {
                             "index": 0,
-                            "message": {"role": "assistant", "content": text},
+                            "message": message,
                             "finish_reason": reason,
                         }
                     ],

@@ -15,8 +15,11 @@ import time
 import uuid
 
 from .asgi import lifespan, loads, read_body, watch
+from .choices import Choice, SendLock, run_choices, run_request
+from .choices import plans as choice_plans
 from .engine import SimEngine, Truth, count_tokens, plan_output, tokenize
 from .power import dcgm_metrics
+from .tools import ARGS, NAME, ToolCallPlan, vllm_dumps
 from .vllm_extras import VLLMStats, inputs, vllm_embeddings_body
 
 VERSION = "0.32.0"
@@ -302,6 +305,11 @@ class VLLMSim:
                 "BadRequestError",
                 "max_tokens",
             )
+        n = obj.get("n", 1)
+        if n is None:
+            n = 1
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise BadRequest(400, "n must be at least 1.", "BadRequestError", "n")
         room = limit - prompt_tokens
         max_tokens = min(max_tokens, room) if max_tokens is not None else room
         return me, model_id, stream, text, prompt_tokens, max_tokens
@@ -320,6 +328,7 @@ class VLLMSim:
         )
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
         plan = plan_output(text, max_tokens, bool(obj.get("ignore_eos")), obj.get("seed"))
+        plans = choice_plans(obj, obj.get("n") or 1, chat, text, max_tokens, plan, vllm_dumps)
         rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         if self.engine.deterministic:
             tag = hashlib.sha256(f"{model_id}|{text}|{max_tokens}".encode()).hexdigest()[:16]
@@ -341,6 +350,9 @@ class VLLMSim:
             include_usage,
             continuous,
         )
+        if len(plans) > 1 or isinstance(plans[0], ToolCallPlan):
+            await self._generate_choices(receive, writer, me, truth, plans, stream)
+            return
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.Event()
@@ -376,8 +388,7 @@ class VLLMSim:
                 await writer.whole("".join(pieces), plan.finish_reason, n)
             me.finished_total += 1
         except asyncio.CancelledError:
-            if not gone.is_set():
-                raise
+            # a hang-up (the watch cancels us) or the server stopping: an abort either way
             task.uncancel()
             truth.aborted = True
             me.aborted_total += 1
@@ -388,6 +399,76 @@ class VLLMSim:
             truth.t_end = time.monotonic()
             self.engine.write_truth(truth)
             self.stats.observe(truth)
+
+    # --- n choices and tool calls -----------------------------------------------------------
+
+    async def _generate_choices(self, receive, writer, me, truth, plans, stream: bool) -> None:
+        """``n`` > 1 or a tool call: each choice a sequence of its own, the role events
+        for every index at the first output, then each choice's tokens as they come,
+        each choice's finish on its last token; usage counts every choice's tokens."""
+        writer.send = SendLock(writer.send)
+        choices = [Choice(j, self.engine.next_key(), p) for j, p in enumerate(plans)]
+        tool_ids = {
+            c.index: "chatcmpl-tool-"
+            + (
+                hashlib.sha256(f"{writer.ident}|{c.index}".encode()).hexdigest()[:32]
+                if self.engine.deterministic
+                else uuid.uuid4().hex
+            )
+            for c in choices
+        }
+        started = {"roles": False}
+
+        async def on_token(c: Choice, i: int) -> None:
+            now = time.monotonic()  # the truth's marks: before the token is written
+            last = i == c.length - 1
+            plan = c.plan
+            visible = True
+            if isinstance(plan, ToolCallPlan):
+                kind, piece = plan.steps[i]
+                visible = kind in (NAME, ARGS)
+                finish = _tool_finish(plan) if last else None
+                if stream and (visible or last):
+                    if not started["roles"]:
+                        started["roles"] = True
+                        await writer.roles(len(choices))
+                    if kind == NAME:
+                        delta = (
+                            '{"tool_calls":[{"id":"' + tool_ids[c.index] + '","type":"function",'
+                            f'"index":0,"function":{{"name":{_s(piece)}}}}}]}}'
+                        )
+                    elif kind == ARGS:
+                        delta = (
+                            '{"tool_calls":[{"index":0,"function":{"arguments":'
+                            + _s(piece)
+                            + "}}]}"
+                        )
+                    else:
+                        delta = "{}"
+                    await writer.delta(c.index, delta, c.count, finish)
+            elif stream:
+                if not started["roles"]:
+                    started["roles"] = True
+                    await writer.roles(len(choices))
+                finish = plan.finish_reason if last else None
+                await writer.token(plan.pieces[i], c.count, finish, False, c.index)
+            if visible and truth.t_first is None:
+                truth.t_first = now
+            truth.t_last = now
+
+        async def work() -> None:
+            if stream:  # vLLM sends its headers before the request is even queued
+                await writer.start_stream()
+            await run_choices(me, choices, truth.prompt_tokens, 0, truth, on_token)
+            total = sum(c.count for c in choices)
+            if stream:
+                await writer.end_stream(total)
+            else:
+                await writer.whole_choices(
+                    [(c.index, c.plan, tool_ids[c.index]) for c in choices], total
+                )
+
+        await run_request(receive, writer.state, me, self.engine, truth, work)
 
 
 class _Writer:
@@ -446,7 +527,41 @@ class _Writer:
             }
         )
 
-    async def token(self, piece: str, count: int, finish: str | None, first: bool) -> None:
+    async def roles(self, n: int) -> None:
+        """The first event of every choice, each on its own (n > 1 and tool calls)."""
+        for j in range(n):
+            if self.chat:
+                role_usage = "," + self._usage(0, True) if self.continuous else ""
+                await self._event(
+                    self.head + f'"choices":[{{"index":{j},"delta":{{"role":"assistant",'
+                    '"content":""},"logprobs":null,"finish_reason":null}]'
+                    + role_usage
+                    + ',"prompt_token_ids":null,"prompt_text":null}'
+                )
+
+    async def delta(self, index: int, delta: str, count: int, finish: str | None) -> None:
+        """A chat event carrying `delta` (a tool call's header or arguments, or ``{}``)."""
+        cont = "," + self._usage(count, True) if self.continuous else ""
+        if finish is None:
+            choice = (
+                f'{{"index":{index},"delta":{delta},"logprobs":null,"finish_reason":null,'
+                '"token_ids":null}'
+            )
+        else:
+            choice = (
+                f'{{"index":{index},"delta":{delta},"logprobs":null,'
+                f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null}}'
+            )
+        fp = (
+            f',"system_fingerprint":"{self.fingerprint}"'
+            if finish and not self.include_usage
+            else ""
+        )
+        await self._event(self.head + '"choices":[' + choice + "]" + cont + fp + "}")
+
+    async def token(
+        self, piece: str, count: int, finish: str | None, first: bool, index: int = 0
+    ) -> None:
         cont = "," + self._usage(count, True) if self.continuous else ""
         if self.chat:
             if first:
@@ -459,18 +574,18 @@ class _Writer:
                 )
             if finish is None:
                 choice = (
-                    f'{{"index":0,"delta":{{"content":{_s(piece)}}},"logprobs":null,'
+                    f'{{"index":{index},"delta":{{"content":{_s(piece)}}},"logprobs":null,'
                     '"finish_reason":null,"token_ids":null}'
                 )
             else:
                 choice = (
-                    f'{{"index":0,"delta":{{"content":{_s(piece)}}},"logprobs":null,'
+                    f'{{"index":{index},"delta":{{"content":{_s(piece)}}},"logprobs":null,'
                     f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null}}'
                 )
         else:
             fr = "null" if finish is None else f'"{finish}"'
             choice = (
-                f'{{"index":0,"text":{_s(piece)},"logprobs":null,"finish_reason":{fr},'
+                f'{{"index":{index},"text":{_s(piece)},"logprobs":null,"finish_reason":{fr},'
                 '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
             )
         fp = (
@@ -493,6 +608,58 @@ class _Writer:
         )
         self.state["finished"] = True
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def whole_choices(self, choices: list, completion: int) -> None:
+        """The non-streamed answer of n choices (text or tool calls)."""
+        parts = []
+        for index, plan, tool_id in choices:
+            if isinstance(plan, ToolCallPlan):
+                finish = _tool_finish(plan)
+                call = (
+                    f'{{"id":"{tool_id}","type":"function","function":{{"name":{_s(plan.name)},'
+                    f'"arguments":{_s("".join(plan.fragments))}}}}}'
+                )
+                message = (
+                    '{"role":"assistant","content":null,"refusal":null,"annotations":null,'
+                    f'"audio":null,"function_call":null,"tool_calls":[{call}],"reasoning":null}}'
+                )
+            else:
+                finish, text = plan.finish_reason, "".join(plan.pieces)
+                message = (
+                    f'{{"role":"assistant","content":{_s(text)},"refusal":null,'
+                    '"annotations":null,"audio":null,"function_call":null,"reasoning":null}'
+                )
+            if self.chat:
+                parts.append(
+                    f'{{"index":{index},"message":{message},"logprobs":null,'
+                    f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null,'
+                    '"routed_experts":null}'
+                )
+            else:
+                parts.append(
+                    f'{{"index":{index},"text":{_s("".join(plan.pieces))},"logprobs":null,'
+                    f'"finish_reason":"{finish}","stop_reason":null,"token_ids":null,'
+                    '"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}'
+                )
+        usage = (
+            f'"usage":{{"prompt_tokens":{self.prompt_tokens},"total_tokens":'
+            f'{self.prompt_tokens + completion},"completion_tokens":{completion},'
+            '"prompt_tokens_details":null,"completion_tokens_details":null}'
+        )
+        obj = "chat.completion" if self.chat else "text_completion"
+        head = (
+            f'{{"id":"{self.ident}","object":"{obj}",'
+            f'"created":{self.created},"model":{_s(self.model)},"choices":[{",".join(parts)}],'
+            f'"service_tier":null,"system_fingerprint":"{self.fingerprint}",{usage},'
+        )
+        tail = (
+            '"prompt_logprobs":null,"prompt_token_ids":null,"prompt_text":null,'
+            '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+            if self.chat
+            else '"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}'
+        )
+        self.state["finished"] = True
+        await _json(self.send, 200, (head + tail).encode())
 
     async def whole(self, text: str, finish: str, completion: int) -> None:
         usage = (
@@ -522,6 +689,14 @@ class _Writer:
             )
         self.state["finished"] = True
         await _json(self.send, 200, body.encode())
+
+
+def _tool_finish(plan: ToolCallPlan) -> str:
+    """vLLM's finish reason for a call: ``tool_calls`` when the model chose to call (auto
+    or required), the plain ``stop`` when the request named the function."""
+    if plan.finish_reason == "stop" and not plan.forced:
+        return "tool_calls"
+    return plan.finish_reason
 
 
 async def _json(send, status: int, body: bytes, extra=None) -> None:

@@ -40,6 +40,8 @@ import httpx
 from .. import __version__
 from ..measure.precision import from_name
 from ..measure.summary import BASELINES, Samples, model_family
+from .bench_stats import cell, legacy_stats, num, size_label, spread, stats
+from .bench_traffic import NAMES, POWER, Own, Watch
 
 #: Common words that most tokenizers (Llama, Qwen, Mistral, GPT) keep as one token each
 #: with their leading space, so word counts track token counts closely.
@@ -118,6 +120,7 @@ class Client:
             limits=httpx.Limits(max_connections=256),
         )
         self.ignore_eos = ignore_eos
+        self.own = Own()  # what the bench itself sent (to tell other traffic apart)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -137,6 +140,13 @@ class Client:
         return body
 
     async def shot(self, model: str, prompt: str, max_tokens: int) -> Shot:
+        self.own.start(max_tokens)
+        try:
+            return await self._shot(model, prompt, max_tokens)
+        finally:
+            self.own.end()
+
+    async def _shot(self, model: str, prompt: str, max_tokens: int) -> Shot:
         s = Shot()
         s.t_start = t0 = time.perf_counter()
         t_last = None
@@ -182,9 +192,13 @@ class Client:
         return s
 
     async def usage_prompt_tokens(self, model: str, prompt: str) -> int | None:
-        resp = await self.http.post(
-            "/v1/chat/completions", json=self.body(model, prompt, 1, stream=False)
-        )
+        self.own.start(1)
+        try:
+            resp = await self.http.post(
+                "/v1/chat/completions", json=self.body(model, prompt, 1, stream=False)
+            )
+        finally:
+            self.own.end()
         if resp.status_code != 200:
             raise BenchError(f"{model}: HTTP {resp.status_code}: {resp.text[:500]}")
         usage = resp.json().get("usage") or {}
@@ -206,6 +220,10 @@ class Prompts:
         self.per_word = 1.0
         self.overhead = 0.0
         self.max_model_len: int | None = None
+        self.fixed = 0.0  # tokens a prompt has besides its words (template, BOS)
+        self.seconds = 0.0  # spent making prompts (tokenizer calls), wall time
+        self._active, self._since = 0, 0.0
+        self.calls = 0  # tokenizer calls
 
     @property
     def method(self) -> str:
@@ -272,6 +290,7 @@ class Prompts:
             self.kind, self.per_word, self.overhead = "rough", 1.3, 10.0
 
     async def count(self, text: str) -> int | None:
+        self.calls += 1
         http = self.client.http
         if self.kind == "vllm":
             resp = await http.post(
@@ -295,14 +314,27 @@ class Prompts:
 
     async def make(self, tokens: int) -> tuple[str, int]:
         """A prompt of `tokens` tokens (exact where countable) and its expected length."""
+        if not self._active:  # wall time while any prompt is being made
+            self._since = time.monotonic()
+        self._active += 1
+        try:
+            return await self._make(tokens)
+        finally:
+            self._active -= 1
+            if not self._active:
+                self.seconds += time.monotonic() - self._since
+
+    async def _make(self, tokens: int) -> tuple[str, int]:
         if self.kind not in ("vllm", "llamacpp"):
             n = max(1, round((tokens - self.overhead) / self.per_word))
             return self.words(n), tokens
+        # count ~= fixed + per_word * words (the template's tokens, then the words'); both
+        # are learnt from every count, so after the first prompts one call usually hits
         pool = [self.rng.choice(_VOCAB) for _ in range(int(tokens * 1.5) + 64)]
-        n = max(1, tokens)
+        n = max(1, min(len(pool), round((tokens - self.fixed) / self.per_word)))
         best: tuple[str, int] | None = None
+        last: tuple[int, int] | None = None
         for _ in range(10):
-            n = max(1, min(n, len(pool)))
             text = " ".join(pool[:n])
             got = await self.count(text)
             assert got is not None  # counting works for the engines with a tokenizer
@@ -310,10 +342,14 @@ class Prompts:
                 best = (text, got)
             if got == tokens:
                 break
-            step = (tokens - got) / self.per_word
-            n += int(step) if abs(step) >= 1 else (1 if step > 0 else -1)
-            if got > 0 and n > 1:
-                self.per_word = max(0.2, min(5.0, got / max(1, n)))
+            if last is not None and last[0] != n and got != last[1]:
+                self.per_word = max(0.2, min(5.0, (got - last[1]) / (n - last[0])))
+            self.fixed = got - self.per_word * n
+            last = (n, got)
+            guess = round((tokens - self.fixed) / self.per_word)
+            if guess == n:
+                guess += 1 if got < tokens else -1
+            n = max(1, min(len(pool), guess))
         assert best is not None
         return best
 
@@ -379,6 +415,10 @@ class ModelResult:
     prefill_speedup: float | None = None
     power_saving: float | None = None
     notes: list = field(default_factory=list)
+    #: Other traffic seen during each scenario's runs: {"decode": ["run 2: ..."], ...}
+    other_traffic: dict = field(default_factory=dict)
+    #: Where the model's time went, seconds: warm-up, idle, decode, prefill, sweep, prompts.
+    seconds: dict = field(default_factory=dict)
 
 
 async def _model_list(client: Client) -> list[dict]:
@@ -403,30 +443,96 @@ def _context_length(model: dict) -> int | None:
     return None
 
 
-async def _phasewatch_samples(client: Client) -> Samples | None:
+#: The series the bench reads from phasewatch's page (the rest, the histograms' buckets
+#: above all, is skipped unparsed: a busy client takes far longer to parse a whole page).
+_POWER_SERIES = ("phasewatch_model_info", *POWER)
+
+
+def _samples_of(text: str | None) -> Samples | None:
+    """phasewatch's power series from a /metrics page; None for an engine's page (the
+    simulator's has phasewatch_sim_* series of its own: only a proxy has model_info)."""
+    if not text or "phasewatch_model_info" not in text:
+        return None
+    wanted = [ln for ln in text.splitlines() if ln.startswith(_POWER_SERIES)]
     try:
-        resp = await client.http.get("/metrics")
-        if resp.status_code != 200 or "phasewatch_" not in resp.text:
-            return None
-        return Samples.from_text(resp.text)
-    except (httpx.HTTPError, ValueError):
+        return Samples.from_text("\n".join(wanted) + "\n")
+    except ValueError:
         return None
 
 
-def _decode_watts(samples: Samples | None, model: str) -> tuple[float, float]:
+async def _phasewatch_samples(client: Client) -> Samples | None:
+    try:
+        resp = await client.http.get("/metrics", params={"name[]": NAMES})
+    except httpx.HTTPError:
+        return None
+    return _samples_of(resp.text) if resp.status_code == 200 else None
+
+
+def _run_watts(watch: Watch, model: str, phase: str) -> tuple[float, float]:
+    """Mean `phase` power of the requests counted during the last measured run, and how
+    many requests it covers (the bench sent one)."""
+    before = _decode_watts(_samples_of(watch.before_text), model, phase)
+    after = _decode_watts(_samples_of(watch.text), model, phase)
+    n = after[1] - before[1]
+    return ((after[0] - before[0]) / n if n > 0 else 0.0), n
+
+
+def _decode_watts(
+    samples: Samples | None, model: str, phase: str = "decode"
+) -> tuple[float, float]:
+    """Sum and count of the per-request mean power of `phase` (decode or prefill)."""
     if samples is None:
         return 0.0, 0.0
-    lab = {"model": model, "phase": "decode"}
+    lab = {"model": model, "phase": phase}
     return (
         samples.total("phasewatch_gpu_power_watts_sum", **lab),
         samples.total("phasewatch_gpu_power_watts_count", **lab),
     )
 
 
+def _idle_watts(samples: Samples | None, model: str) -> tuple[float, float] | None:
+    """Sum and count of the power samples taken while the model's GPUs were idle: the
+    GPUs given to the model (``--power-gpu GPU=MODEL``), else those of its upstream."""
+    if samples is None:
+        return None
+    upstreams = {
+        s.labels.get("upstream") for s in samples.get("phasewatch_model_info", model=model)
+    }
+    own, shared = [], []
+    for s in samples.get("phasewatch_gpu_power_sample_watts_count", state="idle"):
+        if s.labels.get("model") == model:
+            own.append(s.labels)
+        elif s.labels.get("model") in (None, "all") and upstreams & set(
+            s.labels.get("upstream", "").split("+")
+        ):
+            shared.append(s.labels)
+    gpus = own or shared
+    if not gpus:
+        return None
+    total = count = 0.0
+    for labels in gpus:
+        lab = {k: v for k, v in labels.items() if k != "le"}
+        total += samples.total("phasewatch_gpu_power_sample_watts_sum", **lab)
+        count += samples.total("phasewatch_gpu_power_sample_watts_count", **lab)
+    return total, count
+
+
+class _Clock:
+    """Adds up where a model's bench time goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, what: str, seconds: float) -> None:
+        self.seconds[what] = self.seconds.get(what, 0.0) + seconds
+
+
 async def bench_model(
     client: Client, model: str, meta: dict, opts, progress: Progress, seed: int
 ) -> ModelResult:
     res = ModelResult(model)
+    clock = _Clock()
+    t_model = time.monotonic()
     info = meta.get("phasewatch", {}).get(model)
     if info:
         res.precision, res.quant, res.precision_source = info
@@ -439,45 +545,87 @@ async def bench_model(
     prompts = Prompts(client, model, seed)
     await prompts.setup()
     limit = prompts.max_model_len or meta["max_len"].get(model)
+    watch = Watch(client.http, client.own, model)
 
     # warm-up, also checking our token counting against the engine's usage
     for _ in range(max(1, opts.warmup)):
         text, counted = await prompts.make(opts.decode_prompt)
+        t0 = time.monotonic()
         shot = await client.shot(model, text, 16)
+        clock.add("warm-up", time.monotonic() - t0)
         await prompts.check(shot.prompt_tokens, counted)
         progress.step(f"{model}: warm-up")
     res.token_counting = prompts.method
 
+    # idle power: a pause with nothing sent, the GPU's idle samples over it
+    if meta["power"] and opts.idle_seconds > 0:
+        t0 = time.monotonic()
+        before = _idle_watts(await _phasewatch_samples(client), model)
+        await asyncio.sleep(opts.idle_seconds)
+        after = _idle_watts(await _phasewatch_samples(client), model)
+        if before is not None and after is not None and after[1] > before[1]:
+            res.power["idle_watts"] = (after[0] - before[0]) / (after[1] - before[1])
+            res.power["idle_source"] = (
+                f"phasewatch_gpu_power_sample_watts{{state=idle}} over a {opts.idle_seconds:g} s "
+                "pause before the runs"
+            )
+        elif after is not None:
+            res.notes.append(
+                f"idle power: no idle sample in the {opts.idle_seconds:g} s pause (the GPU was "
+                "busy with other work, or samples come less often)"
+            )
+        clock.add("idle", time.monotonic() - t0)
+
+    await watch.begin()
+
+    async def measured(scenario: str, run: int, coro, check: bool = True):
+        result, seen = await watch.during(coro, check)
+        if seen:
+            res.other_traffic.setdefault(scenario, []).append(f"run {run}: {seen}")
+        return result
+
     # decode: short prompt, long output
-    before = (
-        _decode_watts(await _phasewatch_samples(client), model) if meta["is_phasewatch"] else None
-    )
-    shots = []
+    shots, watts = [], []
     for i in range(opts.repeat):
         text, _ = await prompts.make(opts.decode_prompt)
-        shots.append(await client.shot(model, text, opts.decode_tokens))
+        t0 = time.monotonic()
+        shots.append(await measured("decode", i + 1, client.shot(model, text, opts.decode_tokens)))
+        clock.add("decode", time.monotonic() - t0)
+        if meta["power"]:
+            w, n = _run_watts(watch, model, "decode")
+            if n > 0:
+                watts.append(w)
+            if n > 1:
+                res.other_traffic.setdefault("decode", []).append(
+                    f"run {i + 1}: {n:.0f} decode-power figures for 1 request"
+                )
         progress.step(f"{model}: decode run {i + 1}/{opts.repeat}")
+    tok = stats(s.decode_tok_s for s in shots)
     res.decode = {
         "prompt_tokens": _median(s.prompt_tokens for s in shots),
         "completion_tokens": _median(s.completion_tokens for s in shots),
-        "tok_s": _median(s.decode_tok_s for s in shots),
+        "tok_s": tok["median"] if tok else None,
+        "tok_s_stats": tok,
         "ttft_s": _median(s.ttft_s for s in shots),
         "runs_tok_s": [round(s.decode_tok_s, 3) if s.decode_tok_s else None for s in shots],
     }
     if any((s.completion_tokens or 0) < opts.decode_tokens for s in shots):
         res.notes.append("decode: some answers stopped early (the engine ignored ignore_eos)")
-    if before is not None:
-        after = _decode_watts(await _phasewatch_samples(client), model)
-        n = after[1] - before[1]
-        if n > 0:
-            watts = (after[0] - before[0]) / n
-            res.power = {
-                "decode_watts": watts,
-                "joules_per_token": watts / res.decode["tok_s"] if res.decode["tok_s"] else None,
-                "source": "phasewatch_gpu_power_watts{phase=decode} during the decode runs",
+    dw = stats(watts)
+    if dw is not None:
+        jpt = stats(wt / s.decode_tok_s for wt, s in zip(watts, shots) if s.decode_tok_s and wt)
+        res.power.update(
+            {
+                "decode_watts": dw["median"],
+                "decode_watts_stats": dw,
+                "joules_per_token": jpt["median"] if jpt else None,
+                "joules_per_token_stats": jpt,
+                "source": "phasewatch_gpu_power_watts{phase=decode} of each decode run",
             }
+        )
 
     # prefill / TTFT
+    prefill_watts: list[float] = []
     for size in opts.prompt_tokens:
         if limit and size >= limit - 1:
             res.notes.append(f"prefill: {size}-token prompt skipped (max_model_len {limit})")
@@ -488,7 +636,17 @@ async def bench_model(
         try:
             for i in range(opts.repeat):
                 text, _ = await prompts.make(size)
-                shots.append(await client.shot(model, text, 1))
+                t0 = time.monotonic()
+                # each run's power needs the page after it; else the size's last run will do
+                check = meta["power"] or i == opts.repeat - 1
+                shots.append(
+                    await measured(f"prefill {size}", i + 1, client.shot(model, text, 1), check)
+                )
+                clock.add("prefill", time.monotonic() - t0)
+                if meta["power"]:
+                    w, n = _run_watts(watch, model, "prefill")
+                    if n > 0:
+                        prefill_watts.append(w)
                 progress.step(f"{model}: prefill ~{size} tokens run {i + 1}/{opts.repeat}")
         except BenchError as exc:
             if "HTTP 400" not in str(exc):
@@ -506,16 +664,20 @@ async def bench_model(
                 f"prefill: asked for {size} prompt tokens, the engine counted {counted_median:.0f} "
                 "(a truncated context, or the estimate is off)"
             )
+        ttft = stats(s.ttft_s for s in shots)
+        mspt = stats(
+            s.ttft_s * 1000 / s.prompt_tokens
+            for s in shots
+            if s.prompt_tokens and s.ttft_s is not None
+        )
         res.prefill.append(
             {
                 "target_tokens": size,
-                "prompt_tokens": _median(s.prompt_tokens for s in shots),
-                "ttft_s": _median(s.ttft_s for s in shots),
-                "ms_per_token": _median(
-                    s.ttft_s * 1000 / s.prompt_tokens
-                    for s in shots
-                    if s.prompt_tokens and s.ttft_s is not None
-                ),
+                "prompt_tokens": counted_median,
+                "ttft_s": ttft["median"] if ttft else None,
+                "ttft_s_stats": ttft,
+                "ms_per_token": mspt["median"] if mspt else None,
+                "ms_per_token_stats": mspt,
                 "tok_s": _median(
                     s.prompt_tokens / s.ttft_s for s in shots if s.prompt_tokens and s.ttft_s
                 ),
@@ -523,13 +685,31 @@ async def bench_model(
             }
         )
 
+    pw_stats = stats(prefill_watts)
+    if pw_stats:
+        res.power["prefill_watts"] = pw_stats["median"]
+        res.power["prefill_watts_stats"] = pw_stats
+
     # concurrency sweep
     for level in opts.concurrency:
         runs = []
         for i in range(opts.repeat):
-            texts = [(await prompts.make(opts.sweep_prompt))[0] for _ in range(level)]
-            t0 = time.perf_counter()
-            shots = await asyncio.gather(*(client.shot(model, t, opts.sweep_tokens) for t in texts))
+            # the level's prompts are made together, before the run (never during one)
+            made = await asyncio.gather(*(prompts.make(opts.sweep_prompt) for _ in range(level)))
+            texts = [t for t, _ in made]
+
+            async def sweep(texts=texts):
+                t0 = time.perf_counter()
+                shots = await asyncio.gather(
+                    *(client.shot(model, t, opts.sweep_tokens) for t in texts)
+                )
+                return t0, shots
+
+            t_run = time.monotonic()
+            t0, shots = await measured(
+                f"{level} at once", i + 1, sweep(), check=i == opts.repeat - 1
+            )
+            clock.add("sweep", time.monotonic() - t_run)
             wall = max(s.t_end for s in shots) - t0
             tokens = sum(s.completion_tokens or s.content_events for s in shots)
             runs.append(
@@ -540,14 +720,22 @@ async def bench_model(
                 }
             )
             progress.step(f"{model}: {level} concurrent run {i + 1}/{opts.repeat}")
+        agg = stats(r["aggregate_tok_s"] for r in runs)
         res.concurrency.append(
             {
                 "concurrency": level,
-                "aggregate_tok_s": _median(r["aggregate_tok_s"] for r in runs),
+                "aggregate_tok_s": agg["median"] if agg else None,
+                "aggregate_tok_s_stats": agg,
                 "per_stream_tok_s": _median(r["per_stream_tok_s"] for r in runs),
+                "per_stream_tok_s_stats": stats(r["per_stream_tok_s"] for r in runs),
                 "ttft_s": _median(r["ttft_s"] for r in runs),
             }
         )
+    clock.add("prompts", prompts.seconds)
+    measured_s = sum(clock.seconds.values())
+    clock.add("other", max(0.0, time.monotonic() - t_model - measured_s))
+    res.seconds = {k: round(v, 2) for k, v in clock.seconds.items()}
+    res.seconds["tokenizer_calls"] = prompts.calls
     return res
 
 
@@ -576,6 +764,45 @@ def compare(results: list[ModelResult]) -> None:
             r.power_saving = 1.0 - r.power["decode_watts"] / base.power["decode_watts"]
 
 
+#: Figures whose spread is checked, with the label a warning uses.
+def _figures(m: dict):
+    yield "decode tok/s", m["decode"].get("tok_s_stats")
+    for p in m["prefill"]:
+        yield f"prefill ms/tok {size_label(p['target_tokens'])}", p.get("ms_per_token_stats")
+        yield f"TTFT {size_label(p['target_tokens'])}", p.get("ttft_s_stats")
+    for c in m["concurrency"]:
+        yield f"{c['concurrency']} at once tok/s", c.get("aggregate_tok_s_stats")
+    yield "decode W", m["power"].get("decode_watts_stats")
+
+
+def warnings(result: dict, max_spread: float) -> list[str]:
+    """What makes a figure doubtful: runs that disagree, other traffic on the engine."""
+    out = []
+    for m in result["models"]:
+        wide = []
+        for label, st in _figures(m):
+            sp = spread(st)
+            if sp is not None and sp > max_spread and not label.startswith("TTFT"):
+                wide.append(f"{label} {sp * 100:.0f}% ({num(st['min'])}–{num(st['max'])})")
+        if wide:
+            out.append(
+                f"{m['model']} ({m['precision']}): runs differ by more than --max-spread "
+                f"{max_spread * 100:.0f}% of their median: {', '.join(wide)}"
+                + (
+                    " (the TTFTs of the same runs alike)"
+                    if any("prefill" in w for w in wide)
+                    else ""
+                )
+                + "; more --repeat, or a quieter engine and client machine"
+            )
+        for scenario, seen in m.get("other_traffic", {}).items():
+            out.append(
+                f"{m['model']} ({m['precision']}): other traffic on the engine during the "
+                f"{scenario} runs ({'; '.join(seen)}): its figures include that load"
+            )
+    return out
+
+
 async def run_bench(opts, progress_stream=sys.stderr) -> dict:
     client = Client(opts.url, opts.api_key, opts.timeout, not opts.no_ignore_eos)
     try:
@@ -597,8 +824,13 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
             except (httpx.HTTPError, ValueError, AttributeError):
                 pass
         pw = await _phasewatch_samples(client)
+        meta["power"] = False
         if pw is not None:
             meta["is_phasewatch"] = True
+            # GPU power sampled: idle, prefill and decode watts are measured
+            meta["power"] = pw.has("phasewatch_gpu_power_sample_watts_count") or pw.has(
+                "phasewatch_gpu_power_watts_count"
+            )
             for s in pw.get("phasewatch_model_info"):
                 meta["phasewatch"][s.labels.get("model")] = (
                     s.labels.get("precision", "unknown"),
@@ -618,17 +850,21 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
         for i, model in enumerate(models):
             results.append(await bench_model(client, model, meta, opts, progress, opts.seed + i))
         compare(results)
-        return {
+        result = {
             "tool": f"phasewatch bench {__version__}",
             "url": client.base,
             "through_phasewatch": meta["is_phasewatch"],
             "started": started,
             "seconds": round(time.time() - started, 2),
             "repetitions": opts.repeat,
-            "method": "median of repetitions; client-side timing (httpx streaming); TTFT at "
-            "the first event carrying content; prefill ms/token = TTFT / prompt tokens",
+            "max_spread": opts.max_spread,
+            "method": "median of repetitions (min–max in brackets); client-side timing (httpx "
+            "streaming); TTFT at the first event carrying content; prefill ms/token = TTFT / "
+            "prompt tokens",
             "models": [asdict(r) for r in results],
         }
+        result["warnings"] = warnings(result, opts.max_spread)
+        return result
     finally:
         await client.aclose()
 
@@ -640,10 +876,6 @@ def _f(v, fmt="{:.1f}", none="—"):
     return none if v is None else fmt.format(v)
 
 
-def _size(tokens: int) -> str:
-    return f"~{round(tokens / 1024)}K" if tokens >= 1024 else f"{tokens} tok"
-
-
 def table(result: dict) -> str:
     models = result["models"]
     sizes = sorted({p["target_tokens"] for m in models for p in m["prefill"]})
@@ -651,14 +883,14 @@ def table(result: dict) -> str:
     power = any(m["power"] for m in models)
     na = "—" if power else "n/a"
     out = [
-        f"phasewatch bench: {result['url']}, median of {result['repetitions']} runs "
+        f"phasewatch bench: {result['url']}, median (min–max) of {result['repetitions']} runs "
         f"({result['seconds']:.0f} s)",
         "",
     ]
     head = ["model", "precision", "decode tok/s"]
-    head += [f"prefill ms/tok {_size(s)}" for s in sizes]
-    head += [f"TTFT {_size(s)}" for s in sizes]
-    head += ["decode W", "J/tok", "decode speed-up", "prefill speed-up", "power saving"]
+    head += [f"prefill ms/tok {size_label(s)}" for s in sizes]
+    head += [f"TTFT {size_label(s)}" for s in sizes]
+    head += ["decode W", "idle W", "J/tok", "decode speed-up", "prefill speed-up", "power saving"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for m in models:
@@ -666,30 +898,45 @@ def table(result: dict) -> str:
         prec = m["precision"] + (
             f" ({m['quant']})" if m["quant"] and m["quant"].lower() != m["precision"] else ""
         )
-        cells = [m["model"], prec, _f(m["decode"].get("tok_s"))]
-        cells += [_f(pre.get(s, {}).get("ms_per_token"), "{:.3f}") for s in sizes]
-        cells += [_f(pre.get(s, {}).get("ttft_s"), "{:.2f} s") for s in sizes]
+        d = m["decode"]
+        cells = [m["model"], prec, cell(d.get("tok_s_stats") or legacy_stats(d.get("tok_s")))]
         cells += [
-            _f(m["power"].get("decode_watts"), "{:.0f}", na),
-            _f(m["power"].get("joules_per_token"), "{:.2f}", na),
+            cell(pre[s].get("ms_per_token_stats"), "{:.3f}") if s in pre else "—" for s in sizes
+        ]
+        cells += [
+            cell(pre[s].get("ttft_s_stats"), "{:.2f}", " s") if s in pre else "—" for s in sizes
+        ]
+        pw = m["power"]
+        cells += [
+            cell(pw.get("decode_watts_stats"), "{:.0f}", none=na),
+            _f(pw.get("idle_watts"), "{:.0f}", na),
+            cell(pw.get("joules_per_token_stats"), "{:.2f}", none=na),
             _f(m["decode_speedup"], "{:.2f}×"),
             _f(m["prefill_speedup"], "{:.2f}×"),
             _f(None if m["power_saving"] is None else m["power_saving"] * 100, "{:.0f}%", na),
         ]
         out.append("| " + " | ".join(cells) + " |")
     if levels:
-        out += ["", "Concurrency sweep (aggregate tok/s; per-stream decode tok/s in brackets):", ""]
+        out += [
+            "",
+            "Concurrency sweep (aggregate tok/s, min–max of the runs; per-stream decode tok/s "
+            "in square brackets):",
+            "",
+        ]
         out.append("| model | precision | " + " | ".join(f"{c} at once" for c in levels) + " |")
         out.append("|" + "---|" * (2 + len(levels)))
         for m in models:
             by = {c["concurrency"]: c for c in m["concurrency"]}
             cells = [
-                f"{_f(by[c]['aggregate_tok_s'])} ({_f(by[c]['per_stream_tok_s'])})"
+                f"{cell(by[c].get('aggregate_tok_s_stats'))} [{_f(by[c]['per_stream_tok_s'])}]"
                 if c in by
                 else "—"
                 for c in levels
             ]
             out.append(f"| {m['model']} | {m['precision']} | " + " | ".join(cells) + " |")
+    if result.get("warnings"):
+        out += ["", "Warnings:"]
+        out += [f"- ⚠ {w}" for w in result["warnings"]]
     out.append("")
     for m in models:
         out.append(f"- {m['model']}: prompt lengths {m['token_counting']}.")
@@ -700,6 +947,19 @@ def table(result: dict) -> str:
         out.append(
             "- Power: n/a (bench through a phasewatch proxy that samples GPU power to get it)."
         )
+    else:
+        out.append(
+            "- decode W: GPU power over each decode run's decode window; idle W: over a pause "
+            "with nothing sent (--idle-seconds); J/tok = decode W / decode tok/s."
+        )
+    secs: dict[str, float] = {}
+    for m in models:
+        for k, v in (m.get("seconds") or {}).items():
+            if k != "tokenizer_calls":
+                secs[k] = secs.get(k, 0.0) + v
+    if secs:
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in sorted(secs.items(), key=lambda kv: -kv[1]))
+        out.append(f"- Time: {result['seconds']:.0f} s in all: {parts}.")
     return "\n".join(out) + "\n"
 
 
@@ -792,12 +1052,66 @@ def add_arguments(parser) -> None:
         "--timeout", type=float, default=600.0, help="Per-request timeout, seconds."
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the prompt words.")
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=1.0,
+        help="Pause before each model's runs, sending nothing, to measure idle GPU power "
+        "through phasewatch [default 1]; 0 skips it.",
+    )
+    parser.add_argument(
+        "--max-spread",
+        type=float,
+        default=0.10,
+        help="Warn when a figure's runs spread more than this share of their median "
+        "((max - min) / median) [default 0.10].",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A.json", "B.json"),
+        default=None,
+        help="Compare two results written by --output (nothing is benchmarked): per model, "
+        "precision and figure both values, the change and whether it is beyond the runs' "
+        "spread.",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="Also draw the result as PNG and SVG charts in DIR (needs matplotlib: "
+        "pip install 'phasewatch[plot]').",
+    )
     parser.add_argument("--json", action="store_true", help="Print JSON instead of the table.")
     parser.add_argument("--output", default=None, help="Also write the JSON result to this file.")
     parser.add_argument("--quiet", action="store_true", help="No progress output.")
 
 
 def run(args) -> int:
+    if args.compare:
+        from .bench_compare import load, render
+
+        try:
+            a, b = load(args.compare[0]), load(args.compare[1])
+        except (OSError, ValueError) as exc:
+            print(f"phasewatch bench: --compare: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(render(a, b, args.compare[0], args.compare[1]))
+        return 0
+    if args.plot:
+        from .plots import PlotError, require
+
+        try:
+            require()
+        except PlotError as exc:
+            print(f"phasewatch bench: {exc}", file=sys.stderr)
+            return 2
+    if args.idle_seconds < 0 or args.max_spread < 0:
+        print(
+            "phasewatch bench: --idle-seconds and --max-spread must not be negative",
+            file=sys.stderr,
+        )
+        return 2
     for name in ("repeat", "decode_tokens", "decode_prompt", "sweep_tokens", "sweep_prompt"):
         if getattr(args, name) < 1:
             print(
@@ -813,4 +1127,11 @@ def run(args) -> int:
         with open(args.output, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else table(result))
+    for w in result["warnings"] if args.json or args.quiet else ():
+        print(f"phasewatch bench: warning: {w}", file=sys.stderr)
+    if args.plot:
+        from .plots import bench_charts
+
+        for path in bench_charts(result, args.plot):
+            print(f"phasewatch bench: wrote {path}", file=sys.stderr)
     return 0

@@ -211,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="A simulated engine (vLLM, Ollama or llama-server, "
         "--engine) with faithful wire format and physics-based timing: one 8B "
         "model at bf16, fp8 and int4 (Ollama: F16, Q8_0, Q4_K_M; llama-server: "
-        "one Q4_K_M model), the engines' own timing fields filled from it.",
+        "one Q4_K_M model), the engines' own timing fields filled from it. Chat "
+        "requests get n choices (vLLM, llama-server; Ollama has no n) and, with "
+        "tools, a tool call the way each engine sends one (streamed tool_calls "
+        "deltas on vLLM and llama-server, the whole call in one chunk on Ollama); "
+        "vLLM and llama-server answer /tokenize, llama-server also /detokenize and "
+        "/apply-template, with the context --ctx-size gives its slots.",
     )
     sim.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     sim.add_argument("--port", type=int, default=8000, help="Port to listen on [default 8000].")

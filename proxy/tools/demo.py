@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate",
         type=float,
         default=1.0,
-        help="Mean requests per second of the traffic generator [default 1].",
+        help="Mean requests per second of the traffic generator [default 1]; 0 sends none "
+        "(a quiet engine to benchmark).",
     )
     parser.add_argument(
         "--duration",
@@ -42,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def run_demo(args: argparse.Namespace) -> None:
-    if args.rate <= 0:
-        raise ValueError("--rate must be positive (requests per second)")
+    if not args.rate >= 0:  # also refuses NaN
+        raise ValueError("--rate must not be negative (requests per second; 0: no traffic)")
     if args.duration < 0:
         raise ValueError("--duration must not be negative")
     sock = bind(args.host, args.port)  # a port in use is one line, before anything starts
@@ -102,9 +103,10 @@ async def _run(
         loop.add_signal_handler(sig, stop.set)
     if args.duration:
         loop.call_later(args.duration, stop.set)
-    traffic = asyncio.create_task(run_traffic(url, args.rate, stop))
+    traffic = asyncio.create_task(run_traffic(url, args.rate, stop)) if args.rate > 0 else None
     await stop.wait()
-    await traffic
+    if traffic is not None:
+        await traffic
     proxy_server.should_exit = True
     await proxy_task
     sim_server.should_exit = True

@@ -342,6 +342,14 @@ def clients_markdown(rows: list[ClientRow], source: str) -> str:
 def run(args) -> int:
     import httpx
 
+    if args.plot:
+        from .plots import PlotError, require
+
+        try:
+            require()
+        except PlotError as exc:
+            print(f"phasewatch report: {exc}", file=sys.stderr)
+            return 2
     try:
         samples = load(args.source, args.window)
     except (httpx.HTTPError, ValueError) as exc:
@@ -356,6 +364,11 @@ def run(args) -> int:
         return 0
     rep = build(samples, source=args.source)
     sys.stdout.write(to_json(rep) + "\n" if args.format == "json" else markdown(rep))
+    if args.plot:
+        from .plots import report_charts
+
+        for path in report_charts(rep, args.plot):
+            print(f"phasewatch report: wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -385,4 +398,11 @@ def add_arguments(parser) -> None:
         default=None,
         help="With a Prometheus server: only traffic of the last WINDOW "
         "(a PromQL duration such as 15m or 1h); default: everything since start.",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="Also draw the table as PNG and SVG charts in DIR (needs matplotlib: "
+        "pip install 'phasewatch[plot]').",
     )
