@@ -10,6 +10,7 @@ address of their own (then the proxy port relays ``/metrics`` to the engine).
 from __future__ import annotations
 
 import logging
+from urllib.parse import quote
 
 from prometheus_client import make_asgi_app
 
@@ -17,7 +18,9 @@ from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
 from .core.asgi import Receive, Scope, Send
-from .core.errors import send_error
+from .core.errors import json_error, send_error
+from .core.limited import LimitedLog
+from .core.paths import BadPath, normalise
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder
 from .services import engine_state
@@ -28,6 +31,21 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
+#: What ``OPTIONS *`` answers: every method is relayed.
+ALLOW = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
+
+
+def _upgrade(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The protocol a request asks to upgrade to (``Connection: upgrade``), if any."""
+    connection = upgrade = None
+    for k, v in headers:
+        if k == b"connection":
+            connection = v.lower()
+        elif k == b"upgrade":
+            upgrade = v.strip().lower()
+    if connection is None or upgrade is None or b"upgrade" not in connection:
+        return None
+    return upgrade
 
 
 class ProxyApp:
@@ -59,11 +77,14 @@ class ProxyApp:
             inject_usage=settings.inject_usage,
             max_body_bytes=settings.max_body_bytes,
             access=self.access,
+            max_body_memory=settings.max_body_memory,
+            max_event_bytes=settings.max_event_bytes,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
         )
         self.exposition = make_asgi_app(self.metrics.exposition)
+        self._refusals = LimitedLog(log)
         #: /metrics on the proxy port, unless it has its own address.
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
 
@@ -91,6 +112,8 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            if not await self._normalised(scope, send):
+                return
             path = scope["path"]
             if path.startswith(PREFIX) and (len(path) == len(PREFIX) or path[len(PREFIX)] == "/"):
                 await self.api(scope, receive, send)
@@ -102,6 +125,62 @@ class ProxyApp:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+        elif kind == "websocket":
+            await self._refuse_websocket(scope, receive, send)
+
+    async def _normalised(self, scope: Scope, send: Send) -> bool:
+        """Normalise the path in `scope` once, before anything routes on it; answer
+        what is not relayed (a bad path, ``OPTIONS *``, an upgrade) and return False."""
+        try:
+            raw, path = normalise(scope.get("raw_path") or quote(scope["path"]).encode())
+        except BadPath as exc:
+            if scope["path"] == "*" and scope["method"] == "OPTIONS":
+                # about the proxy itself, not a resource: answered here, never relayed
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"allow", ALLOW), (b"content-length", b"0")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": b""})
+                return False
+            await self._refuse(send, "bad_path", 400, f"{exc}; not relayed", "invalid_request")
+            return False
+        if raw != scope.get("raw_path"):
+            scope["raw_path"], scope["path"] = raw, path
+        if _upgrade(scope["headers"]) == b"websocket":
+            await self._refuse(
+                send, "upgrade", 501, "phasewatch does not relay websocket upgrades", "unsupported"
+            )
+            return False
+        return True
+
+    async def _refuse(self, send: Send, reason: str, status: int, message: str, kind: str) -> None:
+        self.metrics.rejected_total.labels(reason).inc()
+        self._refusals.warning(reason, "refused a request (%s): %s", reason, message)
+        await send_error(send, status, message, kind)
+
+    async def _refuse_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket handshake (the server parsed it as one): a clear 501 instead."""
+        self.metrics.rejected_total.labels("upgrade").inc()
+        self._refusals.warning("upgrade", "refused a websocket upgrade: not relayed")
+        await receive()  # websocket.connect
+        body = json_error(501, "phasewatch does not relay websocket upgrades", "unsupported")
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": 501,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1003})
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless
@@ -123,11 +202,16 @@ class ProxyApp:
     async def metrics_app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the separate metrics address (--metrics-host/--metrics-port):
         /metrics, and the own API."""
+        if scope["type"] == "websocket":
+            await self._refuse_websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 while (await receive())["type"] != "lifespan.shutdown":
                     await send({"type": "lifespan.startup.complete"})
                 await send({"type": "lifespan.shutdown.complete"})
+            return
+        if not await self._normalised(scope, send):
             return
         path = scope["path"]
         if path == METRICS_PATH:

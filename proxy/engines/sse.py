@@ -10,9 +10,11 @@ what that added (see :class:`SSETap`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from ..measure.timeline import Marks
 from .base import EMPTY_CHOICES_RE, Tap, has_usage, is_finish, is_output
+from .framing import MAX_EVENT_BYTES, Raw
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -20,17 +22,20 @@ _KEEP, _FINISH, _USAGE_ONLY = 0, 1, 2
 
 
 class SSETap(Tap):
-    """Server-sent events. With `strip` set, forwards whole events only, drops the usage
-    event the proxy asked for, and holds finish events until it knows whether their
-    fingerprint went to that usage event."""
+    """Server-sent events. With `strip` set, drops the usage event the proxy asked for,
+    and holds finish events until it knows whether their fingerprint went to that usage
+    event. Events are found per the SSE rules (``\\n``, ``\\r\\n`` and ``\\r`` end a
+    line) on every chunk, by the base tap's framer."""
 
-    __slots__ = ("_held", "_sep", "strip")
+    __slots__ = ("_held", "_held_size", "rewrite", "strip")
 
-    def __init__(self, marks: Marks, strip: bool = False) -> None:
-        super().__init__(marks)
+    def __init__(self, marks: Marks, strip: bool = False, limit: int = MAX_EVENT_BYTES) -> None:
+        super().__init__(marks, limit)
         self.strip = strip
-        self._sep = b""
         self._held: list[bytes] = []
+        self._held_size = 0
+        #: Applied to every event forwarded while stripping (Ollama's zero usage).
+        self.rewrite: Callable[[bytes], bytes] | None = None
 
     def _classify(self, ev: bytes, now: float) -> int:
         if ev[:1] == b":":  # comment (keep-alive)
@@ -57,56 +62,60 @@ class SSETap(Tap):
                 kind = _USAGE_ONLY
         return kind
 
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        sep = self._sep
-        if not sep:
-            sep = self._sep = b"\r\n\r\n" if b"\r\n" in data else b"\n\n"
-        step = len(sep)
-        find = data.find
-        start = 0
-        if not self.strip:
-            while (i := find(sep, start)) >= 0:
-                self._classify(data[start:i], now)
-                start = i + step
-            self._buf = data[start:]
-            return chunk
+    def _event(self, ev: bytes, now: float) -> None:
+        self._classify(ev, now)
+
+    def _pass(self, pieces: list[bytes], now: float) -> bytes | None:
+        if not self.strip:  # inspect mode: forward every whole event
+            return super()._pass(pieces, now)
         out: list[bytes] = []
         held = self._held
-        while (i := find(sep, start)) >= 0:
-            end = i + step
-            kind = self._classify(data[start:i], now)
-            if kind == _USAGE_ONLY:
-                m = _FP_RE.search(data, start, i)
-                for ev in held:
-                    out.append(_with_fingerprint(ev, m.group(1) if m else None, step))
+        raw_seen = self._fr.passed
+        rewrite = self.rewrite
+        classify = self._classify
+        for ev in pieces:
+            if raw_seen and type(ev) is Raw:  # an oversized event: unexamined, in order
+                out.extend(held)
                 held.clear()
+                self._held_size = 0
+                out.append(ev)
+                continue
+            kind = classify(ev, now)
+            if rewrite is not None:
+                ev = rewrite(ev)
+            if kind == _USAGE_ONLY:
+                m = _FP_RE.search(ev)
+                for h in held:
+                    out.append(_with_fingerprint(h, m.group(1) if m else None))
+                held.clear()
+                self._held_size = 0
             elif kind == _FINISH:
-                held.append(data[start:end])
+                held.append(ev)
+                self._held_size += len(ev)
+                if self._held_size > self._fr.limit:  # an engine that only finishes
+                    out.extend(held)
+                    held.clear()
+                    self._held_size = 0
             else:
                 if held:
                     out.extend(held)
                     held.clear()
-                out.append(data[start:end])
-            start = end
-        self._buf = data[start:]
+                    self._held_size = 0
+                out.append(ev)
         return b"".join(out)
 
-    def flush(self) -> bytes:
-        if not self.strip:  # inspect mode forwarded every byte already
-            self._buf = b""
-            return b""
-        held = b"".join(self._held) + self._buf
+    def _release(self) -> bytes:
+        held = b"".join(self._held)
         self._held.clear()
-        self._buf = b""
+        self._held_size = 0
         return held
 
 
-def _with_fingerprint(event: bytes, fingerprint: bytes | None, step: int) -> bytes:
+def _with_fingerprint(event: bytes, fingerprint: bytes | None) -> bytes:
     """Put the usage event's fingerprint back on a finish event that lacks one."""
     if fingerprint is None or b'"system_fingerprint"' in event:
         return event
-    body = event[:-step]
+    body = event.rstrip(b"\r\n")
     if not body.endswith(b"}"):
         return event
-    return body[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + event[-step:]
+    return body[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + event[len(body) :]

@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from ..app import ProxyApp
+from .protocol import guarded_protocol
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,17 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Co
         log_config=None,
         interface="asgi3",
     )
+
+
+def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
+    """Run `config`'s connections under the guarded protocol (proxy.runtime.protocol):
+    the head limit and header deadline hold before any application code runs."""
+    s = app.settings
+    rejected = app.metrics.rejected_total
+    config.http = guarded_protocol(
+        s.max_head_bytes, s.header_timeout, lambda reason: rejected.labels(reason).inc()
+    )
+    return config
 
 
 class DrainingServer(uvicorn.Server):
@@ -110,7 +122,7 @@ def metrics_config(app: ProxyApp) -> uvicorn.Config | None:
         app.metrics_app, s.metrics_host or s.host, s.metrics_port or 0, s.log_level
     )
     config.lifespan = "off"
-    return config
+    return guard(config, app)
 
 
 def run(
@@ -119,7 +131,7 @@ def run(
     """Serve `app` until it is told to stop (the loop uvicorn would pick: uvloop when
     installed)."""
     s = app.settings
-    config = uvicorn_config(app, s.host, s.port, s.log_level)
+    config = guard(uvicorn_config(app, s.host, s.port, s.log_level), app)
     config.load()
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
         runner.run(

@@ -9,7 +9,7 @@ import signal
 import socket
 
 from ..app import ProxyApp
-from ..runtime.server import SignalFreeServer, uvicorn_config
+from ..runtime.server import SignalFreeServer, guard, uvicorn_config
 from ..settings import Settings
 from ..sim.command import from_args
 from ..sim.power import gpu_models
@@ -66,8 +66,9 @@ async def run_demo(args: argparse.Namespace) -> None:
         power_dcgm_url=f"http://127.0.0.1:{sim_port}/metrics",
         power_gpu=power_gpu,
     )
+    proxy_app = ProxyApp(settings)
     proxy_server = SignalFreeServer(
-        uvicorn_config(ProxyApp(settings), args.host, args.port, "info")
+        guard(uvicorn_config(proxy_app, args.host, args.port, "info"), proxy_app)
     )
     sim_task = asyncio.create_task(sim_server.serve())
     while not sim_server.started:
