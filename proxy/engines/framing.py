@@ -26,6 +26,12 @@ _SSE_END = re.compile(rb"(?>\r\n|\r|\n)(?>\r\n|\r|\n)")
 MAX_EVENT_BYTES = 1024 * 1024
 
 
+def _crlf_only(data: bytes, start: int) -> bool:
+    """Whether every line of `data[start:]` ends with CRLF (and none is cut in two)."""
+    n = data.count(b"\r\n", start)
+    return n == data.count(b"\r", start) == data.count(b"\n", start)
+
+
 class Raw(bytes):
     """Bytes of an oversized event: forwarded as they come, never looked at."""
 
@@ -103,6 +109,11 @@ class Framer:
             while (i := find(b"\n\n", start)) >= 0:
                 append(data[start : i + 2])
                 start = i + 2
+        elif _crlf_only(data, start):  # CRLF only (sse-starlette): one fast search too
+            find = data.find
+            while (i := find(b"\r\n\r\n", start)) >= 0:
+                append(data[start : i + 4])
+                start = i + 4
         else:
             search = _SSE_END.search
             while (m := search(data, start)) is not None:

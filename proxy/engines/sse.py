@@ -62,8 +62,7 @@ class SSETap(Tap):
                 kind = _USAGE_ONLY
         return kind
 
-    def _event(self, ev: bytes, now: float) -> None:
-        self._classify(ev, now)
+    _event = _classify  # type: ignore[assignment]  # its kind is only read while stripping
 
     def _pass(self, pieces: list[bytes], now: float) -> bytes | None:
         if not self.strip:  # inspect mode: forward every whole event
