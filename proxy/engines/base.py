@@ -71,6 +71,7 @@ class Tap:
         "gap_counts",
         "gap_sum",
         "marks",
+        "rewrites",
         "timings_payload",
         "usage_payload",
     )
@@ -90,6 +91,8 @@ class Tap:
         self.timings_payload: bytes | None = None
         self.finish_seen = False
         self._fr = Framer(limit, lines=self.lines)
+        #: Whether the tap changes what it forwards (then :meth:`_rewrite` decides).
+        self.rewrites = False
 
     @property
     def oversized(self) -> int:
@@ -113,28 +116,28 @@ class Tap:
         """Look at one whole event (its terminator included)."""
         raise NotImplementedError
 
-    def _pass(self, pieces: list[bytes], now: float) -> bytes | None:
-        """Look at each whole event of `pieces`; return the bytes to forward, or None for
-        all of them as they are. Raw pieces (an oversized event) go unexamined."""
+    def _rewrite(self, pieces: list[bytes], now: float) -> bytes:  # pragma: no cover
+        """Look at each piece and return what to forward instead of them (taps that
+        change a stream: ``rewrites`` set)."""
+        raise NotImplementedError
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        """Take one chunk of the body; return the bytes to forward now (whole events).
+        Raw pieces (an oversized event) go through unexamined."""
+        fr = self._fr
+        pieces = fr.split(chunk)
+        if not pieces:
+            return b""
+        if self.rewrites:
+            return self._rewrite(pieces, now)
         event = self._event
-        if self._fr.passed:
+        if fr.passed:
             for ev in pieces:
                 if type(ev) is not Raw:
                     event(ev, now)
         else:
             for ev in pieces:
                 event(ev, now)
-        return None
-
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        """Take one chunk of the body; return the bytes to forward now (whole events)."""
-        fr = self._fr
-        pieces = fr.split(chunk)
-        if not pieces:
-            return b""
-        out = self._pass(pieces, now)
-        if out is not None:
-            return out
         if fr.whole:  # the chunk was whole events: forward it as it came
             return chunk
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -159,8 +162,11 @@ class Tap:
         whole = bool(rest) and fr.complete(rest)
         out = b""
         if whole:
-            passed = self._pass([rest], now)
-            out = rest if passed is None else passed
+            if self.rewrites:
+                out = self._rewrite([rest], now)
+            else:
+                self._event(rest, now)
+                out = rest
         out += self._release()
         if rest and not whole and (not mend or self.done or self.error_payload is not None):
             out += rest  # nothing follows it: as the engine sent it

@@ -78,7 +78,15 @@ class Framer:
             if not chunk:
                 return pieces
         elif not self._held:
-            start = self._events(chunk, 0, pieces)
+            if self.lines or b"\r" in chunk:
+                start = self._events(chunk, 0, pieces)
+            else:  # the hot path (LF-only SSE, nothing held): the search inlined
+                start = 0
+                find = chunk.find
+                append = pieces.append
+                while (i := find(b"\n\n", start)) >= 0:
+                    append(chunk[start : i + 2])
+                    start = i + 2
             if start == len(chunk):
                 self.whole = True
                 return pieces

@@ -31,7 +31,7 @@ class SSETap(Tap):
 
     def __init__(self, marks: Marks, strip: bool = False, limit: int = MAX_EVENT_BYTES) -> None:
         super().__init__(marks, limit)
-        self.strip = strip
+        self.strip = self.rewrites = strip
         self._held: list[bytes] = []
         self._held_size = 0
         #: Applied to every event forwarded while stripping (Ollama's zero usage).
@@ -64,9 +64,7 @@ class SSETap(Tap):
 
     _event = _classify  # type: ignore[assignment]  # its kind is only read while stripping
 
-    def _pass(self, pieces: list[bytes], now: float) -> bytes | None:
-        if not self.strip:  # inspect mode: forward every whole event
-            return super()._pass(pieces, now)
+    def _rewrite(self, pieces: list[bytes], now: float) -> bytes:
         out: list[bytes] = []
         held = self._held
         raw_seen = self._fr.passed

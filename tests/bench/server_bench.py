@@ -120,9 +120,7 @@ def main() -> None:
     print(f"{'protocol':<10} {'req/s':>9} {'CPU us/req':>11} {'vs httptools':>13}")
     for kind in kinds:
         med = statistics.median(us[kind])
-        print(
-            f"{kind:<10} {statistics.median(rps[kind]):>9,.0f} {med:>11.1f} {med / base:>12.2f}x"
-        )
+        print(f"{kind:<10} {statistics.median(rps[kind]):>9,.0f} {med:>11.1f} {med / base:>12.2f}x")
 
 
 if __name__ == "__main__":
