@@ -4,7 +4,10 @@ Every request that is not one of phasewatch's own few paths goes straight to the
 without a routing table (the per-request and per-event costs stay the relay's own).
 ``/phasewatch/…`` (and ``/`` for browsers) goes to the own API (:mod:`proxy.api`, a
 FastAPI app); ``/metrics`` to prometheus-client's exposition, unless the metrics have an
-address of their own (then the proxy port relays ``/metrics`` to the engine).
+address of their own (then the proxy port relays ``/metrics`` to the engine). Before any
+of that, the path is normalised once (:mod:`proxy.core.paths`): what routes, measures and
+reaches the engine is one spelling of it. ``OPTIONS *`` and websocket upgrades are
+answered here, never relayed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
 from .core.asgi import Receive, Scope, Send
-from .core.errors import json_error, send_error
+from .core.errors import send_error
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
 from .measure.metrics import Metrics
@@ -125,8 +128,8 @@ class ProxyApp:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-        elif kind == "websocket":
-            await self._refuse_websocket(scope, receive, send)
+        # no "websocket" scope: the server protocol (proxy.runtime.protocol) never switches
+        # protocols, so an upgrade request arrives as an HTTP request, answered above
 
     async def _normalised(self, scope: Scope, send: Send) -> bool:
         """Normalise the path in `scope` once, before anything routes on it; answer
@@ -161,27 +164,6 @@ class ProxyApp:
         self._refusals.warning(reason, "refused a request (%s): %s", reason, message)
         await send_error(send, status, message, kind)
 
-    async def _refuse_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A websocket handshake (the server parsed it as one): a clear 501 instead."""
-        self.metrics.rejected_total.labels("upgrade").inc()
-        self._refusals.warning("upgrade", "refused a websocket upgrade: not relayed")
-        await receive()  # websocket.connect
-        body = json_error(501, "phasewatch does not relay websocket upgrades", "unsupported")
-        if "websocket.http.response" in scope.get("extensions", {}):
-            await send(
-                {
-                    "type": "websocket.http.response.start",
-                    "status": 501,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "websocket.http.response.body", "body": body})
-        else:
-            await send({"type": "websocket.close", "code": 1003})
-
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless
         --metrics-public (a separate --metrics-port is for Prometheus alone)."""
@@ -202,9 +184,6 @@ class ProxyApp:
     async def metrics_app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of the separate metrics address (--metrics-host/--metrics-port):
         /metrics, and the own API."""
-        if scope["type"] == "websocket":
-            await self._refuse_websocket(scope, receive, send)
-            return
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 while (await receive())["type"] != "lifespan.shutdown":
