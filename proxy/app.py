@@ -82,6 +82,7 @@ class ProxyApp:
             access=self.access,
             max_body_memory=settings.max_body_memory,
             max_event_bytes=settings.max_event_bytes,
+            body_timeout=settings.body_timeout,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access

@@ -158,8 +158,8 @@ class Settings(BaseSettings):
     max_body_memory: int = Field(
         256 * 1024 * 1024,
         gt=0,
-        description="Most bytes of request bodies held in memory at once, per worker "
-        "(503 with Retry-After beyond; at least --max-body-bytes).",
+        description="Most bytes of request bodies held in memory at once, per worker, "
+        "counted as they arrive (503 with Retry-After beyond; at least --max-body-bytes).",
     )
     max_head_bytes: int = Field(
         64 * 1024,
@@ -173,6 +173,12 @@ class Settings(BaseSettings):
         description="Seconds a client may take to send a request head (408 and the "
         "connection closed beyond); also how long an unwanted request body is read "
         "and dropped before a connection the proxy answered early is closed.",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a request body may stall (no byte arriving) before a 408: a "
+        "stalled upload cannot hold its share of --max-body-memory.",
     )
     max_event_bytes: int = Field(
         1024 * 1024,

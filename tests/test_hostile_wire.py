@@ -630,6 +630,44 @@ def test_request_bodies_share_one_memory_budget(engine):
         proxy.stop()
 
 
+def test_a_promised_or_stalled_body_cannot_hold_the_budget(engine):
+    """The budget counts bytes that arrived, not a Content-Length; a body that stops
+    arriving is given up at the stall deadline (408), and what it held is freed."""
+    proxy = start_proxy(
+        f"e={engine.url}",
+        args=[
+            "--engine",
+            "e=openai",
+            "--max-body-bytes",
+            str(MiB),
+            "--max-body-memory",
+            str(MiB),
+            "--body-timeout",
+            "1",
+        ],
+    )
+    try:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
+        stalled = []
+        for _ in range(5):  # each promises the whole budget, sends 128 KiB, then stalls
+            s = connect(proxy.url, timeout=30)
+            s.sendall(head % MiB + b"x" * (128 * 1024))
+            stalled.append(s)
+        # five promises of the whole budget hold 640 KiB of it: a small request is served
+        assert status_of(raw(proxy.url, post("/v1/chat/completions", chat(False)))) == 200
+        expected = answer(408, "no byte of the request body arrived for 1s", "request_timeout")
+        answers = [read_response(s) for s in stalled]
+        for s in stalled:
+            s.close()
+        assert answers == [expected] * 5
+        assert sample(metrics(proxy), "phasewatch_rejected_total", reason="body_timeout") == 5
+        # what they held was given back: a body of nearly the whole budget is taken
+        got = raw(proxy.url, post("/v1/chat/completions", chat(False, "a" * (MiB - 200))))
+        assert status_of(got) == 200, got
+    finally:
+        proxy.stop()
+
+
 # --- 6. a very long SSE line: linear, bounded, passed through unmeasured ------------------------
 
 

@@ -5,9 +5,15 @@ depend on it) and stays referenced until its exchange ends. Without a bound, a f
 clients sending large bodies at once would take the process's memory; with
 :class:`BodyBudget` a request whose body does not fit gets a 503 with ``Retry-After``
 instead, and nothing else is disturbed. A body is copied once (its pieces joined).
+
+The budget counts bytes as they arrive, not what a ``Content-Length`` promises: a client
+cannot hold the budget with a header alone. And a body that stops arriving is given up
+after a stall deadline, so stalled uploads cannot hold what they sent for ever.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from .asgi import Receive
 
@@ -22,6 +28,10 @@ class TooLarge(Exception):
 
 class OverBudget(Exception):
     """The body does not fit in what is left of the memory budget (503)."""
+
+
+class Stalled(Exception):
+    """No byte of the body arrived within the stall deadline (408)."""
 
 
 class BodyBudget:
@@ -60,27 +70,33 @@ class Body:
                 raise OverBudget()
             self.reserved = n
 
-    async def read(self, receive: Receive, limit: int, declared: int | None) -> bytes:
-        """The whole body. `declared`: its Content-Length, reserved up front."""
-        if declared is not None:
-            if declared > limit:
-                raise TooLarge()
-            self.reserve(declared)
+    async def read(self, receive: Receive, limit: int, declared: int | None, stall: float) -> bytes:
+        """The whole body, at most `limit` bytes (`declared`: its Content-Length, refused
+        at once when over), each piece reserved as it arrives; :class:`Stalled` when
+        `stall` seconds pass without one."""
+        if declared is not None and declared > limit:
+            raise TooLarge()
         chunks: list[bytes] = []
         size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ClientGone()
-            chunk = msg.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise TooLarge()
-                self.reserve(size)
-                chunks.append(chunk)
-            if not msg.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(stall) as deadline:
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise ClientGone()
+                    chunk = msg.get("body", b"")
+                    if chunk:
+                        size += len(chunk)
+                        if size > limit:
+                            raise TooLarge()
+                        self.reserve(size)
+                        chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    deadline.reschedule(loop.time() + stall)
+        except TimeoutError:
+            raise Stalled() from None
 
     def release(self) -> None:
         self.budget.give(self.reserved)

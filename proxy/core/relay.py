@@ -22,7 +22,7 @@ from ..measure.timeline import Marks
 from . import catalog
 from .access import Access
 from .asgi import Receive, Scope, Send
-from .budget import Body, BodyBudget, ClientGone, OverBudget, TooLarge
+from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .errors import ErrorShape, UpstreamFailure, describe, send_error
 from .exchange import Exchange
 from .gate import QueueFull, QueueTimeout
@@ -57,6 +57,7 @@ class Relay:
         access: Access | None = None,
         max_body_memory: int | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        body_timeout: float = 30.0,
     ) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
@@ -66,6 +67,8 @@ class Relay:
         #: Request bodies held at once, over every request of this process.
         self.bodies = BodyBudget(max_body_memory or 4 * max_body_bytes)
         self.max_event_bytes = max_event_bytes
+        #: Seconds a request body may stall (no byte arriving) before a 408.
+        self.body_timeout = body_timeout
         self._refusals = LimitedLog(log)
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
@@ -93,13 +96,22 @@ class Relay:
                 scope,
                 receive,
                 send,
-                await held.read(receive, self.max_body_bytes, _declared_length(headers)),
+                await held.read(
+                    receive, self.max_body_bytes, _declared_length(headers), self.body_timeout
+                ),
             )
         except ClientGone:
             return
         except TooLarge:
             await self._refuse(
                 send, "body_too_large", 413, f"request body over {self.max_body_bytes} bytes"
+            )
+        except Stalled:
+            await self._refuse(
+                send,
+                "body_timeout",
+                408,
+                f"no byte of the request body arrived for {self.body_timeout:g}s",
             )
         except OverBudget:
             await self._refuse(
@@ -124,7 +136,7 @@ class Relay:
         """Refuse a request before it goes upstream: counted, said once in the log."""
         self.recorder.metrics.rejected_total.labels(reason).inc()
         self._refusals.warning(reason, "refused a request (%s): %s", reason, message)
-        kind = "request_too_large" if status == 413 else "unavailable"
+        kind = {413: "request_too_large", 408: "request_timeout"}.get(status, "unavailable")
         await send_error(send, status, message, kind, extra)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:

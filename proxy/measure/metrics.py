@@ -305,7 +305,8 @@ class Metrics:
             PREFIX + "rejected",
             "Requests refused on the wire before they reached an upstream, by reason: "
             "head_too_large (431), header_timeout (408 or closed), body_too_large (413), "
-            "body_memory (503, --max-body-memory), bad_path (400), upgrade (501).",
+            "body_memory (503, --max-body-memory), body_timeout (408), bad_path (400), "
+            "upgrade (501).",
             ("reason",),
             registry=r,
         )
