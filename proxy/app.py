@@ -4,13 +4,17 @@ Every request that is not one of phasewatch's own few paths goes straight to the
 without a routing table (the per-request and per-event costs stay the relay's own).
 ``/phasewatch/…`` (and ``/`` for browsers) goes to the own API (:mod:`proxy.api`, a
 FastAPI app); ``/metrics`` to prometheus-client's exposition, unless the metrics have an
-address of their own (then the proxy port relays ``/metrics`` to the engine).
+address of their own (then the proxy port relays ``/metrics`` to the engine). Before any
+of that, the path is normalised once (:mod:`proxy.core.paths`): what routes, measures and
+reaches the engine is one spelling of it. ``OPTIONS *`` and websocket upgrades are
+answered here, never relayed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from urllib.parse import quote
 
 from prometheus_client import make_asgi_app
 
@@ -21,6 +25,8 @@ from .core.asgi import Receive, Scope, Send
 from .core.clients import Clients
 from .core.errors import send_error
 from .core.host import Host
+from .core.limited import LimitedLog
+from .core.paths import BadPath, normalise
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder
 from .services import engine_state
@@ -32,6 +38,21 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
+#: What ``OPTIONS *`` answers: every method is relayed.
+ALLOW = b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"
+
+
+def _upgrade(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The protocol a request asks to upgrade to (``Connection: upgrade``), if any."""
+    connection = upgrade = None
+    for k, v in headers:
+        if k == b"connection":
+            connection = v.lower()
+        elif k == b"upgrade":
+            upgrade = v.strip().lower()
+    if connection is None or upgrade is None or b"upgrade" not in connection:
+        return None
+    return upgrade
 
 
 class ProxyApp:
@@ -72,11 +93,15 @@ class ProxyApp:
             clients=Clients(settings.client_header, settings.clients),
             trace_hook=self.tracing.begin if self.tracing and self.tracing.traces else None,
             echo_request_id=settings.echo_request_id,
+            max_body_memory=settings.max_body_memory,
+            max_event_bytes=settings.max_event_bytes,
+            body_timeout=settings.body_timeout,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
         )
         self.exposition = make_asgi_app(self.metrics.exposition)
+        self._refusals = LimitedLog(log)
         #: /metrics on the proxy port, unless it has its own address.
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
 
@@ -108,6 +133,8 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            if not await self._normalised(scope, send):
+                return
             path = scope["path"]
             if path.startswith(PREFIX) and (len(path) == len(PREFIX) or path[len(PREFIX)] == "/"):
                 await self.api(scope, receive, send)
@@ -119,6 +146,41 @@ class ProxyApp:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+        # no "websocket" scope: the server protocol (proxy.runtime.protocol) never switches
+        # protocols, so an upgrade request arrives as an HTTP request, answered above
+
+    async def _normalised(self, scope: Scope, send: Send) -> bool:
+        """Normalise the path in `scope` once, before anything routes on it; answer
+        what is not relayed (a bad path, ``OPTIONS *``, an upgrade) and return False."""
+        try:
+            raw, path = normalise(scope.get("raw_path") or quote(scope["path"]).encode())
+        except BadPath as exc:
+            if scope["path"] == "*" and scope["method"] == "OPTIONS":
+                # about the proxy itself, not a resource: answered here, never relayed
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"allow", ALLOW), (b"content-length", b"0")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": b""})
+                return False
+            await self._refuse(send, "bad_path", 400, f"{exc}; not relayed", "invalid_request")
+            return False
+        if raw != scope.get("raw_path"):
+            scope["raw_path"], scope["path"] = raw, path
+        if _upgrade(scope["headers"]) == b"websocket":
+            await self._refuse(
+                send, "upgrade", 501, "phasewatch does not relay websocket upgrades", "unsupported"
+            )
+            return False
+        return True
+
+    async def _refuse(self, send: Send, reason: str, status: int, message: str, kind: str) -> None:
+        self.metrics.rejected_total.labels(reason).inc()
+        self._refusals.warning(reason, "refused a request (%s): %s", reason, message)
+        await send_error(send, status, message, kind)
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless
@@ -145,6 +207,8 @@ class ProxyApp:
                 while (await receive())["type"] != "lifespan.shutdown":
                     await send({"type": "lifespan.startup.complete"})
                 await send({"type": "lifespan.shutdown.complete"})
+            return
+        if not await self._normalised(scope, send):
             return
         path = scope["path"]
         if path == METRICS_PATH:

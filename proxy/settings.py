@@ -20,7 +20,14 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .core.upstreams import UpstreamOptions, UpstreamSpec
@@ -300,6 +307,37 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
     )
+    max_body_memory: int = Field(
+        256 * 1024 * 1024,
+        gt=0,
+        description="Most bytes of request bodies held in memory at once, per worker, "
+        "counted as they arrive (503 with Retry-After beyond; at least --max-body-bytes).",
+    )
+    max_head_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Largest request head (request line and headers) accepted (431 "
+        "beyond), checked before any other work.",
+    )
+    header_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a client may take to send a request head (408 and the "
+        "connection closed beyond); also how long an unwanted request body is read "
+        "and dropped before a connection the proxy answered early is closed.",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a request body may stall (no byte arriving) before a 408: a "
+        "stalled upload cannot hold its share of --max-body-memory.",
+    )
+    max_event_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="Largest stream event held for measurement; a larger one passes "
+        'through unmeasured (counted as errors_total{kind="oversized"}).',
+    )
 
     # Access (never logged, never exported)
     api_key: Annotated[list[SecretStr], NoDecode] = Field(
@@ -393,8 +431,11 @@ class Settings(BaseSettings):
 
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
-    def _secret_lists(cls, value: Any) -> Any:
-        return _split_list(value)
+    def _secret_lists(cls, value: Any, info: ValidationInfo) -> Any:
+        items = _split_list(value)
+        if info.field_name == "api_key" and isinstance(value, str) and not items:
+            raise ValueError("an empty key would leave the proxy open: give a key")
+        return items
 
     @field_validator("upstream_key")
     @classmethod
@@ -410,6 +451,10 @@ class Settings(BaseSettings):
     def _check_api_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
         names: set[str] = set()
         for item in value:
+            if not item.get_secret_value().strip(" ,\t\r\n"):
+                raise ValueError(
+                    "an empty key would leave the proxy open: give a key, or leave the setting out"
+                )
             name, key = split_named_key(item.get_secret_value())
             if name is not None:
                 if name in names:
@@ -531,6 +576,17 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _parse(self) -> Settings:
+        if self.max_body_memory < self.max_body_bytes:
+            raise ValueError(
+                f"--max-body-memory ({self.max_body_memory}) is below --max-body-bytes "
+                f"({self.max_body_bytes}): no body of the largest size could be accepted"
+            )
+        for var, text in os.environ.items():  # ignored when empty, yet meant as a key
+            if var.upper() == "PHASEWATCH_API_KEY" and not _split_list(text):
+                raise ValueError(
+                    "PHASEWATCH_API_KEY is set but holds no key: an empty key would leave "
+                    "the proxy open (unset it, or give a key)"
+                )
         keys = dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
         engines = dict(item.split("=", 1) for item in self.engine)
         specs = []

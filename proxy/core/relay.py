@@ -17,16 +17,19 @@ from collections.abc import Callable
 import httpx
 
 from ..engines import Tap, get_dialect
+from ..engines.framing import MAX_EVENT_BYTES
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
 from .access import Access
 from .asgi import Receive, Scope, Send
+from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
 from .errors import ErrorShape, UpstreamFailure, describe, send_error
 from .exchange import Exchange
 from .gate import QueueFull, QueueTimeout
 from .headers import Headers, encoded, request_headers, request_id, response_headers
+from .limited import LimitedLog
 from .upstreams import Upstream, Upstreams
 
 log = logging.getLogger(__name__)
@@ -46,25 +49,12 @@ _MAX_KEPT_BODY = 16 * 1024 * 1024
 TraceHook = Callable[[Exchange, Headers], None]
 
 
-class ClientGone(Exception):
-    """The client disconnected while its request body was being read."""
-
-
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it exceeds `limit`."""
-    chunks = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's Content-Length (the server already refused a malformed one)."""
+    for k, v in headers:
+        if k == b"content-length" and v.isdigit():
+            return int(v)
+    return None
 
 
 class Relay:
@@ -81,6 +71,9 @@ class Relay:
         clients: Clients | None = None,
         trace_hook: TraceHook | None = None,
         echo_request_id: bool = False,
+        max_body_memory: int | None = None,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        body_timeout: float = 30.0,
     ) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
@@ -91,6 +84,12 @@ class Relay:
         self.trace_hook = trace_hook
         #: Return the request id in an x-request-id response header (measured requests).
         self.echo_request_id = echo_request_id
+        #: Request bodies held at once, over every request of this process.
+        self.bodies = BodyBudget(max_body_memory or 4 * max_body_bytes)
+        self.max_event_bytes = max_event_bytes
+        #: Seconds a request body may stall (no byte arriving) before a 408.
+        self.body_timeout = body_timeout
+        self._refusals = LimitedLog(log)
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
 
@@ -111,21 +110,63 @@ class Relay:
                 [(b"www-authenticate", b'Bearer realm="phasewatch"')],
             )
             return
-        for k, v in headers:
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
-                await send_error(
-                    send, 413, f"request body over {self.max_body_bytes} bytes", "request_too_large"
-                )
-                return
+        held = Body(self.bodies)
         try:
-            body = await read_body(receive, self.max_body_bytes)
+            # the body is passed on, not kept here: once prepared, only one copy lives
+            await self._route(
+                scope,
+                receive,
+                send,
+                await held.read(
+                    receive, self.max_body_bytes, _declared_length(headers), self.body_timeout
+                ),
+                key_client,
+            )
         except ClientGone:
             return
-        if body is None:
-            await send_error(
-                send, 413, f"request body over {self.max_body_bytes} bytes", "request_too_large"
+        except TooLarge:
+            await self._refuse(
+                send, "body_too_large", 413, f"request body over {self.max_body_bytes} bytes"
             )
-            return
+        except Stalled:
+            await self._refuse(
+                send,
+                "body_timeout",
+                408,
+                f"no byte of the request body arrived for {self.body_timeout:g}s",
+            )
+        except OverBudget:
+            await self._refuse(
+                send,
+                "body_memory",
+                503,
+                f"request bodies in memory are at --max-body-memory ({self.bodies.limit} "
+                "bytes); retry later",
+                [(b"retry-after", b"1")],
+            )
+        finally:
+            held.release()
+
+    async def _refuse(
+        self,
+        send: Send,
+        reason: str,
+        status: int,
+        message: str,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        """Refuse a request before it goes upstream: counted, said once in the log."""
+        self.recorder.metrics.rejected_total.labels(reason).inc()
+        self._refusals.warning(reason, "refused a request (%s): %s", reason, message)
+        kind = {413: "request_too_large", 408: "request_timeout"}.get(status, "unavailable")
+        await send_error(send, status, message, kind, extra)
+
+    async def _route(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, key_client: str
+    ) -> None:
+        """Pick the upstream, then relay the request measured or as it is; `key_client` is
+        the client a named proxy key names ("" when none does)."""
+        headers = scope["headers"]
         t_recv = time.monotonic()
         method = scope["method"]
         path = scope["path"]
@@ -159,6 +200,7 @@ class Relay:
         if prepared is None:
             await self._passthrough(scope, receive, send, upstream, body)
             return
+        del body  # only the prepared body is kept from here on
         label = upstream.model_label(prepared.model)
         ex = Exchange(
             request_id(headers),
@@ -317,12 +359,14 @@ class Relay:
         tap = None
         if ex.status < 400 and not encoded(raw):
             tap = ex.upstream.dialect.tap(
-                resp.headers.get("content-type", ""), ex.marks, ex.prepared
+                resp.headers.get("content-type", ""), ex.marks, ex.prepared, self.max_event_bytes
             )
         ex.tap = tap
         headers = response_headers(raw)
         if self.echo_request_id:
             headers = [h for h in headers if h[0] != b"x-request-id"] + self._echo(ex)
+        if tap is not None:  # the proxy may change a stream's bytes: it goes out chunked
+            headers = [h for h in headers if h[0] != b"content-length"]
         await send({"type": "http.response.start", "status": ex.status, "headers": headers})
         try:
             if tap is not None:
@@ -332,23 +376,44 @@ class Relay:
                 kept = await self._forward_kept(send, resp)
                 tail = b""
         except httpx.HTTPError as exc:
-            ex.fail(
-                "timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
-                f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}",
-                502,
-            )
-            log.warning("%s (request %s)", ex.error_message, ex.request_id)
-            if tap is not None:
-                assert ex.error_message is not None
-                tail = tap.flush() + ex.upstream.dialect.stream_error(
-                    ex.error_message, ex.prepared.endpoint
+            # a stream's tap ends it on an event boundary; a stream that had reached its
+            # end before the connection broke is a whole answer
+            tail = tap.end(time.monotonic()) if tap is not None else b""
+            if tap is None or not (tap.done or tap.error_payload is not None):
+                ex.fail(
+                    "timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
+                    f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}",
+                    502,
                 )
+                log.warning("%s (request %s)", ex.error_message, ex.request_id)
+                if tap is None:
+                    return  # a plain body is left cut short: the client sees the connection end
+                assert ex.error_message is not None
                 state.finished = True
+                tail += ex.upstream.dialect.stream_error(ex.error_message, ex.prepared.endpoint)
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
-            return  # a plain body is left cut short: the client sees the connection end
+                return
+            kept = None
+        finally:
+            if tap is not None and tap.oversized:
+                self._oversized(ex, tap.oversized)
         state.finished = True
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         self._settle(ex, kept)
+
+    def _oversized(self, ex: Exchange, events: int) -> None:
+        """Events too large to measure passed through: counted, and said once."""
+        self.recorder.metrics.errors_total.labels(
+            ex.upstream.name, ex.model_label, ex.precision, "oversized"
+        ).inc()
+        log.warning(
+            "%d stream event(s) over --max-event-bytes (%d) passed through unmeasured "
+            "(request %s, upstream %s)",
+            events,
+            self.max_event_bytes,
+            ex.request_id,
+            ex.upstream.name,
+        )
 
     async def _stream(self, send: Send, resp: httpx.Response, tap: Tap, ex: Exchange) -> bytes:
         """The per-event loop, the hottest code in the product: feed each chunk to the tap
@@ -358,7 +423,7 @@ class Relay:
             out = feed(chunk, monotonic())
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        tail = tap.flush()
+        tail = tap.end(monotonic())
         if not tap.done and tap.error_payload is None:
             # the engine closed the stream cleanly but never finished it: say so in the
             # stream's own framing so clients do not take a cut answer as whole

@@ -25,6 +25,7 @@ from ..measure.kvcache import KVShape
 from ..measure.metrics import GAP_BUCKETS
 from ..measure.precision import Precision
 from ..measure.timeline import EngineTimings, Marks, Usage
+from .framing import MAX_EVENT_BYTES, Framer, Raw
 
 if TYPE_CHECKING:
     import httpx
@@ -55,14 +56,17 @@ class Outcome:
 
 
 class Tap:
-    """Base tap: per-event bookkeeping shared by SSE and NDJSON framing.
+    """Base tap: event framing and the per-event bookkeeping shared by SSE and NDJSON.
 
-    Subclasses implement :meth:`feed`. Marks are written straight into `marks`; gap
+    Events are found by a :class:`~proxy.engines.framing.Framer` (linear, bounded); the
+    tap forwards whole events only, so what the client has received always ends on an
+    event boundary and an error event of the proxy's own can follow it cleanly.
+    Subclasses implement :meth:`_event`. Marks are written straight into `marks`; gap
     counts into a bucket array handed to the metrics once per request.
     """
 
     __slots__ = (
-        "_buf",
+        "_fr",
         "_last_out",
         "done",
         "error_payload",
@@ -71,11 +75,15 @@ class Tap:
         "gap_counts",
         "gap_sum",
         "marks",
+        "rewrites",
         "timings_payload",
         "usage_payload",
     )
 
-    def __init__(self, marks: Marks) -> None:
+    #: NDJSON taps split on newlines, SSE taps on blank lines.
+    lines = False
+
+    def __init__(self, marks: Marks, limit: int = MAX_EVENT_BYTES) -> None:
         self.marks = marks
         self.gap_counts = [0] * (len(GAP_BUCKETS) + 1)
         self.gap_sum = 0.0
@@ -87,7 +95,14 @@ class Tap:
         self.timings_payload: bytes | None = None
         self.finish_seen = False
         self.finish_payload: bytes | None = None  # the last event that had a finish reason
-        self._buf = b""
+        self._fr = Framer(limit, lines=self.lines)
+        #: Whether the tap changes what it forwards (then :meth:`_rewrite` decides).
+        self.rewrites = False
+
+    @property
+    def oversized(self) -> int:
+        """Events too large to hold, passed through unmeasured."""
+        return self._fr.oversized
 
     def _output(self, now: float) -> None:
         """An event carrying generated output passed at `now`."""
@@ -102,13 +117,70 @@ class Tap:
         m.t_last = now
         m.output_events += 1
 
-    def feed(self, chunk: bytes, now: float) -> bytes:  # pragma: no cover - abstract
+    def _event(self, ev: bytes, now: float) -> None:  # pragma: no cover - abstract
+        """Look at one whole event (its terminator included)."""
         raise NotImplementedError
 
+    def _rewrite(self, pieces: list[bytes], now: float) -> bytes:  # pragma: no cover
+        """Look at each piece and return what to forward instead of them (taps that
+        change a stream: ``rewrites`` set)."""
+        raise NotImplementedError
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        """Take one chunk of the body; return the bytes to forward now (whole events).
+        Raw pieces (an oversized event) go through unexamined."""
+        fr = self._fr
+        pieces = fr.split(chunk)
+        if not pieces:
+            return b""
+        if self.rewrites:
+            return self._rewrite(pieces, now)
+        event = self._event
+        if fr.passed:
+            for ev in pieces:
+                if type(ev) is not Raw:
+                    event(ev, now)
+        else:
+            for ev in pieces:
+                event(ev, now)
+        if fr.whole:  # the chunk was whole events: forward it as it came
+            return chunk
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
     def flush(self) -> bytes:
-        """Bytes still held back when the upstream ends, to forward as they are. A tap
-        that only inspects has forwarded everything already and returns nothing."""
-        self._buf = b""
+        """Bytes still held back when the upstream ends, to forward as they are (an
+        unfinished last event is looked at when it could stand as a whole one)."""
+        return self._finish(self.marks.t_last or 0.0, mend=False)
+
+    def end(self, now: float) -> bytes:
+        """What to forward when the upstream's body ends (cleanly or not). When the
+        stream reached its terminator or an error event, what is held goes out as the
+        engine sent it; otherwise the relay appends an error event, so the stream is made
+        to end on an event boundary first: an unfinished event whose lines all ended is
+        closed with a blank line, one cut inside a line is dropped (a client would fail
+        to parse it and never see the error)."""
+        return self._finish(now, mend=True)
+
+    def _finish(self, now: float, mend: bool) -> bytes:
+        fr = self._fr
+        rest = fr.take()
+        whole = bool(rest) and fr.complete(rest)
+        out = b""
+        if whole:
+            if self.rewrites:
+                out = self._rewrite([rest], now)
+            else:
+                self._event(rest, now)
+                out = rest
+        out += self._release()
+        if rest and not whole and (not mend or self.done or self.error_payload is not None):
+            out += rest  # nothing follows it: as the engine sent it
+        if mend and not self.done and self.error_payload is None:
+            out += fr.closer(out if out else (fr.last if fr.in_raw else b""))
+        return out
+
+    def _release(self) -> bytes:
+        """Whole events a tap held back (the SSE tap's finish events), at the end."""
         return b""
 
 
@@ -158,6 +230,12 @@ def read_response(obj: dict, out: Outcome) -> None:
             reasons.append(reason[:_MAX_RESPONSE_TEXT])
     if reasons and not out.finish_reasons:
         out.finish_reasons = tuple(reasons)
+
+
+def no_generation(status: int) -> bool:
+    """An answer that by its status carries no generation to read (204 No Content, 304,
+    a redirect): not a protocol error, and nothing to measure."""
+    return status < 200 or status in (204, 205) or 300 <= status < 400
 
 
 def settle(tap: Tap, out: Outcome, terminator: str) -> Outcome:
@@ -305,8 +383,11 @@ class Dialect(Protocol):
     def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
         """What to send upstream; None when this request is not measured after all."""
 
-    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
-        """A tap for a streamed answer of this content type, or None (a whole body)."""
+    def tap(
+        self, content_type: str, marks: Marks, prepared: Prepared, limit: int = MAX_EVENT_BYTES
+    ) -> Tap | None:
+        """A tap for a streamed answer of this content type, or None (a whole body).
+        `limit`: the most bytes of one event the tap holds for measurement."""
 
     def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
         """What the finished answer said: usage, the engine's timings, errors."""

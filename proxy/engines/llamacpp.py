@@ -54,9 +54,11 @@ from .base import (
     Tap,
     as_int,
     loads,
+    no_generation,
     read_response,
     settle,
 )
+from .framing import MAX_EVENT_BYTES
 from .gguf import GGUFError, read_metadata
 from .openai import OpenAIDialect
 from .probe import get_json, read_bounded
@@ -98,12 +100,11 @@ WHOLE = {
 class LlamaTap(Tap):
     """llama-server's SSE, inspected and forwarded untouched."""
 
-    __slots__ = ("_sep", "native")
+    __slots__ = ("native",)
 
-    def __init__(self, marks: Marks, native: bool) -> None:
-        super().__init__(marks)
+    def __init__(self, marks: Marks, native: bool, limit: int = MAX_EVENT_BYTES) -> None:
+        super().__init__(marks, limit)
         self.native = native
-        self._sep = b""
 
     def _event(self, ev: bytes, now: float) -> None:
         if ev[:1] == b":":
@@ -134,20 +135,6 @@ class LlamaTap(Tap):
             self.timings_payload = payload
         if b'"usage"' in payload and USAGE_RE.search(payload) is not None:
             self.usage_payload = payload
-
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        sep = self._sep
-        if not sep:
-            sep = self._sep = b"\r\n\r\n" if b"\r\n" in data else b"\n\n"
-        step = len(sep)
-        find = data.find
-        start = 0
-        while (i := find(sep, start)) >= 0:
-            self._event(data[start:i], now)
-            start = i + step
-        self._buf = data[start:]
-        return chunk
 
 
 class LlamaCppDialect(OpenAIDialect):
@@ -230,13 +217,15 @@ class LlamaCppDialect(OpenAIDialect):
             endpoint, model if isinstance(model, str) else None, obj.get("stream") is True, raw
         )
 
-    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+    def tap(
+        self, content_type: str, marks: Marks, prepared: Prepared, limit: int = MAX_EVENT_BYTES
+    ) -> Tap | None:
         if content_type.startswith("text/event-stream"):
-            return LlamaTap(marks, native=prepared.endpoint == "llamacpp_completion")
+            return LlamaTap(marks, native=prepared.endpoint == "llamacpp_completion", limit=limit)
         return None
 
     def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
-        if status >= 400:
+        if status >= 400 or (tap is None and no_generation(status)):
             return super().outcome(tap, body, status)
         out = Outcome()
         if tap is None:

@@ -59,6 +59,7 @@ from .base import (
     read_response,
     settle,
 )
+from .framing import MAX_EVENT_BYTES
 from .openai import OpenAIDialect
 from .probe import get_json, read_bounded
 from .sse import SSETap
@@ -86,9 +87,18 @@ EMBED = {
 
 
 class NDJSONTap(Tap):
-    """Ollama's native stream: one JSON object per line, forwarded untouched."""
+    """Ollama's native stream: one JSON object per line, forwarded untouched (whole lines
+    at a time)."""
 
     __slots__ = ()
+    lines = True
+
+    def _event(self, ev: bytes, now: float) -> None:
+        line = ev[:-1] if ev[-1:] == b"\n" else ev
+        if line[-1:] == b"\r":
+            line = line[:-1]
+        if line:
+            self._line(line, now)
 
     def _line(self, line: bytes, now: float) -> None:
         if line[-14:] == b',"done":false}':  # the common mid-stream line: one scan
@@ -108,51 +118,27 @@ class NDJSONTap(Tap):
         if _NATIVE_OUTPUT_RE.search(line) is not None:
             self._output(now)
 
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        start = 0
-        find = data.find
-        while (i := find(b"\n", start)) >= 0:
-            if i > start:
-                self._line(data[start:i], now)
-            start = i + 1
-        self._buf = data[start:]
-        return chunk
-
-    def flush(self) -> bytes:
-        # A last line without its newline (a non-standard writer) still counts.
-        if self._buf.strip():
-            self._line(self._buf.strip(), self.marks.t_last or 0.0)
-        self._buf = b""
-        return b""
-
 
 class OllamaSSETap(SSETap):
     """Ollama's /v1 stream; when stripping completions, also removes the zero usage
     object Ollama puts inside every event once include_usage is on."""
 
-    __slots__ = ("zero_suffix",)
+    __slots__ = ()
 
-    def __init__(self, marks: Marks, strip: bool, zero_suffix: bool) -> None:
-        super().__init__(marks, strip=strip)
-        self.zero_suffix = zero_suffix
-
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        out = super().feed(chunk, now)
-        if self.zero_suffix and out:
-            out = _drop_zero_usage(out, self._sep)
-        return out
-
-    def flush(self) -> bytes:
-        out = super().flush()
-        if self.zero_suffix and out:
-            out = _drop_zero_usage(out, self._sep or b"\n\n")
-        return out
+    def __init__(
+        self, marks: Marks, strip: bool, zero_suffix: bool, limit: int = MAX_EVENT_BYTES
+    ) -> None:
+        super().__init__(marks, strip=strip, limit=limit)
+        if zero_suffix:
+            self.rewrite = _drop_zero_usage
 
 
-def _drop_zero_usage(events: bytes, sep: bytes) -> bytes:
+def _drop_zero_usage(event: bytes) -> bytes:
     # Anchored at the event's end: the same bytes inside a JSON string would be escaped.
-    return events.replace(_ZERO_USAGE_EVENT_END + sep, b"}" + sep)
+    body = event.rstrip(b"\r\n")
+    if not body.endswith(_ZERO_USAGE_EVENT_END):
+        return event
+    return body[: -len(_ZERO_USAGE_EVENT_END)] + b"}" + event[len(body) :]
 
 
 class OllamaDialect(OpenAIDialect):
@@ -235,14 +221,16 @@ class OllamaDialect(OpenAIDialect):
             return None  # a model load/unload, not a generation: passed through unmeasured
         return Prepared(endpoint, model, obj.get("stream") is not False, raw)
 
-    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+    def tap(
+        self, content_type: str, marks: Marks, prepared: Prepared, limit: int = MAX_EVENT_BYTES
+    ) -> Tap | None:
         if prepared.endpoint in NATIVE.values():
             if content_type.startswith("application/x-ndjson"):
-                return NDJSONTap(marks)
+                return NDJSONTap(marks, limit)
             return None
         if content_type.startswith("text/event-stream"):
             zero = prepared.strip_usage and prepared.endpoint == "completions"
-            return OllamaSSETap(marks, prepared.strip_usage, zero)
+            return OllamaSSETap(marks, prepared.strip_usage, zero, limit)
         return None
 
     def error_body(

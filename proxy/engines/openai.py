@@ -35,9 +35,11 @@ from .base import (
     canonical_name,
     error_message,
     loads,
+    no_generation,
     read_response,
     settle,
 )
+from .framing import MAX_EVENT_BYTES
 from .probe import get_json
 from .sse import SSETap
 
@@ -161,11 +163,13 @@ class OpenAIDialect:
         err = {"error": {"message": message, "type": kind, "param": None, "code": status}}
         return b"application/json", json.dumps(err).encode()
 
-    def tap(self, content_type: str, marks: Marks, prepared: Prepared) -> Tap | None:
+    def tap(
+        self, content_type: str, marks: Marks, prepared: Prepared, limit: int = MAX_EVENT_BYTES
+    ) -> Tap | None:
         if prepared.endpoint in self.whole_endpoints:
             return None
         if content_type.startswith("text/event-stream"):
-            return SSETap(marks, strip=prepared.strip_usage)
+            return SSETap(marks, strip=prepared.strip_usage, limit=limit)
         return None
 
     def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
@@ -173,6 +177,9 @@ class OpenAIDialect:
         if status >= 400:
             out.error_kind = "upstream_status"
             out.error_message = error_message(loads(body)) if body else f"HTTP {status}"
+            return out
+        if tap is None and no_generation(status):
+            out.finished = True
             return out
         if tap is None:  # whole JSON body
             obj = loads(body)

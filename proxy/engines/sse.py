@@ -10,9 +10,11 @@ what that added (see :class:`SSETap`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from ..measure.timeline import Marks
 from .base import EMPTY_CHOICES_RE, Tap, has_usage, is_finish, is_output
+from .framing import MAX_EVENT_BYTES, Raw
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -20,18 +22,21 @@ _KEEP, _FINISH, _USAGE_ONLY = 0, 1, 2
 
 
 class SSETap(Tap):
-    """Server-sent events. With `strip` set, forwards whole events only, drops the usage
-    event the proxy asked for, and holds finish events (and, to keep the order, what
-    follows them: other choices' tokens when ``n`` > 1) until it knows whether their
-    fingerprint went to that usage event."""
+    """Server-sent events. With `strip` set, drops the usage event the proxy asked for,
+    and holds finish events (and, to keep the order, what follows them: other choices'
+    tokens when ``n`` > 1) until it knows whether their fingerprint went to that usage
+    event. Events are found per the SSE rules (``\\n``, ``\\r\\n`` and ``\\r`` end a line)
+    on every chunk, by the base tap's framer."""
 
-    __slots__ = ("_held", "_sep", "strip")
+    __slots__ = ("_held", "_held_size", "rewrite", "strip")
 
-    def __init__(self, marks: Marks, strip: bool = False) -> None:
-        super().__init__(marks)
-        self.strip = strip
-        self._sep = b""
+    def __init__(self, marks: Marks, strip: bool = False, limit: int = MAX_EVENT_BYTES) -> None:
+        super().__init__(marks, limit)
+        self.strip = self.rewrites = strip
         self._held: list[tuple[bytes, bool]] = []  # (event, is a finish event)
+        self._held_size = 0
+        #: Applied to every event forwarded while stripping (Ollama's zero usage).
+        self.rewrite: Callable[[bytes], bytes] | None = None
 
     def _classify(self, ev: bytes, now: float) -> int:
         if ev[:1] == b":":  # comment (keep-alive)
@@ -59,55 +64,53 @@ class SSETap(Tap):
                 kind = _USAGE_ONLY
         return kind
 
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        sep = self._sep
-        if not sep:
-            sep = self._sep = b"\r\n\r\n" if b"\r\n" in data else b"\n\n"
-        step = len(sep)
-        find = data.find
-        start = 0
-        if not self.strip:
-            while (i := find(sep, start)) >= 0:
-                self._classify(data[start:i], now)
-                start = i + step
-            self._buf = data[start:]
-            return chunk
+    _event = _classify  # type: ignore[assignment]  # its kind is only read while stripping
+
+    def _rewrite(self, pieces: list[bytes], now: float) -> bytes:
         out: list[bytes] = []
         held = self._held
-        while (i := find(sep, start)) >= 0:
-            end = i + step
-            kind = self._classify(data[start:i], now)
-            if kind == _USAGE_ONLY:
-                m = _FP_RE.search(data, start, i)
-                for ev, finish in held:
-                    out.append(
-                        _with_fingerprint(ev, m.group(1) if m else None, step) if finish else ev
-                    )
+        raw_seen = self._fr.passed
+        rewrite = self.rewrite
+        classify = self._classify
+        for ev in pieces:
+            if raw_seen and type(ev) is Raw:  # an oversized event: unexamined, in order
+                out.extend(h for h, _ in held)
                 held.clear()
+                self._held_size = 0
+                out.append(ev)
+                continue
+            kind = classify(ev, now)
+            if rewrite is not None:
+                ev = rewrite(ev)
+            if kind == _USAGE_ONLY:
+                m = _FP_RE.search(ev)
+                for h, finish in held:
+                    out.append(_with_fingerprint(h, m.group(1) if m else None) if finish else h)
+                held.clear()
+                self._held_size = 0
             elif kind == _FINISH or held:
-                held.append((data[start:end], kind == _FINISH))
+                held.append((ev, kind == _FINISH))
+                self._held_size += len(ev)
+                if self._held_size > self._fr.limit:  # an engine that only finishes
+                    out.extend(h for h, _ in held)
+                    held.clear()
+                    self._held_size = 0
             else:
-                out.append(data[start:end])
-            start = end
-        self._buf = data[start:]
+                out.append(ev)
         return b"".join(out)
 
-    def flush(self) -> bytes:
-        if not self.strip:  # inspect mode forwarded every byte already
-            self._buf = b""
-            return b""
-        held = b"".join(ev for ev, _ in self._held) + self._buf
+    def _release(self) -> bytes:
+        held = b"".join(h for h, _ in self._held)
         self._held.clear()
-        self._buf = b""
+        self._held_size = 0
         return held
 
 
-def _with_fingerprint(event: bytes, fingerprint: bytes | None, step: int) -> bytes:
+def _with_fingerprint(event: bytes, fingerprint: bytes | None) -> bytes:
     """Put the usage event's fingerprint back on a finish event that lacks one."""
     if fingerprint is None or b'"system_fingerprint"' in event:
         return event
-    body = event[:-step]
+    body = event.rstrip(b"\r\n")
     if not body.endswith(b"}"):
         return event
-    return body[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + event[-step:]
+    return body[:-1] + b',"system_fingerprint":' + fingerprint + b"}" + event[len(body) :]

@@ -337,8 +337,18 @@ class Metrics:
             PREFIX + "errors",
             "Failed requests by kind: connect, timeout, pool (no free upstream connection), "
             "upstream_status (engine answered >= 400), midstream (error event in a "
-            "stream), truncated (stream ended without its terminator), protocol.",
+            "stream), truncated (stream ended without its terminator), protocol; and "
+            "oversized (a stream event over --max-event-bytes passed through unmeasured).",
             BASE + ("kind",),
+            registry=r,
+        )
+        self.rejected_total = Counter(
+            PREFIX + "rejected",
+            "Requests refused on the wire before they reached an upstream, by reason: "
+            "head_too_large (431), header_timeout (408 or closed), body_too_large (413), "
+            "body_memory (503, --max-body-memory), body_timeout (408), bad_path (400), "
+            "upgrade (501).",
+            ("reason",),
             registry=r,
         )
         self.aborts_total = Counter(

@@ -74,7 +74,8 @@ class JsonFormatter(logging.Formatter):
         obj.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
-        return json.dumps(obj, ensure_ascii=False, default=str)
+        # ASCII only: U+2028, U+0085 and their kind end a line for many log readers
+        return json.dumps(obj, ensure_ascii=True, default=str)
 
 
 def configure_logging(level: str, log_format: str = "logfmt", worker: int | None = None) -> None:

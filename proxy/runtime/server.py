@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from ..app import ProxyApp
+from .protocol import guarded_protocol
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,17 @@ def announce(proxy: socket.socket, metrics: socket.socket | None = None) -> None
         url,
         url,
     )
+
+
+def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
+    """Run `config`'s connections under the guarded protocol (proxy.runtime.protocol):
+    the head limit and header deadline hold before any application code runs."""
+    s = app.settings
+    rejected = app.metrics.rejected_total
+    config.http = guarded_protocol(
+        s.max_head_bytes, s.header_timeout, lambda reason: rejected.labels(reason).inc()
+    )
+    return config
 
 
 class DrainingServer(uvicorn.Server):
@@ -172,7 +184,7 @@ def metrics_config(app: ProxyApp) -> uvicorn.Config | None:
         app.metrics_app, s.metrics_host or s.host, s.metrics_port or 0, s.log_level
     )
     config.lifespan = "off"
-    return config
+    return guard(config, app)
 
 
 def bind_all(settings: Any) -> tuple[socket.socket, socket.socket | None]:
@@ -199,7 +211,7 @@ def run(
     """Serve `app` until it is told to stop (the loop uvicorn would pick: uvloop when
     installed). The metrics address is served when `metrics_sockets` are given."""
     s = app.settings
-    config = uvicorn_config(app, s.host, s.port, s.log_level)
+    config = guard(uvicorn_config(app, s.host, s.port, s.log_level), app)
     config.load()
     mconfig = metrics_config(app) if metrics_sockets else None
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:

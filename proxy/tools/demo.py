@@ -10,7 +10,7 @@ import socket
 import tempfile
 
 from ..app import ProxyApp
-from ..runtime.server import SignalFreeServer, announce, base_url, bind, uvicorn_config
+from ..runtime.server import SignalFreeServer, announce, base_url, bind, guard, uvicorn_config
 from ..settings import Settings
 from ..sim.command import from_args
 from ..sim.power import gpu_models
@@ -79,8 +79,9 @@ async def _run(
         power_gpu=power_gpu,
         model_dir=model_dir,
     )
+    proxy_app = ProxyApp(settings)
     proxy_server = SignalFreeServer(
-        uvicorn_config(ProxyApp(settings), args.host, args.port, "info")
+        guard(uvicorn_config(proxy_app, args.host, args.port, "info"), proxy_app)
     )
     sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
     while not sim_server.started:

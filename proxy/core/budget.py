@@ -1,0 +1,103 @@
+"""How many bytes of request bodies the proxy holds at once, and a bounded body reader.
+
+Each request body is read whole before it goes upstream (the route and the measurement
+depend on it) and stays referenced until its exchange ends. Without a bound, a few
+clients sending large bodies at once would take the process's memory; with
+:class:`BodyBudget` a request whose body does not fit gets a 503 with ``Retry-After``
+instead, and nothing else is disturbed. A body is copied once (its pieces joined).
+
+The budget counts bytes as they arrive, not what a ``Content-Length`` promises: a client
+cannot hold the budget with a header alone. And a body that stops arriving is given up
+after a stall deadline, so stalled uploads cannot hold what they sent for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .asgi import Receive
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+class TooLarge(Exception):
+    """The body is over the per-request limit (413)."""
+
+
+class OverBudget(Exception):
+    """The body does not fit in what is left of the memory budget (503)."""
+
+
+class Stalled(Exception):
+    """No byte of the body arrived within the stall deadline (408)."""
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, against one limit (per process)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve `n` bytes; False (and nothing reserved) when they do not fit."""
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+class Body:
+    """One request body, read against the per-request limit and the shared budget.
+    ``reserved`` is what it holds of the budget: give it back with :meth:`release`."""
+
+    __slots__ = ("budget", "reserved")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.reserved = 0
+
+    def reserve(self, n: int) -> None:
+        if n > self.reserved:
+            if not self.budget.take(n - self.reserved):
+                raise OverBudget()
+            self.reserved = n
+
+    async def read(self, receive: Receive, limit: int, declared: int | None, stall: float) -> bytes:
+        """The whole body, at most `limit` bytes (`declared`: its Content-Length, refused
+        at once when over), each piece reserved as it arrives; :class:`Stalled` when
+        `stall` seconds pass without one."""
+        if declared is not None and declared > limit:
+            raise TooLarge()
+        chunks: list[bytes] = []
+        size = 0
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(stall) as deadline:
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise ClientGone()
+                    chunk = msg.get("body", b"")
+                    if chunk:
+                        size += len(chunk)
+                        if size > limit:
+                            raise TooLarge()
+                        self.reserve(size)
+                        chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    deadline.reschedule(loop.time() + stall)
+        except TimeoutError:
+            raise Stalled() from None
+
+    def release(self) -> None:
+        self.budget.give(self.reserved)
+        self.reserved = 0

@@ -1,0 +1,348 @@
+"""Tools for hostile-wire tests: a byte-level engine, raw-socket clients, /proc readings.
+
+:class:`RawEngine` is an upstream written on asyncio streams, not on an HTTP framework,
+so a test decides every byte it sends: CRLF framing cut anywhere, Content-Length on a
+stream, a connection reset in the middle of an event. It answers ``/v1/models`` itself
+(the proxy's model refresh) and hands every other request to the test's script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from .servers import free_port
+
+MODEL = "m"
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+
+
+Script = Callable[[Request, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class RawEngine:
+    """An upstream on raw asyncio streams, in a thread of its own."""
+
+    script: Script | None = None
+    models: list[str] = field(default_factory=lambda: [MODEL])
+    seen: list[Request] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    #: Set by scripts (from the engine's loop) and waited on by tests.
+    events: dict[str, threading.Event] = field(default_factory=dict)
+    #: Bodies are read in pieces and dropped (the test engine holds no large body).
+    keep_bodies_up_to: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def event(self, name: str) -> threading.Event:
+        return self.events.setdefault(name, threading.Event())
+
+    def start(self) -> RawEngine:
+        self.thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("raw engine did not start")
+        return self
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port, limit=1 << 20)
+        )
+        self._started.set()
+        try:
+            self.loop.run_forever()
+        finally:
+            server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                req = await _read_request(reader, self.keep_bodies_up_to)
+                if req is None:
+                    return
+                if req.target.endswith("/v1/models") and req.method == "GET":
+                    self.seen.append(req)
+                    body = json.dumps(
+                        {
+                            "object": "list",
+                            "data": [{"id": m, "object": "model"} for m in self.models],
+                        }
+                    ).encode()
+                    writer.write(_response(200, body))
+                    await writer.drain()
+                    continue
+                if req.method == "GET" and not req.target.startswith("/v1/"):
+                    self.seen.append(req)  # detection probes and scrapes: not found
+                    writer.write(_response(404, b'{"detail":"Not Found"}'))
+                    await writer.drain()
+                    continue
+                self.seen.append(req)
+                if self.script is None:
+                    writer.write(_response(200, b'{"ok":true}'))
+                    await writer.drain()
+                    continue
+                await self.script(req, reader, writer)
+                if writer.is_closing():
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            if not writer.is_closing():
+                writer.close()
+
+
+async def _read_request(reader: asyncio.StreamReader, keep: int) -> Request | None:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    method, target, _ = lines[0].split(" ", 2)
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    body = b""
+    if "content-length" in headers:
+        left = int(headers["content-length"])
+        parts = []
+        kept = 0
+        while left:
+            piece = await reader.read(min(left, 1 << 20))
+            if not piece:
+                return None
+            left -= len(piece)
+            if kept < keep:
+                parts.append(piece)
+                kept += len(piece)
+        body = b"".join(parts)
+    return Request(method, target, headers, body)
+
+
+def _response(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+        % (status, ctype, len(body))
+        + body
+    )
+
+
+def chunk(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk."""
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+
+
+def token_event(text: str, finish: str | None = None, nl: bytes = b"\n") -> bytes:
+    """A compact OpenAI chat chunk as one SSE event."""
+    obj = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + nl + nl
+
+
+def usage_event(nl: bytes = b"\n") -> bytes:
+    obj = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + nl + nl
+
+
+def wants_usage(req: Request) -> bool:
+    try:
+        obj = json.loads(req.body)
+    except ValueError:
+        return False
+    opts = obj.get("stream_options") if isinstance(obj, dict) else None
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+# --- raw-socket clients ----------------------------------------------------------------------
+
+
+def connect(url: str, timeout: float = 10.0) -> socket.socket:
+    host, port = url.rsplit("/", 1)[1].split(":")
+    s = socket.create_connection((host, int(port)), timeout=timeout)
+    return s
+
+
+def read_all(s: socket.socket, limit: int = 1 << 22) -> bytes:
+    """Everything until the server closes (at most `limit` bytes)."""
+    out = []
+    size = 0
+    while size < limit:
+        try:
+            data = s.recv(65536)
+        except TimeoutError:
+            break
+        if not data:
+            break
+        out.append(data)
+        size += len(data)
+    return b"".join(out)
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One HTTP response read to its end (Content-Length or chunked), not to EOF; a
+    response with neither is read to EOF."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = s.recv(65536)
+        if not piece:
+            return data
+        data += piece
+    head, _, rest = data.partition(b"\r\n\r\n")
+    if head.startswith(b"HTTP/1.1 1"):  # an interim answer: the final one follows
+        return head + b"\r\n\r\n" + _read_more(s, rest)
+    length = None
+    chunked = False
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            length = int(v)
+        elif k.strip().lower() == b"transfer-encoding" and b"chunked" in v.lower():
+            chunked = True
+    status = int(head.split(b" ", 2)[1])
+    if length is None and not chunked and status in (204, 304):
+        length = 0
+    while True:
+        if length is not None and len(rest) >= length:
+            break
+        if chunked and (rest.endswith(b"\r\n0\r\n\r\n") or rest == b"0\r\n\r\n"):
+            break
+        piece = s.recv(65536)
+        if not piece:
+            break
+        rest += piece
+    return head + b"\r\n\r\n" + rest
+
+
+def _read_more(s: socket.socket, data: bytes) -> bytes:
+    class _Buffered:
+        def __init__(self) -> None:
+            self.data = data
+
+        def recv(self, n: int) -> bytes:
+            if self.data:
+                out, self.data = self.data, b""
+                return out
+            return s.recv(n)
+
+    return read_response(_Buffered())  # type: ignore[arg-type]
+
+
+# --- /proc -------------------------------------------------------------------------------------
+
+
+def status_kib(pid: int, field_name: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise KeyError(field_name)
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset the process's peak RSS (VmHWM), where the kernel allows it."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRss:
+    """Growth of a process's resident memory over a block: the peak (VmHWM) when it can
+    be reset, else the highest of RSS samples taken every 10 ms on a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.growth_mib = 0.0
+
+    def __enter__(self) -> PeakRss:
+        self.base = status_kib(self.pid, "VmRSS")
+        self.hwm = reset_peak(self.pid) and status_kib(self.pid, "VmHWM") <= self.base + 1024
+        self._stop = threading.Event()
+        self._max = self.base
+        if not self.hwm:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._max = max(self._max, status_kib(self.pid, "VmRSS"))
+            except (OSError, KeyError):
+                return
+            time.sleep(0.01)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.hwm:
+            peak = status_kib(self.pid, "VmHWM")
+        else:
+            self._thread.join()
+            peak = self._max
+        self.growth_mib = (peak - self.base) / 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def wait_for(predicate, timeout: float = 10.0, step: float = 0.02):
+    """Poll `predicate` until it is true (returns its value) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(step)
