@@ -22,6 +22,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def wait_until(predicate, what: str, timeout: float = 30.0):
+    """Poll ``predicate`` until it returns something truthy; return that. Tests wait for
+    conditions, never for a fixed time: these machines are shared and noisy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

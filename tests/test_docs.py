@@ -86,7 +86,7 @@ def test_every_command_and_the_status_page_are_in_the_command_table():
 # --- words a user cannot look up ------------------------------------------------------------
 
 #: Words that point at documents a user does not have.
-JARGON = re.compile(r"\bseeds?'|\bSPEC\b|(?<!RFC 9110 )§|methodology's", re.IGNORECASE)
+JARGON = re.compile(r"\bseeds?'|\bSPEC\b|(?<!RFC \d{4} )§|methodology's", re.IGNORECASE)
 
 
 def user_facing_texts() -> dict[str, str]:

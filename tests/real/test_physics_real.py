@@ -67,7 +67,7 @@ def test_gemma3_kv_from_its_gguf_by_hand(llama, llama_physics):
         max_tokens=8,
         temperature=0,
     )
-    line = proxy.request_lines()[-1]
+    line = wait_for(proxy.request_lines, what="the request's log line")[-1]
     tokens = int(line["prompt_tokens"]) + int(line["completion_tokens"])
     assert tokens > 512
     s = metric_samples(proxy.url)
@@ -149,7 +149,7 @@ def test_vllm_tiny_kv_by_hand_and_against_vllm(vllm, vllm_physics):
         stream=True,
     ):
         pass
-    line = proxy.request_lines()[-1]
+    line = wait_for(proxy.request_lines, what="the request's log line")[-1]
     tokens = int(line["prompt_tokens"]) + int(line["completion_tokens"])
     s = metric_samples(proxy.url)
     assert sample(s, "phasewatch_kv_cache_bytes_sum", model=E.VLLM_MODEL) == tokens * 32768
