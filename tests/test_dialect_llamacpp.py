@@ -19,7 +19,7 @@ from proxy.measure.timeline import Marks
 
 from .replay import ThreadServer
 from .replay_wire import WIRE, CaptureReplay, llama_captures
-from .servers import free_port, metric_samples, sample, start_proxy, start_sim
+from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_until
 from .streams import run, splits
 
 CAPTURES = llama_captures()
@@ -288,10 +288,19 @@ def test_proxy_figures_within_a_few_percent_of_the_engines():
                 extra_headers={"x-request-id": f"llama-{i}"},
             )
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        time.sleep(0.3)
-        truth = {t["request_id"]: t for t in sim.truth()}
-        lines = [r for r in proxy.request_lines() if r["outcome"] == "ok"]
+        lines = wait_until(
+            lambda: (lambda ok: ok if len(ok) >= 4 else None)(
+                [r for r in proxy.request_lines() if r["outcome"] == "ok"]
+            ),
+            "four request log lines",
+        )
         assert len(lines) == 4
+        truth = wait_until(
+            lambda: (lambda t: t if all(r["request_id"] in t for r in lines) else None)(
+                {t["request_id"]: t for t in sim.truth()}
+            ),
+            "the engine's truth for the four requests",
+        )
         decode_err, waits = [], []
         for line in lines:
             t = truth[line["request_id"]]

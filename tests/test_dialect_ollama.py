@@ -21,7 +21,7 @@ from proxy.measure.timeline import Marks, figures
 
 from .replay import ThreadServer
 from .replay_wire import WIRE, WireReplay, fixture_body, manifest
-from .servers import free_port, metric_samples, sample, start_proxy, start_sim
+from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_until
 from .streams import run, splits
 
 CHAT = (WIRE / "ollama-api-chat-stream.ndjson").read_bytes()
@@ -500,7 +500,7 @@ def test_engine_and_proxy_figures(stack):
     # num_parallel is 1: the second request waits for the runner inside the engine
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(pool.map(chat, (1, 2)))
-    time.sleep(0.3)
+    wait_until(lambda: len(proxy.request_lines()) >= n0 + 2, "both requests recorded")
     after = metric_samples(proxy.url)
 
     def delta(metric, **labels):

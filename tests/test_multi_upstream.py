@@ -11,7 +11,16 @@ import ollama
 import openai
 import pytest
 
-from .servers import Server, _spawn, free_port, metric_samples, sample, start_proxy, start_sim
+from .servers import (
+    Server,
+    _spawn,
+    free_port,
+    metric_samples,
+    sample,
+    start_proxy,
+    start_sim,
+    wait_until,
+)
 
 VLLM = {
     "meta-llama/Llama-3.1-8B-Instruct": "bf16",
@@ -70,7 +79,8 @@ def test_requests_routed_by_model(three):
         model="llama3.1:8b-instruct-q8_0", messages=[{"role": "user", "content": "hi"}]
     )
     assert r.eval_count and r.done_reason
-    time.sleep(0.3)
+    expected = len(VLLM) + len(OLLAMA) + len(LLAMA) + 1
+    wait_until(lambda: len(proxy.request_lines()) >= expected, "every request recorded")
     s = metric_samples(proxy.url)
     for models, upstream in ((VLLM, "vllm"), (OLLAMA, "ollama"), (LLAMA, "llamacpp")):
         for model, precision in models.items():

@@ -262,7 +262,10 @@ def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
             target=lambda: httpx.post(proxy.url + "/v1/chat/completions", json=long, timeout=30)
         )
         holder.start()
-        time.sleep(0.3)
+        _wait(
+            lambda: sample(metric_samples(proxy.url), "phasewatch_in_flight_requests") == 1,
+            timeout=30,
+        )
         _hang_up_after(proxy.url, long, 0)  # waits in the proxy's queue, then hangs up
         holder.join()
         _wait(
@@ -584,9 +587,12 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones():
 
         t = threading.Thread(target=stream)
         t.start()
-        time.sleep(0.3)
+        _wait(
+            lambda: sample(metric_samples(proxy.url), "phasewatch_in_flight_requests") == 1,
+            timeout=30,
+        )
         proxy.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _wait(lambda: httpx.get(proxy.url + "/phasewatch/health").json()["draining"], timeout=30)
         r = httpx.post(proxy.url + "/v1/chat/completions", json=body)
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         # readiness says "send no more" (load balancers move on); liveness stays 200, so an

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .servers import metric_samples, sample, start_proxy, start_sim
+from .servers import metric_samples, sample, start_proxy, start_sim, wait_until
 
 N = 24
 
@@ -50,8 +50,10 @@ def test_requests_spread_and_metrics_sum(stack):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         events = list(pool.map(lambda _: _stream(proxy.url, model), range(N)))
     assert all(e >= 12 for e in events)
-    time.sleep(0.3)
-    lines = proxy.request_lines()
+    lines = wait_until(
+        lambda: (lambda got: got if len(got) >= N else None)(proxy.request_lines()),
+        "every request's log line",
+    )
     assert len(lines) == N
     # every request line names the worker that served it (worker=i pid=P)
     pids = {
@@ -190,9 +192,11 @@ def test_every_workers_requests_carry_phase_power_from_one_sampler():
             if len(pids) == 2:
                 break
         assert len(pids) == 2, "all requests went to one worker"
-        time.sleep(0.3)  # samples past the end
         truth = sim.truth()
-        lines = proxy.request_lines()
+        lines = wait_until(
+            lambda: (lambda got: got if len(got) >= len(truth) else None)(proxy.request_lines()),
+            "a log line for every request the engine served",
+        )
         assert len(lines) == len(truth)
         assert lines and all("decode_watts" in ln and "energy_j" in ln for ln in lines), lines
         per_pid: dict[str, list[dict]] = {}

@@ -203,6 +203,7 @@ def _slots_idle(url: str) -> bool:
 def test_client_hang_up_frees_the_slot_and_counts_aborted(llama, llama_proxy):
     wait_for(lambda: _slots_idle(llama.url), 30, what="llama-server idle before the test")
     before = prom(llama_proxy.url)
+    predicted_before = total(prom(llama.url), "llamacpp:tokens_predicted_total")
     busy = {}
 
     def check_busy():  # the stream is still open: its slot must be processing
@@ -217,13 +218,15 @@ def test_client_hang_up_frees_the_slot_and_counts_aborted(llama, llama_proxy):
     )
     wait_for(
         lambda: _slots_idle(llama.url),
-        5.0,
+        30.0,
         interval=0.01,
         what="llama-server slot freed after the client hung up",
     )
     freed_after = time.monotonic() - t_close
     assert busy["seen"], "the slot was not processing while the stream was open"
-    assert freed_after < 1.0, f"slot still busy {freed_after:.2f}s after the hang-up"
+    # the engine's own count says it stopped early rather than finishing the answer
+    predicted = total(prom(llama.url), "llamacpp:tokens_predicted_total") - predicted_before
+    assert predicted < 400, f"llama-server predicted {predicted:.0f} of 400 tokens: not cancelled"
 
     def aborted():
         s = prom(llama_proxy.url)
@@ -233,7 +236,10 @@ def test_client_hang_up_frees_the_slot_and_counts_aborted(llama, llama_proxy):
 
     n, _ = wait_for(aborted, 5.0, what="phasewatch counting the request aborted")
     assert n == 1
-    print(f"\nllama-server slot idle {freed_after * 1000:.0f} ms after the hang-up")
+    print(
+        f"\nllama-server slot idle {freed_after * 1000:.0f} ms after the hang-up, "
+        f"{predicted:.0f} of 400 tokens predicted"
+    )
 
 
 # --- per-request figures under concurrency --------------------------------------------------
