@@ -261,7 +261,7 @@ def test_without_power_the_proxy_relays_measures_and_says_so_once(sim, tmp_path,
         }[case]
         assert expected in said[0]
     finally:
-        t0 = time.monotonic()
         proxy.stop()
-    # a hung NVML call does not hold up shutdown (uvicorn re-raises the SIGTERM it handled)
-    assert time.monotonic() - t0 < 10 and proxy.proc.returncode in (0, -15)
+    # a hung NVML call does not hold up shutdown: the proxy exits on SIGTERM by itself
+    # (uvicorn re-raises the SIGTERM it handled) rather than being killed after the wait
+    assert proxy.proc.returncode in (0, -15)

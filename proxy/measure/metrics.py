@@ -430,7 +430,8 @@ class Metrics:
         self.gpu_power_sample_watts = Histogram(
             PREFIX + "gpu_power_sample_watts",
             "Power samples, classified by what the "
-            "proxy had in flight on the GPU's upstream: idle, prefill, decode.",
+            "proxy had in flight on the GPU's upstream: idle, prefill, decode. A sample "
+            "taken while that changed (a request ended during the read) is in no state.",
             BASE + ("gpu", "state"),
             buckets=WATT_BUCKETS,
             registry=r,

@@ -14,7 +14,6 @@ made-up GPU power nor map GPUs to the simulator's models.
 from __future__ import annotations
 
 import os
-import time
 
 import httpx
 import pytest
@@ -129,9 +128,8 @@ def test_a_crash_at_start_is_reported_not_restarted_away(podman, image, project)
     """The stack's wait (podman.wait_healthy) sees through `restart: unless-stopped`: a
     setting that stops the proxy at start fails fast with the proxy's own message."""
     name, _ = _up(podman, project, image, PHASEWATCH_POWER_DCGM_URL="not-a-url")
-    t0 = time.monotonic()
+    # a crash loop is told apart from a slow start: CrashLoop, not a timeout
     with pytest.raises(CrashLoop) as info:
         podman.wait_healthy(name, timeout=60)
     assert "--power-dcgm-url" in str(info.value), str(info.value)
-    assert time.monotonic() - t0 < 60
     assert podman.inspect(name)["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"

@@ -256,6 +256,10 @@ class PowerSampler:
     # --- one sample -----------------------------------------------------------------------
 
     def tick(self) -> None:
+        # what each GPU had in flight before the read: a sample whose state changed while
+        # the source answered (a request ended, a first token came) read a power that
+        # belongs to neither state, so it is left out of the by-state histogram
+        before = {gpu: classify(*self.in_flight(gpu)) for gpu in self._current}
         t0 = self.clock()
         try:
             readings = self._caller.call(self.source.read, self.timeout)
@@ -275,7 +279,8 @@ class PowerSampler:
             labels = self.gpus.labels(gpu)
             prefill, decode = self.in_flight(gpu)
             state = classify(prefill, decode)
-            m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(r.watts)
+            if before.get(gpu, state) == state:
+                m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(r.watts)
             current = labels + (gpu,)
             old = self._current.get(gpu)
             if old is not None and old != current:
