@@ -290,6 +290,14 @@ class Relay:
             except QueueFull:
                 state.finished = True
                 ex.outcome, ex.status = "rejected", 429
+                self._refusals.warning(
+                    "queue_full",
+                    "upstream %s: %d requests running and %d waiting (--max-concurrency, "
+                    "--max-queue); refused with 429",
+                    upstream.name,
+                    upstream.gate.limit,
+                    upstream.gate.max_queue,
+                )
                 await send_error(
                     send,
                     429,
@@ -302,6 +310,13 @@ class Relay:
             except QueueTimeout:
                 state.finished = True
                 ex.outcome, ex.status = "rejected", 503
+                self._refusals.warning(
+                    "queue_timeout",
+                    "upstream %s: a request waited %gs in the queue (--queue-timeout); "
+                    "refused with 503",
+                    upstream.name,
+                    upstream.gate.timeout,
+                )
                 await send_error(
                     send,
                     503,
