@@ -54,19 +54,38 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def truth(self) -> list[dict]:
-        """The simulator's ground-truth records (one per finished request)."""
-        if self.truth_path is None or not self.truth_path.exists():
-            return []
-        return [json.loads(line) for line in self.truth_path.read_text().splitlines() if line]
+    def truth(self, at_least: int = 0, timeout: float = 30.0) -> list[dict]:
+        """The simulator's ground-truth records (one per finished request); with
+        `at_least`, once that many are written (the engine writes a request's record just
+        after its last bytes, so a client may have its answer first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = []
+            if self.truth_path is not None and self.truth_path.exists():
+                text = self.truth_path.read_text()
+                out = [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+            if len(out) >= at_least:
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(out)} truth records, not {at_least}")
+            time.sleep(0.02)
 
-    def request_lines(self) -> list[dict]:
-        """The proxy's per-request log lines, parsed from logfmt."""
-        out = []
-        for line in self.log().splitlines():
-            if "msg=request " in line:
-                out.append(parse_logfmt(line.split("msg=request ", 1)[1]))
-        return out
+    def request_lines(self, at_least: int = 0, timeout: float = 30.0) -> list[dict]:
+        """The proxy's per-request log lines, parsed from logfmt; with `at_least`, once
+        that many are written. A client has its whole answer a moment before the proxy
+        writes the request's line, so a test that just got a response waits for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = [
+                parse_logfmt(line.split("msg=request ", 1)[1])
+                for line in self.log().splitlines()
+                if "msg=request " in line
+            ]
+            if len(out) >= at_least:
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(out)} request lines, not {at_least}:\n{self.log()}")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

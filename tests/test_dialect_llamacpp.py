@@ -140,11 +140,11 @@ def test_precision_and_engine_detected_from_real_props(replay):
     )
     # llama-server answers any model name with its one model: labelled as that model
     cap = CAPTURES["err_unknown_model"]
+    n_before = len(proxy.request_lines())
     httpx.post(
         proxy.url + cap.path, content=cap.request_body, headers={"content-type": "application/json"}
     )
-    time.sleep(0.2)
-    line = [r for r in proxy.request_lines()][-1]
+    line = proxy.request_lines(at_least=n_before + 1)[-1]
     assert line["model"] == "gemma-3-270m" and line["precision"] == "int4"
 
 

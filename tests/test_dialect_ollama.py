@@ -529,7 +529,12 @@ def test_engine_and_proxy_figures(stack):
     assert delta("phasewatch_queue_seconds_sum", where="upstream") == pytest.approx(
         sum(waits), rel=1e-9
     )
-    truth = {t["request_id"]: t for t in sim.truth()}
+    truth = wait_until(
+        lambda: (lambda t: t if {"ollama-1", "ollama-2"} <= set(t) else None)(
+            {t["request_id"]: t for t in sim.truth()}
+        ),
+        "the engine's records of both requests",
+    )
     lines = proxy.request_lines()[n0:]
     assert len(lines) == 2
     for line in lines:

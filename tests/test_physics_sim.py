@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .servers import ROOT, metric_samples, sample, start_proxy, start_sim
+from .servers import ROOT, metric_samples, sample, start_proxy, start_sim, wait_until
 
 LLAMA_BF16 = "meta-llama/Llama-3.1-8B-Instruct"
 LLAMA_FP8 = "RedHatAI/Llama-3.1-8B-Instruct-FP8"
@@ -106,7 +106,12 @@ def test_vllm_capacity_requests_tpot_and_engine_histograms(vllm):
         )
         for _ in stream:
             pass
-    truth = [t for t in sim.truth() if t["model"] == LLAMA_BF16]
+    truth = wait_until(
+        lambda: (lambda t: t if len(t) >= 2 else None)(
+            [t for t in sim.truth() if t["model"] == LLAMA_BF16]
+        ),
+        "the engine's records of both streams",
+    )
     assert len(truth) == 2
 
     def scraped():
@@ -270,6 +275,7 @@ def test_llamacpp_kv_from_the_gguf_file_by_hand(llama):
     )
     assert cap == 4 * 4096
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    n_before = len(sim.truth())
     for _ in client.chat.completions.create(
         model="qwen2.5-7b-instruct",
         messages=[{"role": "user", "content": "tell me about the physics of decode"}],
@@ -277,7 +283,7 @@ def test_llamacpp_kv_from_the_gguf_file_by_hand(llama):
         stream=True,
     ):
         pass
-    truth = sim.truth()[-1]
+    truth = sim.truth(at_least=n_before + 1)[-1]
     s = metric_samples(proxy.url)
     tokens = truth["prompt_tokens"] + truth["completion_tokens"]
     assert sample(s, "phasewatch_kv_cache_bytes_sum") == tokens * 57344

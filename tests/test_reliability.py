@@ -31,6 +31,17 @@ def _wait(predicate, timeout=3.0, step=0.01):
     raise AssertionError("condition not reached in time")
 
 
+def _wait_truth(sim, request_id: str, timeout: float = 30.0) -> dict:
+    """The engine's record of one request, once written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for t in sim.truth():
+            if t["request_id"] == request_id:
+                return t
+        assert time.monotonic() < deadline, f"no engine record of {request_id}"
+        time.sleep(0.02)
+
+
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -544,7 +555,7 @@ def test_no_prompt_or_completion_text_in_logs_or_metrics():
         assert secret_prompt not in text
         assert completion and completion not in text
         assert "request_id=req-42" in proxy.log()  # the client's request id is logged...
-        truth = sim.truth()[-1]
+        truth = _wait_truth(sim, "req-42")
         assert truth["request_id"] == "req-42"  # ...and propagated to the engine
     finally:
         proxy.stop()

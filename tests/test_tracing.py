@@ -23,7 +23,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from .otlp_receiver import Receiver
 from .replay import ThreadServer
-from .servers import ROOT, free_port, metric_samples, sample, start_proxy, start_sim
+from .servers import ROOT, free_port, metric_samples, sample, start_proxy, start_sim, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -70,7 +70,10 @@ def _stream_chat(proxy, headers: dict, max_tokens: int = 12, model: str = MODEL)
 
 
 def _line(proxy, request_id: str) -> dict:
-    lines = [line for line in proxy.request_lines() if line["request_id"] == request_id]
+    lines = wait_until(
+        lambda: [line for line in proxy.request_lines() if line["request_id"] == request_id],
+        f"the log line of request {request_id}",
+    )
     assert len(lines) == 1, proxy.log()[-3000:]
     return lines[0]
 
@@ -90,7 +93,9 @@ def test_one_span_per_request_continuing_the_clients_trace(traced):
     assert span["name"] == f"chat {MODEL}"
     assert span["service"] == "pw-under-test"
     a = span["attributes"]
-    truth = {t["request_id"]: t for t in sim.truth()}[rid]
+    truth = wait_until(
+        lambda: {t["request_id"]: t for t in sim.truth()}.get(rid), "the engine's record"
+    )
     line = _line(proxy, rid)
     assert a["gen_ai.operation.name"] == "chat"
     assert a["gen_ai.provider.name"] == "vllm"
@@ -254,6 +259,7 @@ def test_without_otel_the_proxy_adds_no_trace_header(proxy):
         assert "traceparent" not in engine.seen[0] and "tracestate" not in engine.seen[0]
         assert engine.seen[1]["traceparent"] == header
         assert engine.seen[1]["tracestate"] == "k=v"
+        plain.request_lines(at_least=2)  # both recorded: their exemplars are in /metrics
         text = httpx.get(plain.url + "/metrics", headers={"accept": OPENMETRICS}).text
         labels = [
             s.exemplar.labels
@@ -408,7 +414,7 @@ def test_an_unsampled_request_is_not_exported_and_says_so_upstream(fake_engine):
             lambda p: any(x["name"] == "gen_ai.server.request.duration" for x in p)
         )
         assert receiver.spans == []
-        (line,) = proxy.request_lines()
+        (line,) = proxy.request_lines(at_least=1)
         assert "trace_id" not in line  # no trace to link to
     finally:
         proxy.stop()
