@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from .servers import start_proxy, start_sim
+
+HERE = Path(__file__).resolve().parent
+
+#: The tiers a plain ``pytest`` runs, each with the variable that leaves it out ("0"):
+#: deselected, never skipped, so a missing engine or podman is loud unless asked for.
+TIERS = {"real": "PHASEWATCH_REAL_ENGINES", "containers": "PHASEWATCH_CONTAINERS"}
+
+
+def pytest_collection_modifyitems(config, items):
+    off = {HERE / folder for folder, variable in TIERS.items() if os.environ.get(variable) == "0"}
+    if not off:
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if off & set(Path(str(item.fspath)).resolve().parents) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -10,28 +10,10 @@ with the reason and the fix.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from .podman import ContainersMissing, Podman
-
-HERE = Path(__file__).resolve().parent
-
-
-def _selected() -> bool:
-    return os.environ.get("PHASEWATCH_CONTAINERS", "1") != "0"
-
-
-def pytest_collection_modifyitems(config, items):
-    if _selected():
-        return
-    keep, drop = [], []
-    for item in items:
-        (drop if HERE in Path(str(item.fspath)).resolve().parents else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
 
 
 @pytest.fixture(scope="session")

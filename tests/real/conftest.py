@@ -9,30 +9,10 @@ reason and the fix.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from ..servers import start_proxy
 from . import engines as E
-
-HERE = Path(__file__).resolve().parent
-
-
-def _real_selected(config) -> bool:
-    return os.environ.get("PHASEWATCH_REAL_ENGINES", "1") != "0"
-
-
-def pytest_collection_modifyitems(config, items):
-    if _real_selected(config):
-        return
-    keep, drop = [], []
-    for item in items:
-        (drop if HERE in Path(str(item.fspath)).resolve().parents else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
 
 
 @pytest.fixture(scope="session")
