@@ -334,15 +334,3 @@ def cpu_seconds(pid: int) -> float:
 
 def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def wait_for(predicate, timeout: float = 10.0, step: float = 0.02):
-    """Poll `predicate` until it is true (returns its value) or fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(step)

@@ -22,7 +22,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wait_until(predicate, what: str, timeout: float = 30.0):
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.02):
     """Poll ``predicate`` until it returns something truthy; return that. Tests wait for
     conditions, never for a fixed time: these machines are shared and noisy."""
     deadline = time.monotonic() + timeout
@@ -32,7 +32,7 @@ def wait_until(predicate, what: str, timeout: float = 30.0):
             return got
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.sim.physics import DEFAULT_MODELS
 
-from .servers import ROOT, metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import ROOT, metric_samples, sample, start_proxy, start_sim, wait_for
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY_A, KEY_B, KEY_BARE = "sk-alpha-0001", "sk-bravo-0002", "sk-bare-0003"
@@ -93,18 +93,18 @@ def test_named_keys_and_the_bounded_header_label_the_counters(stack):
         "evil-2": "other",
         "none-1": "unknown",
     }
-    lines = wait_until(
+    lines = wait_for(
         lambda: (lambda got: got if set(sent) <= set(got) else None)(
             {line["request_id"]: line for line in proxy.request_lines()}
         ),
-        "a log line for every request sent",
+        what="a log line for every request sent",
     )
     assert {rid: lines[rid]["client"] for rid in sent} == expected
-    truth = wait_until(
+    truth = wait_for(
         lambda: (lambda t: t if set(sent) <= set(t) else None)(
             {t["request_id"]: t for t in sim.truth()}
         ),
-        "the engine's record of every request sent",
+        what="the engine's record of every request sent",
     )
 
     s = metric_samples(proxy.url)
@@ -159,9 +159,9 @@ def test_echo_request_id_returns_the_logged_id(stack):
     )
     generated = raw.headers["x-request-id"]
     assert len(generated) == 32
-    wait_until(
+    wait_for(
         lambda: any(line["request_id"] == generated for line in proxy.request_lines()),
-        "the generated id in the log",
+        what="the generated id in the log",
     )
     # phasewatch's own answers carry it too (here: an unknown model the engine rejects)
     bad = httpx.post(
@@ -244,11 +244,11 @@ def test_energy_is_attributed_per_client_from_each_requests_share():
         while len([ln for ln in proxy.request_lines() if "energy_j" in ln]) < 3:
             assert time.monotonic() < deadline, proxy.log()[-2000:]
             time.sleep(0.1)
-        truth = wait_until(
+        truth = wait_for(
             lambda: (lambda t: t if set(jobs) <= set(t) else None)(
                 {t["request_id"]: t for t in sim.truth()}
             ),
-            "the engine's record of every request",
+            what="the engine's record of every request",
         )
         s = metric_samples(proxy.url)
         total = 0.0

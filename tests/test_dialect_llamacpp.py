@@ -19,7 +19,7 @@ from proxy.measure.timeline import Marks
 
 from .replay import ThreadServer
 from .replay_wire import WIRE, CaptureReplay, llama_captures
-from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 from .streams import run, splits
 
 CAPTURES = llama_captures()
@@ -288,18 +288,18 @@ def test_proxy_figures_within_a_few_percent_of_the_engines():
                 extra_headers={"x-request-id": f"llama-{i}"},
             )
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        lines = wait_until(
+        lines = wait_for(
             lambda: (lambda ok: ok if len(ok) >= 4 else None)(
                 [r for r in proxy.request_lines() if r["outcome"] == "ok"]
             ),
-            "four request log lines",
+            what="four request log lines",
         )
         assert len(lines) == 4
-        truth = wait_until(
+        truth = wait_for(
             lambda: (lambda t: t if all(r["request_id"] in t for r in lines) else None)(
                 {t["request_id"]: t for t in sim.truth()}
             ),
-            "the engine's truth for the four requests",
+            what="the engine's truth for the four requests",
         )
         decode_err, waits = [], []
         for line in lines:

@@ -21,7 +21,7 @@ from proxy.measure.timeline import Marks, figures
 
 from .replay import ThreadServer
 from .replay_wire import WIRE, WireReplay, fixture_body, manifest
-from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 from .streams import run, splits
 
 CHAT = (WIRE / "ollama-api-chat-stream.ndjson").read_bytes()
@@ -500,7 +500,7 @@ def test_engine_and_proxy_figures(stack):
     # num_parallel is 1: the second request waits for the runner inside the engine
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(pool.map(chat, (1, 2)))
-    wait_until(lambda: len(proxy.request_lines()) >= n0 + 2, "both requests recorded")
+    wait_for(lambda: len(proxy.request_lines()) >= n0 + 2, what="both requests recorded")
     after = metric_samples(proxy.url)
 
     def delta(metric, **labels):
@@ -529,11 +529,11 @@ def test_engine_and_proxy_figures(stack):
     assert delta("phasewatch_queue_seconds_sum", where="upstream") == pytest.approx(
         sum(waits), rel=1e-9
     )
-    truth = wait_until(
+    truth = wait_for(
         lambda: (lambda t: t if {"ollama-1", "ollama-2"} <= set(t) else None)(
             {t["request_id"]: t for t in sim.truth()}
         ),
-        "the engine's records of both requests",
+        what="the engine's records of both requests",
     )
     lines = proxy.request_lines()[n0:]
     assert len(lines) == 2

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from .replay import ThreadServer
-from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 
 MODEL = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"
 
@@ -136,9 +136,9 @@ def test_admission_gate_queues_then_rejects():
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             post = lambda: httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)  # noqa: E731
             first = pool.submit(post)
-            wait_until(lambda: gauge("phasewatch_in_flight_requests") == 1, "the first admitted")
+            wait_for(lambda: gauge("phasewatch_in_flight_requests") == 1, what="the first admitted")
             second = pool.submit(post)
-            wait_until(lambda: gauge("phasewatch_queued_requests") == 1, "the second queued")
+            wait_for(lambda: gauge("phasewatch_queued_requests") == 1, what="the second queued")
             # running one, queueing one: the third is refused at once
             rejected = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
             assert rejected.status_code == 429

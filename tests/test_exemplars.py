@@ -24,7 +24,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import exemplar
 
-from .servers import ROOT, free_port, start_proxy, start_sim, wait_until
+from .servers import ROOT, free_port, start_proxy, start_sim, wait_for
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -241,7 +241,7 @@ def test_a_hostile_request_id_cannot_break_the_exposition(proxy):
         if s.exemplar is not None
     ]
     assert "x_____1_2_" in labels
-    wait_until(  # exact in the log
+    wait_for(  # exact in the log
         lambda: any(line["request_id"] == hostile for line in proxy.request_lines()),
-        "the hostile id in the log",
+        what="the hostile id in the log",
     )

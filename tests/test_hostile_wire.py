@@ -44,10 +44,9 @@ from .hostile import (
     read_response,
     token_event,
     usage_event,
-    wait_for,
     wants_usage,
 )
-from .servers import ROOT, free_port, sample, start_proxy
+from .servers import ROOT, free_port, sample, start_proxy, wait_for
 
 MiB = 1024 * 1024
 KEY = {"authorization": "Bearer k1"}

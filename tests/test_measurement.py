@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from .servers import metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import metric_samples, sample, start_proxy, start_sim, wait_for
 
 _IDS = itertools.count()
 
@@ -64,16 +64,16 @@ def test_figures_match_simulator_truth(stack):
         ttft, text = _stream(client, model, prompt, 60)
         assert text
         client_ttft.append(ttft)
-    lines = wait_until(
+    lines = wait_for(
         lambda: (lambda ok: ok if len(ok) >= 6 else None)(
             [line for line in proxy.request_lines() if line["outcome"] == "ok"]
         ),
-        "six request log lines",
+        what="six request log lines",
     )
     assert len(lines) == 6
-    truth = wait_until(
+    truth = wait_for(
         lambda: (lambda t: t if len(t) >= 6 else None)({t["request_id"]: t for t in sim.truth()}),
-        "six truth records",
+        what="six truth records",
     )
     decode_err = []
     for line, c_ttft in zip(lines, client_ttft):
@@ -119,18 +119,18 @@ def test_prefill_window_matches_truth(stack):
     before = {line["request_id"] for line in proxy.request_lines()}
     for n in (100, 2000, 6000):
         _stream(client, MODELS[0], " ".join(["x"] * n), 4)
-    new = wait_until(
+    new = wait_for(
         lambda: (lambda got: got if len(got) >= 3 else None)(
             [line for line in proxy.request_lines() if line["request_id"] not in before]
         ),
-        "three request log lines",
+        what="three request log lines",
     )
     assert len(new) == 3
-    truth = wait_until(
+    truth = wait_for(
         lambda: (lambda t: t if all(line["request_id"] in t for line in new) else None)(
             {t["request_id"]: t for t in sim.truth()}
         ),
-        "the engine's truth for the three requests",
+        what="the engine's truth for the three requests",
     )
     gaps, prefills = [], []
     for line in new:
@@ -209,9 +209,9 @@ def test_hangup_reaches_the_engine_and_counts_aborted(stack):
             if n >= 3:
                 break
     # the engine stopped this generation early: its own truth says so
-    truth = wait_until(
+    truth = wait_for(
         lambda: next((t for t in sim.truth() if t["request_id"] == request_id), None),
-        "the engine's record of the hung-up request",
+        what="the engine's record of the hung-up request",
     )
     assert truth["aborted"] is True
     assert truth["completion_tokens"] < body["max_tokens"], truth

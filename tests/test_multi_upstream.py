@@ -19,7 +19,7 @@ from .servers import (
     sample,
     start_proxy,
     start_sim,
-    wait_until,
+    wait_for,
 )
 
 VLLM = {
@@ -80,7 +80,7 @@ def test_requests_routed_by_model(three):
     )
     assert r.eval_count and r.done_reason
     expected = len(VLLM) + len(OLLAMA) + len(LLAMA) + 1
-    wait_until(lambda: len(proxy.request_lines()) >= expected, "every request recorded")
+    wait_for(lambda: len(proxy.request_lines()) >= expected, what="every request recorded")
     s = metric_samples(proxy.url)
     for models, upstream in ((VLLM, "vllm"), (OLLAMA, "ollama"), (LLAMA, "llamacpp")):
         for model, precision in models.items():

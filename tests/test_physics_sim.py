@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import ollama
@@ -20,21 +19,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .servers import ROOT, metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import ROOT, metric_samples, sample, start_proxy, start_sim, wait_for
 
 LLAMA_BF16 = "meta-llama/Llama-3.1-8B-Instruct"
 LLAMA_FP8 = "RedHatAI/Llama-3.1-8B-Instruct-FP8"
 LLAMA_AWQ = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +95,11 @@ def test_vllm_capacity_requests_tpot_and_engine_histograms(vllm):
         )
         for _ in stream:
             pass
-    truth = wait_until(
+    truth = wait_for(
         lambda: (lambda t: t if len(t) >= 2 else None)(
             [t for t in sim.truth() if t["model"] == LLAMA_BF16]
         ),
-        "the engine's records of both streams",
+        what="the engine's records of both streams",
     )
     assert len(truth) == 2
 

@@ -17,22 +17,12 @@ import pytest
 from proxy.services.power import parse_dcgm
 from proxy.sim.physics import DEFAULT_MODELS, RTX_4090, power_watts
 
-from .servers import metric_samples, sample, start_proxy, start_sim
+from .servers import metric_samples, sample, start_proxy, start_sim, wait_for
 
 MODELS = {m.profile.name: m for m in DEFAULT_MODELS}  # precision -> spec; GPU i = model i
 GPU = {m.profile.name: str(i) for i, m in enumerate(DEFAULT_MODELS)}
 #: Tokens per request so each precision decodes for about 3 s on the simulated RTX 4090.
 TOKENS = {"bf16": 150, "fp8": 280, "int4": 470}
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stream(url: str, model: str, prompt: str, max_tokens: int) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from .otlp_receiver import Receiver
 from .replay import ThreadServer
-from .servers import ROOT, free_port, metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import ROOT, free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -70,9 +70,9 @@ def _stream_chat(proxy, headers: dict, max_tokens: int = 12, model: str = MODEL)
 
 
 def _line(proxy, request_id: str) -> dict:
-    lines = wait_until(
+    lines = wait_for(
         lambda: [line for line in proxy.request_lines() if line["request_id"] == request_id],
-        f"the log line of request {request_id}",
+        what=f"the log line of request {request_id}",
     )
     assert len(lines) == 1, proxy.log()[-3000:]
     return lines[0]
@@ -93,8 +93,8 @@ def test_one_span_per_request_continuing_the_clients_trace(traced):
     assert span["name"] == f"chat {MODEL}"
     assert span["service"] == "pw-under-test"
     a = span["attributes"]
-    truth = wait_until(
-        lambda: {t["request_id"]: t for t in sim.truth()}.get(rid), "the engine's record"
+    truth = wait_for(
+        lambda: {t["request_id"]: t for t in sim.truth()}.get(rid), what="the engine's record"
     )
     line = _line(proxy, rid)
     assert a["gen_ai.operation.name"] == "chat"

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .servers import Server, _spawn, free_port, start_proxy, start_sim
+from .servers import Server, _spawn, free_port, start_proxy, start_sim, wait_for
 
 
 class SilentUpstream:
@@ -73,17 +73,6 @@ class CountingRefuser:
         self.sock.close()
 
 
-def wait_for(check, what: str, timeout: float = 40.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def warnings_for(log: str, name: str) -> list[str]:
     return [
         line
@@ -127,14 +116,20 @@ def test_refused_and_silent_upstreams_start_at_once_and_say_so():
         # serving before the silent upstream's first probe gave up: no start-up stall
         assert silent.accepted >= 1
         first = httpx.get(proxy.url + "/phasewatch/ready")
-        wait_for(lambda: silent.closed_at, "the probe of the silent upstream to give up")
+        wait_for(
+            lambda: silent.closed_at, what="the probe of the silent upstream to give up", timeout=40
+        )
         assert t_health[0] < silent.closed_at[0]
         assert first.status_code == 503
         states = {u["name"]: u for u in first.json()["upstreams"]}
         assert states["silent"]["engine"] == "unknown"
 
         # both named in the log, once each, with no engine claimed
-        wait_for(lambda: warnings_for(proxy.log(), "silent"), "the silent upstream's warning")
+        wait_for(
+            lambda: warnings_for(proxy.log(), "silent"),
+            what="the silent upstream's warning",
+            timeout=40,
+        )
         text = proxy.log()
         for name in ("refused", "silent"):
             (line,) = warnings_for(text, name)
@@ -169,14 +164,18 @@ def test_warned_once_when_an_upstream_goes_down_and_told_when_it_is_back():
     try:
         assert httpx.get(proxy.url + "/phasewatch/ready").status_code == 200
         assert not warnings_for(proxy.log(), "sim")
-        wait_for(lambda: "is up" in proxy.log(), "the start-up line saying it is up")
+        wait_for(
+            lambda: "is up" in proxy.log(), what="the start-up line saying it is up", timeout=40
+        )
         sim.stop()
         refuser = CountingRefuser(port)
-        wait_for(lambda: warnings_for(proxy.log(), "sim"), "the down warning")
+        wait_for(lambda: warnings_for(proxy.log(), "sim"), what="the down warning", timeout=40)
         assert httpx.get(proxy.url + "/phasewatch/ready").status_code == 503
         # many more probes while it stays down: still one warning
         seen = refuser.count
-        wait_for(lambda: refuser.count >= seen + 15, "more probes of the down upstream")
+        wait_for(
+            lambda: refuser.count >= seen + 15, what="more probes of the down upstream", timeout=40
+        )
         assert len(warnings_for(proxy.log(), "sim")) == 1
         refuser.close()
         refuser = None
@@ -190,9 +189,15 @@ def test_warned_once_when_an_upstream_goes_down_and_told_when_it_is_back():
                 if "level=info" in line and "upstream sim " in line and "is up" in line
             ]
 
-        back = wait_for(lambda: len(up_lines()) == 2 and up_lines(), "the back-up line")
+        back = wait_for(
+            lambda: len(up_lines()) == 2 and up_lines(), what="the back-up line", timeout=40
+        )
         assert "engine vllm" in back[-1]  # detected again: it may have been replaced
-        wait_for(lambda: httpx.get(proxy.url + "/phasewatch/ready").status_code == 200, "readiness")
+        wait_for(
+            lambda: httpx.get(proxy.url + "/phasewatch/ready").status_code == 200,
+            what="readiness",
+            timeout=40,
+        )
         assert len(warnings_for(proxy.log(), "sim")) == 1
     finally:
         if refuser is not None:
@@ -227,7 +232,8 @@ def test_an_engine_that_starts_after_the_proxy_is_detected_soon_not_at_the_next_
         sim = start_sim("llamacpp", speed=8.0, port=port)
         wait_for(
             lambda: httpx.get(proxy.url + "/phasewatch/ready").status_code == 200,
-            "the late engine detected",
+            what="the late engine detected",
+            timeout=40,
         )
         ready = httpx.get(proxy.url + "/phasewatch/ready").json()
         assert ready["upstreams"][0]["engine"] == "llamacpp"
@@ -237,7 +243,7 @@ def test_an_engine_that_starts_after_the_proxy_is_detected_soon_not_at_the_next_
             json={"prompt": "hello there", "n_predict": 4, "stream": True},
         )
         assert r.status_code == 200
-        wait_for(lambda: proxy.request_lines(), "the request's log line")
+        wait_for(lambda: proxy.request_lines(), what="the request's log line", timeout=40)
         line = proxy.request_lines()[-1]
         assert line["endpoint"] == "llamacpp_completion" and line["model"] != "other", line
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .servers import metric_samples, sample, start_proxy, start_sim, wait_until
+from .servers import metric_samples, sample, start_proxy, start_sim, wait_for
 
 N = 24
 
@@ -50,9 +50,9 @@ def test_requests_spread_and_metrics_sum(stack):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         events = list(pool.map(lambda _: _stream(proxy.url, model), range(N)))
     assert all(e >= 12 for e in events)
-    lines = wait_until(
+    lines = wait_for(
         lambda: (lambda got: got if len(got) >= N else None)(proxy.request_lines()),
-        "every request's log line",
+        what="every request's log line",
     )
     assert len(lines) == N
     # every request line names the worker that served it (worker=i pid=P)
@@ -142,7 +142,7 @@ def test_every_workers_requests_carry_phase_power_from_one_sampler():
     get their prefill/decode power and energy share, and the engines are probed once."""
     from proxy.sim.physics import RTX_4090, power_watts
 
-    from .test_power_e2e import GPU, MODELS, TOKENS, stream, wait_for
+    from .test_power_e2e import GPU, MODELS, TOKENS, stream
 
     sim = start_sim("vllm", speed=1.0, jitter=0.0, max_num_seqs=64)
     args = [
@@ -195,9 +195,9 @@ def test_every_workers_requests_carry_phase_power_from_one_sampler():
                 break
         assert len(pids) == 2, "all requests went to one worker"
         truth = sim.truth(at_least=sent)
-        lines = wait_until(
+        lines = wait_for(
             lambda: (lambda got: got if len(got) >= len(truth) else None)(proxy.request_lines()),
-            "a log line for every request the engine served",
+            what="a log line for every request the engine served",
         )
         assert len(lines) == len(truth)
         assert lines and all("decode_watts" in ln and "energy_j" in ln for ln in lines), lines

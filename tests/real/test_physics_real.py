@@ -10,7 +10,6 @@ kv_cache_size_tokens must be vLLM's kv_cache_memory_bytes.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -18,20 +17,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..servers import metric_samples, sample, start_proxy
+from ..servers import metric_samples, sample, start_proxy, wait_for
 from . import engines as E
 
 pytestmark = pytest.mark.real_engine
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def gemma_bytes(tokens: int) -> int:
