@@ -258,8 +258,17 @@ def test_energy_is_attributed_per_client_from_each_requests_share():
             true = sum(truth[r]["energy_joules"] for r in rids)
             assert got == pytest.approx(true, rel=0.05), client
             total += got
-        # idle energy is nobody's: the attributed sum stays below what the GPU drew
-        assert total < sample(s, "phasewatch_gpu_energy_joules_total", gpu="0")
+        # idle energy is nobody's: the attributed sum stays below what the GPU drew by the
+        # next power sample (the GPU's counter moves a sample at a time; a request's share
+        # runs to its end, which may come after the last sample taken)
+        drawn = sample(s, "phasewatch_gpu_energy_joules_total", gpu="0")
+        drawn = wait_for(
+            lambda: (lambda now: now if now > drawn else None)(
+                sample(metric_samples(proxy.url), "phasewatch_gpu_energy_joules_total", gpu="0")
+            ),
+            what="the next power sample",
+        )
+        assert total < drawn
     finally:
         proxy.stop()
         sim.stop()
