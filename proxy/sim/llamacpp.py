@@ -19,13 +19,13 @@ tokens with ``data: {"error":...}`` and no ``[DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import string
 import time
 
-from .asgi import lifespan, loads, read_body, watch
+from .asgi import lifespan, loads, read_body
+from .choices import run_request
 from .engine import SimEngine, plan_output, tokenize
 from .gguf import FTYPE_NAMES, LLAMACPP_PATH, EngineTruth, PrefixCache, chat_text
 from .llamacpp_choices import generate_choices, plans_for, too_many
@@ -325,97 +325,89 @@ class LlamaServerSim:
             await generate_choices(self, w, truth, plans, tokens, text, stream, receive)
             return
         error_after = obj.get("sim_error_after")
-        task = asyncio.current_task()
-        assert task is not None
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(watch(receive, task, gone, w.state))
         key = self.engine.next_key()
         slot = None
-        try:
-            await me.admit(key, prompt_total)
-            slot = next(s for s in self.slots if not s["is_processing"])
-            slot.update(
-                is_processing=True,
-                id_task=key,
-                n_prompt_tokens=prompt_total,
-                next_token=[{"has_next_token": True, "n_remain": -1, "n_decoded": 0}],
-            )
-            admit_ns = time.monotonic_ns()
-            truth.t_admit = admit_ns / 1e9
-            truth.engine_wait_seconds = truth.t_admit - t_recv
-            if stream:  # the slot started: headers go out now, before prefill
-                await w.start()
-            cached = self.cache.hit(self.alias, tokens)
-            truth.cached_tokens = cached
-            prompt_n = prompt_total - cached
-            await me.prefill(truth.t_admit, prompt_n, cached)
-            prefill_end = time.monotonic_ns()
-            prompt_ms = (prefill_end - admit_ns) / 1e6
-            truth.prefill_seconds = prompt_ms / 1e3
-            me.prompt_tokens_total += prompt_n
-            n = len(plan.pieces)
-            first_ns = None
-            async for i in me.steps(key, prompt_total, n):
-                piece = plan.pieces[i]
-                slot["next_token"][0]["n_decoded"] = i + 1
-                now_ns = time.monotonic_ns()
-                first_ns = first_ns or now_ns
-                truth.completion_tokens = i + 1
-                if error_after is not None and i >= error_after and stream:
-                    await w.error("Internal error: simulated failure")
-                    truth.aborted = True
-                    return
-                eos = plan.finish_reason == "stop" and i == n - 1
-                now = time.monotonic()  # the truth's marks: before the token is written
-                if not eos:
-                    await w.token(piece, tokenize(piece or "x")[0], i + 1, prompt_total)
-                    if truth.t_first is None:
-                        truth.t_first = now
-                truth.t_last = now
-            end_ns = time.monotonic_ns()
-            t = timings(cached, prompt_n, prompt_ms, n, (end_ns - (first_ns or end_ns)) / 1e6)
-            truth.reported = t
-            c = self.counters
-            c["prompt_tokens_total"] += prompt_n
-            c["prompt_tokens_cached_total"] += cached
-            c["prompt_seconds_total"] += t["prompt_ms"] / 1e3
-            c["tokens_predicted_total"] += n
-            c["tokens_predicted_seconds_total"] += t["predicted_ms"] / 1e3
-            usage = {
-                "completion_tokens": n,
-                "prompt_tokens": prompt_total,
-                "total_tokens": prompt_total + n,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            }
-            stop_type = "eos" if plan.finish_reason == "stop" else "limit"
-            await w.finish(
-                plan.finish_reason,
-                "".join(plan.pieces),
-                usage,
-                t,
-                {
-                    "slot": slot["id"],
-                    "prompt": "<bos>" + text,
-                    "stop_type": stop_type,
-                    "tokens_evaluated": prompt_total,
-                    "n": n,
-                },
-            )
-            me.finished_total += 1
-        except asyncio.CancelledError:
-            # a hang-up (the watch cancels us) or the server stopping: an abort either way
-            task.uncancel()
-            truth.aborted = True
-            me.aborted_total += 1
-        finally:
-            watcher.cancel()
-            if slot is not None:
-                slot["is_processing"] = False
-                slot.pop("next_token", None)
-            if truth.t_admit is not None:
-                truth.energy_joules = me.release(key)
-            truth.t_end = time.monotonic()
-            self.engine.write_truth(truth)
+
+        async def work() -> None:
+            nonlocal slot
+            try:
+                await me.admit(key, prompt_total)
+                slot = next(s for s in self.slots if not s["is_processing"])
+                slot.update(
+                    is_processing=True,
+                    id_task=key,
+                    n_prompt_tokens=prompt_total,
+                    next_token=[{"has_next_token": True, "n_remain": -1, "n_decoded": 0}],
+                )
+                admit_ns = time.monotonic_ns()
+                truth.t_admit = admit_ns / 1e9
+                truth.engine_wait_seconds = truth.t_admit - t_recv
+                if stream:  # the slot started: headers go out now, before prefill
+                    await w.start()
+                cached = self.cache.hit(self.alias, tokens)
+                truth.cached_tokens = cached
+                prompt_n = prompt_total - cached
+                await me.prefill(truth.t_admit, prompt_n, cached)
+                prefill_end = time.monotonic_ns()
+                prompt_ms = (prefill_end - admit_ns) / 1e6
+                truth.prefill_seconds = prompt_ms / 1e3
+                me.prompt_tokens_total += prompt_n
+                n = len(plan.pieces)
+                first_ns = None
+                async for i in me.steps(key, prompt_total, n):
+                    piece = plan.pieces[i]
+                    slot["next_token"][0]["n_decoded"] = i + 1
+                    now_ns = time.monotonic_ns()
+                    first_ns = first_ns or now_ns
+                    truth.completion_tokens = i + 1
+                    if error_after is not None and i >= error_after and stream:
+                        await w.error("Internal error: simulated failure")
+                        truth.aborted = True
+                        return
+                    eos = plan.finish_reason == "stop" and i == n - 1
+                    now = time.monotonic()  # the truth's marks: before the token is written
+                    if not eos:
+                        await w.token(piece, tokenize(piece or "x")[0], i + 1, prompt_total)
+                        if truth.t_first is None:
+                            truth.t_first = now
+                    truth.t_last = now
+                end_ns = time.monotonic_ns()
+                t = timings(cached, prompt_n, prompt_ms, n, (end_ns - (first_ns or end_ns)) / 1e6)
+                truth.reported = t
+                c = self.counters
+                c["prompt_tokens_total"] += prompt_n
+                c["prompt_tokens_cached_total"] += cached
+                c["prompt_seconds_total"] += t["prompt_ms"] / 1e3
+                c["tokens_predicted_total"] += n
+                c["tokens_predicted_seconds_total"] += t["predicted_ms"] / 1e3
+                usage = {
+                    "completion_tokens": n,
+                    "prompt_tokens": prompt_total,
+                    "total_tokens": prompt_total + n,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
+                stop_type = "eos" if plan.finish_reason == "stop" else "limit"
+                await w.finish(
+                    plan.finish_reason,
+                    "".join(plan.pieces),
+                    usage,
+                    t,
+                    {
+                        "slot": slot["id"],
+                        "prompt": "<bos>" + text,
+                        "stop_type": stop_type,
+                        "tokens_evaluated": prompt_total,
+                        "n": n,
+                    },
+                )
+            finally:
+                if slot is not None:
+                    slot["is_processing"] = False
+                    slot.pop("next_token", None)
+                if truth.t_admit is not None:
+                    truth.energy_joules = me.release(key)
+
+        await run_request(receive, w.state, me, self.engine, truth, work)
 
 
 class _Writer:

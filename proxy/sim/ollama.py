@@ -24,7 +24,8 @@ import time
 from datetime import UTC, datetime
 from typing import ClassVar
 
-from .asgi import lifespan, loads, read_body, watch
+from .asgi import lifespan, loads, read_body
+from .choices import run_request
 from .engine import SimEngine, plan_output, tokenize
 from .gguf import FILE_TYPES, EngineTruth, PrefixCache, chat_text
 from .ollama_extras import embeddings_route, shape_info
@@ -279,80 +280,71 @@ class OllamaSim:
             ident = call_id(self.engine.deterministic, f"{name}|{text}")
             writer.tool_calls = (native_calls(call, ident), v1_calls(call, ident))
         error_after = opts.get("sim_error_after")
-        task = asyncio.current_task()
-        assert task is not None
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(watch(receive, task, gone, writer.state))
         key = self.engine.next_key()
-        admitted = False
-        try:
-            await self._load(model)
-            loaded_ns = time.monotonic_ns()
-            truth.load_seconds = (loaded_ns - start_ns) / 1e9
-            await me.admit(key, prompt_tokens)  # the runner's semaphore (num_parallel)
-            admitted = True
-            admit_ns = time.monotonic_ns()
-            truth.t_admit = admit_ns / 1e9
-            truth.engine_wait_seconds = (admit_ns - loaded_ns) / 1e9
-            cached = self.cache.hit(model, tokens)
-            truth.cached_tokens = cached
-            me.prompt_tokens_total += prompt_tokens - cached
-            await me.prefill(truth.t_admit, prompt_tokens - cached, cached)
-            prefill_end = time.monotonic_ns()
-            truth.prefill_seconds = (prefill_end - admit_ns) / 1e9
-            n = len(plan.pieces) if call is None else len(call.steps)
-            first_ns = None
-            async for i in me.steps(key, prompt_tokens, n):
-                piece = plan.pieces[i] if call is None else ""
-                now_ns = time.monotonic_ns()
-                first_ns = first_ns or now_ns
-                truth.completion_tokens = i + 1
-                if error_after is not None and i >= error_after:
-                    await writer.error(
-                        "model runner has unexpectedly stopped, this may be due "
-                        "to resource limitations or an internal error, check "
-                        "ollama server logs for details"
-                    )
-                    truth.aborted = True
-                    return
-                now = time.monotonic()  # the truth's marks: before the token is written
-                if call is not None:  # the parser holds the call back until it is whole
-                    if call.steps[i][0] == CLOSE:
-                        await writer.tool_chunk()
-                        truth.t_first = now
-                elif piece or i < n - 1:
-                    await writer.chunk(piece)
-                    if truth.t_first is None:
-                        truth.t_first = now
-                truth.t_last = now
-            end_ns = time.monotonic_ns()
-            metrics = {
-                "total_duration": end_ns - start_ns,
-                "load_duration": loaded_ns - start_ns,
-                "prompt_eval_count": prompt_tokens,
-                "prompt_eval_duration": prefill_end - admit_ns,
-                "eval_count": n,
-                "eval_duration": end_ns - (first_ns or end_ns),
-            }
-            truth.reported = dict(metrics)
-            context = tokens + tokenize("".join(plan.pieces)) if kind == "generate" else None
-            if call is None:
-                await writer.done(plan.finish_reason, "".join(plan.pieces), metrics, context)
-            else:
-                await writer.done(call.finish_reason, "", metrics, context)
-            self.loaded[model] = time.time() + KEEP_ALIVE
-            me.finished_total += 1
-        except asyncio.CancelledError:
-            # a hang-up (the watch cancels us) or the server stopping: an abort either way
-            task.uncancel()
-            truth.aborted = True
-            me.aborted_total += 1
-        finally:
-            watcher.cancel()
-            if admitted:
-                truth.energy_joules = me.release(key)
-            truth.t_end = time.monotonic()
-            self.engine.write_truth(truth)
+
+        async def work() -> None:
+            admitted = False
+            try:
+                await self._load(model)
+                loaded_ns = time.monotonic_ns()
+                truth.load_seconds = (loaded_ns - start_ns) / 1e9
+                await me.admit(key, prompt_tokens)  # the runner's semaphore (num_parallel)
+                admitted = True
+                admit_ns = time.monotonic_ns()
+                truth.t_admit = admit_ns / 1e9
+                truth.engine_wait_seconds = (admit_ns - loaded_ns) / 1e9
+                cached = self.cache.hit(model, tokens)
+                truth.cached_tokens = cached
+                me.prompt_tokens_total += prompt_tokens - cached
+                await me.prefill(truth.t_admit, prompt_tokens - cached, cached)
+                prefill_end = time.monotonic_ns()
+                truth.prefill_seconds = (prefill_end - admit_ns) / 1e9
+                n = len(plan.pieces) if call is None else len(call.steps)
+                first_ns = None
+                async for i in me.steps(key, prompt_tokens, n):
+                    piece = plan.pieces[i] if call is None else ""
+                    now_ns = time.monotonic_ns()
+                    first_ns = first_ns or now_ns
+                    truth.completion_tokens = i + 1
+                    if error_after is not None and i >= error_after:
+                        await writer.error(
+                            "model runner has unexpectedly stopped, this may be due "
+                            "to resource limitations or an internal error, check "
+                            "ollama server logs for details"
+                        )
+                        truth.aborted = True
+                        return
+                    now = time.monotonic()  # the truth's marks: before the token is written
+                    if call is not None:  # the parser holds the call back until it is whole
+                        if call.steps[i][0] == CLOSE:
+                            await writer.tool_chunk()
+                            truth.t_first = now
+                    elif piece or i < n - 1:
+                        await writer.chunk(piece)
+                        if truth.t_first is None:
+                            truth.t_first = now
+                    truth.t_last = now
+                end_ns = time.monotonic_ns()
+                metrics = {
+                    "total_duration": end_ns - start_ns,
+                    "load_duration": loaded_ns - start_ns,
+                    "prompt_eval_count": prompt_tokens,
+                    "prompt_eval_duration": prefill_end - admit_ns,
+                    "eval_count": n,
+                    "eval_duration": end_ns - (first_ns or end_ns),
+                }
+                truth.reported = dict(metrics)
+                context = tokens + tokenize("".join(plan.pieces)) if kind == "generate" else None
+                if call is None:
+                    await writer.done(plan.finish_reason, "".join(plan.pieces), metrics, context)
+                else:
+                    await writer.done(call.finish_reason, "", metrics, context)
+                self.loaded[model] = time.time() + KEEP_ALIVE
+            finally:
+                if admitted:
+                    truth.energy_joules = me.release(key)
+
+        await run_request(receive, writer.state, me, self.engine, truth, work)
 
     async def _load(self, model: str, send_nothing: bool = False) -> None:
         """A model's first use loads it (weights at ~12 GB/s), charged to load_duration."""
