@@ -154,25 +154,62 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_the_checker_sees_a_cycle_and_a_layer_violation(tmp_path, monkeypatch):
-    """The checks above can fail: a planted upward import is caught."""
+def _plant(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """Point the checks at a fake package made of `files` (path -> source)."""
     fake = tmp_path / "proxy"
-    for sub in ("core", "tools"):
-        (fake / sub).mkdir(parents=True)
-        (fake / sub / "__init__.py").write_text("")
+    (fake).mkdir()
     (fake / "__init__.py").write_text("")
-    (fake / "core" / "a.py").write_text("from ..tools import b\n")
-    (fake / "tools" / "b.py").write_text("from ..core import a\n")
-    monkeypatch.setattr(__import__(__name__, fromlist=["x"]), "PACKAGE", fake)
-    monkeypatch.setattr(__import__(__name__, fromlist=["x"]), "ROOT", tmp_path)
-    edges = {(s, d) for s, d, _ in imports()}
-    assert ("proxy.core.a", "proxy.tools.b") in edges and ("proxy.tools.b", "proxy.core.a") in edges
+    for rel, text in files.items():
+        path = fake / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text(text)
+    me = __import__(__name__, fromlist=["x"])
+    monkeypatch.setattr(me, "PACKAGE", fake)
+    monkeypatch.setattr(me, "ROOT", tmp_path)
+
+
+def _fails(check, needle: str) -> None:
     try:
-        test_no_import_cycles()
+        check()
     except AssertionError as exc:
-        assert "proxy.core.a" in str(exc)
+        assert needle in str(exc), str(exc)
     else:
-        raise AssertionError("the planted cycle was not found")
+        raise AssertionError(f"{check.__name__} did not see the planted fault")
+
+
+def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
+    """The cycle check can fail: two modules importing each other are caught."""
+    _plant(
+        tmp_path,
+        monkeypatch,
+        {"core/a.py": "from ..core import b\n", "core/b.py": "from ..core import a\n"},
+    )
+    edges = {(s, d) for s, d, _ in imports()}
+    assert ("proxy.core.a", "proxy.core.b") in edges and ("proxy.core.b", "proxy.core.a") in edges
+    _fails(test_no_import_cycles, "proxy.core.a")
+    test_layers_import_only_downward_and_the_simulator_stands_apart()  # same part: allowed
+
+
+def test_the_checker_sees_a_layer_violation_without_a_cycle(tmp_path, monkeypatch):
+    """The layer check can fail on its own: one upward import (the core reaching into the
+    tools, a lazy import inside a function) with no cycle behind it is caught."""
+    _plant(
+        tmp_path,
+        monkeypatch,
+        {
+            "core/a.py": "def f():\n    from ..tools import b\n    return b\n",
+            "tools/b.py": "X = 1\n",
+        },
+    )
+    test_no_import_cycles()  # no cycle here
+    _fails(test_layers_import_only_downward_and_the_simulator_stands_apart, "proxy.core.a")
+    _fails(test_core_and_engines_never_import_tools_services_or_the_simulator, "proxy.tools.b")
+
+
+def test_the_checker_sees_the_simulator_imported_by_the_relay(tmp_path, monkeypatch):
+    _plant(tmp_path, monkeypatch, {"core/a.py": "import proxy.sim.x\n", "sim/x.py": ""})
+    _fails(test_layers_import_only_downward_and_the_simulator_stands_apart, "proxy.sim.x")
 
 
 def test_the_relay_loop_fits_on_a_screen():
