@@ -370,6 +370,14 @@ class Settings(BaseSettings):
         "OTLP/HTTP, configured by the standard OTEL_* variables; needs "
         "pip install 'phasewatch[otel]'.",
     )
+    otel_shutdown_timeout: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="Seconds at most that exporting the queued OpenTelemetry spans and "
+        "metrics may take at shutdown (a collector that is down would hold it 40 s); "
+        "never more than --shutdown-grace. What is left is dropped, counted and said.",
+    )
     upstream_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Engine API key per upstream, name=KEY, sent as Authorization: Bearer "
