@@ -28,7 +28,7 @@ from .servers import metric_samples, sample, start_proxy
 
 #: How each model's engine answers: gzip only when the request accepts it, gzip whatever
 #: it accepts, a coding phasewatch does not decode.
-HONOUR, ALWAYS, BROTLI = "gz-honour", "gz-always", "br-always"
+HONOUR, ALWAYS, BROTLI, CORRUPT = "gz-honour", "gz-always", "br-always", "gz-corrupt"
 TOKENS = ["Hello", " there", ",", " friend"]
 PAUSE = 0.25  # between the first token and the rest: a decode phase to measure
 
@@ -60,7 +60,7 @@ def chunk(data: bytes) -> bytes:
 
 def answer(req: Request) -> Reply:
     if req.target.startswith("/v1/models"):
-        ids = [{"id": m, "object": "model"} for m in (HONOUR, ALWAYS, BROTLI)]
+        ids = [{"id": m, "object": "model"} for m in (HONOUR, ALWAYS, BROTLI, CORRUPT)]
         body = json.dumps({"object": "list", "data": ids}).encode()
         return Reply(response(200, body, [("Content-Type", "application/json")]))
     obj = json.loads(req.body)
@@ -91,6 +91,8 @@ def answer(req: Request) -> Reply:
         z = zlib.compressobj(6, zlib.DEFLATED, 31)
         pieces = [z.compress(e) + z.flush(zlib.Z_SYNC_FLUSH) for e in evs]
         pieces[-1] += z.flush()
+        if model == CORRUPT:  # the coded stream breaks after its first token
+            pieces[2] = b"\xff not deflate \x00" * 3
     else:
         pieces = evs
     first = head.encode() + b"\r\n" + b"".join(chunk(p) for p in pieces[:2])
@@ -223,6 +225,25 @@ def test_a_coding_phasewatch_cannot_decode_passes_unmeasured_and_counted(stack):
     assert "which phasewatch does not decode" in proxy.log()
 
 
+def test_a_compressed_stream_that_stops_decoding_passes_as_it_came_and_counts_protocol(stack):
+    engine, proxy = stack
+    body = {
+        "model": CORRUPT,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    raw: dict[str, bytes] = {}
+    for name, url, rid in (("direct", engine.url, "bad-d"), ("proxy", proxy.url, "bad-p")):
+        h = {"accept-encoding": "gzip", "x-request-id": rid}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=h) as r:
+            raw[name] = b"".join(r.iter_raw())
+    assert raw["proxy"] == raw["direct"]  # nothing of the proxy's inside a coded body
+    line = line_of(proxy, "bad-p")
+    assert line["outcome"] == "error" and line["error"] == "protocol", line
+    assert float(line["ttft_s"]) > 0  # the first token decoded before the break
+
+
 # --- the decoder, on its own ---------------------------------------------------------------
 
 
@@ -277,3 +298,16 @@ def test_a_decoded_stream_is_stripped_exactly_for_every_split():
         got = d.feed(data[:cut], 1.0) + d.feed(data[cut:], 2.0) + d.end(3.0)
         assert got == want and d.tap.done and d.broken is None, cut
         assert d.tap.usage_payload is not None
+
+
+def test_a_stream_that_stops_decoding_passes_as_it_came_and_is_marked_broken():
+    data = _gzip_stream(events(ALWAYS, include_usage=True))
+    bad = data[:60] + b"\x00garbage that is not deflate\xff" * 4 + data[60:]
+    d = Decoded(SSETap(Marks(t_recv=0.0)), [b"gzip"], exact=True)
+    cuts = [bad[:50], bad[50:90], bad[90:]]
+    assert [d.feed(c, 1.0) for c in cuts] == cuts  # the engine's bytes, untouched
+    assert d.end(2.0) == b"" and d.broken is not None and not d.tap.done
+    stripping = Decoded(SSETap(Marks(t_recv=0.0), strip=True), [b"gzip"], exact=False)
+    out = b"".join(stripping.feed(c, 1.0) for c in cuts) + stripping.end(2.0)
+    assert stripping.broken is not None
+    assert b"".join(events(ALWAYS, False)).startswith(out)  # whole events up to the break
