@@ -416,7 +416,9 @@ class Relay:
                     tail += self._unterminated(ex, tap)
                 kept = None
             else:
-                kept = await self._forward_kept(send, resp)
+                # a body phasewatch cannot decode is not kept: nothing in it is readable
+                keep = _MAX_KEPT_BODY if not applied or decodable(applied) else 0
+                kept = await self._forward_kept(send, resp, keep)
                 tail = b""
         except httpx.HTTPError as exc:
             # a stream's tap ends it on an event boundary; a stream that had reached its
@@ -519,13 +521,15 @@ class Relay:
             ex.prepared.endpoint,
         )
 
-    async def _forward_kept(self, send: Send, resp: httpx.Response) -> bytes:
-        """Forward a whole (unstreamed) body, keeping up to _MAX_KEPT_BODY of it to read
+    async def _forward_kept(
+        self, send: Send, resp: httpx.Response, keep: int = _MAX_KEPT_BODY
+    ) -> bytes:
+        """Forward a whole (unstreamed) body, keeping up to `keep` bytes of it to read
         its usage at the end."""
         kept: list[bytes] = []
         size = 0
         async for chunk in resp.aiter_raw():
-            if size < _MAX_KEPT_BODY:
+            if size < keep:
                 kept.append(chunk)
                 size += len(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
