@@ -311,3 +311,16 @@ def test_a_stream_that_stops_decoding_passes_as_it_came_and_is_marked_broken():
     out = b"".join(stripping.feed(c, 1.0) for c in cuts) + stripping.end(2.0)
     assert stripping.broken is not None
     assert b"".join(events(ALWAYS, False)).startswith(out)  # whole events up to the break
+
+
+def test_a_small_chunk_that_decodes_to_a_great_deal_is_forwarded_a_piece_at_a_time():
+    evs = events(ALWAYS, include_usage=False)
+    plain = evs[0] + evs[1] * 20000 + b"".join(evs[2:])  # ~3.4 MB from ~20 KB
+    data = gzip.compress(plain, mtime=0)
+    assert len(plain) > 100 * len(data)
+    d = Decoded(SSETap(Marks(t_recv=0.0), strip=True), [b"gzip"], exact=False)
+    out = list(d.pieces(data, 1.0))
+    assert b"".join(out) + d.end(2.0) == plain
+    assert len(out) > 10 and max(map(len, out)) <= PIECE + len(evs[1])
+    exact = Decoded(SSETap(Marks(t_recv=0.0)), [b"gzip"], exact=True)
+    assert exact.feed(data, 1.0) == data and exact.end(2.0) == b"" and exact.tap.done

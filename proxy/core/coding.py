@@ -139,9 +139,10 @@ def decode_whole(applied: list[bytes], body: bytes, limit: int) -> bytes | None:
 
 class Decoded:
     """A tap fed the decoded body. `exact`: the client gets the engine's bytes as they
-    came (the decoded copy is only measured); otherwise it gets what the tap lets
-    through of the decoded stream. After the body stops decoding, `broken` is set and
-    nothing more is measured."""
+    came (:meth:`feed`; the decoded copy is only measured); otherwise it gets what the
+    tap lets through of the decoded stream (:meth:`pieces`, a bounded piece at a time,
+    so a small chunk that decodes to a great deal never sits in memory whole). After
+    the body stops decoding, `broken` says why and nothing more is measured."""
 
     __slots__ = ("_dec", "broken", "exact", "tap")
 
@@ -152,16 +153,31 @@ class Decoded:
         self.broken: str | None = None
 
     def feed(self, chunk: bytes, now: float) -> bytes:
+        """Measure `chunk` on its decoded copy; return it as it came (exact) or what the
+        tap lets through of it."""
+        if not self.exact:
+            return b"".join(self.pieces(chunk, now))
         if self.broken is None:
             feed = self.tap.feed
             try:
-                out = [feed(piece, now) for piece in self._dec.decode(chunk)]
+                for piece in self._dec.decode(chunk):
+                    feed(piece, now)
             except Undecodable as exc:
                 self.broken = str(exc)[:200]
-                out = []
-            if not self.exact:
-                return b"".join(out)
-        return chunk if self.exact else b""
+        return chunk
+
+    def pieces(self, chunk: bytes, now: float) -> Iterator[bytes]:
+        """What the tap lets through of `chunk` decoded, piece by piece."""
+        if self.broken is not None:
+            return
+        feed = self.tap.feed
+        try:
+            for piece in self._dec.decode(chunk):
+                out = feed(piece, now)
+                if out:
+                    yield out
+        except Undecodable as exc:
+            self.broken = str(exc)[:200]
 
     def end(self, now: float) -> bytes:
         out: list[bytes] = []

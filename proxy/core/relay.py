@@ -410,16 +410,19 @@ class Relay:
         # the engine's coded bytes pass as they are: nothing of the proxy's may follow them
         sealed = decoded is not None and decoded.exact
         try:
-            if source is not None:
-                tail = await self._stream(send, resp, source)
-                if tap is not None and not sealed:
-                    tail += self._unterminated(ex, tap)
-                kept = None
-            else:
+            if tap is None or source is None:
                 # a body phasewatch cannot decode is not kept: nothing in it is readable
                 keep = _MAX_KEPT_BODY if not applied or decodable(applied) else 0
                 kept = await self._forward_kept(send, resp, keep)
                 tail = b""
+            else:
+                if decoded is not None and not decoded.exact:
+                    tail = await self._stream_decoded(send, resp, decoded)
+                else:
+                    tail = await self._stream(send, resp, source)
+                if not sealed:
+                    tail += self._unterminated(ex, tap)
+                kept = None
         except httpx.HTTPError as exc:
             # a stream's tap ends it on an event boundary; a stream that had reached its
             # end before the connection broke is a whole answer
@@ -510,6 +513,14 @@ class Relay:
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         return source.end(monotonic())
+
+    async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
+        """A coded stream decoded for the client (usage was injected, the engine coded its
+        answer anyway): forwarded a bounded piece at a time."""
+        async for chunk in resp.aiter_raw():
+            for out in decoded.pieces(chunk, time.monotonic()):
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        return decoded.end(time.monotonic())
 
     def _unterminated(self, ex: Exchange, tap: Tap) -> bytes:
         """The engine closed the stream cleanly but never finished it: say so in the
