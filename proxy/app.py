@@ -81,7 +81,15 @@ class ProxyApp:
         self.access = Access(settings.api_keys, settings.upstream_keys, settings.key_clients)
         # OpenTelemetry (--otel): spans opened before the request goes upstream, ended and
         # exported once it is recorded; nothing of it is loaded without the flag.
-        self.tracing = Tracing(self.metrics, __version__) if settings.otel else None
+        self.tracing = (
+            Tracing(
+                self.metrics,
+                __version__,
+                min(settings.otel_shutdown_timeout, settings.shutdown_grace),
+            )
+            if settings.otel
+            else None
+        )
         if self.tracing is not None:
             self.recorder.sinks.append(self.tracing.finish)
         self.relay = Relay(

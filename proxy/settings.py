@@ -370,6 +370,14 @@ class Settings(BaseSettings):
         "OTLP/HTTP, configured by the standard OTEL_* variables; needs "
         "pip install 'phasewatch[otel]'.",
     )
+    otel_shutdown_timeout: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="Seconds at most that exporting the queued OpenTelemetry spans and "
+        "metrics may take at shutdown (a collector that is down would hold it 40 s); "
+        "never more than --shutdown-grace. What is left is dropped, counted and said.",
+    )
     upstream_key: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Engine API key per upstream, name=KEY, sent as Authorization: Bearer "
@@ -628,6 +636,15 @@ class Settings(BaseSettings):
             name, key = split_named_key(item.get_secret_value())
             if name is not None:
                 self._named_keys[key] = name
+        clash = sorted(set(self.clients) & set(self._named_keys.values()))
+        if clash:
+            # a bare-key holder sending --client-header NAME would be counted as the holder
+            # of the named key: a client name belongs to a key or to --clients, never both
+            raise ValueError(
+                f"--clients: {clash[0]!r} is also the name of a named --api-key "
+                f"({clash[0]}=KEY): a request with a bare key could claim that client "
+                "through --client-header; give the --clients entry another name"
+            )
         self._upstreams = tuple(specs)
         known = frozenset(ENV_PREFIX + f.upper() for f in type(self).model_fields)
         self._notices = notes + unknown_variables(os.environ, known)

@@ -21,6 +21,9 @@ HOP_BY_HOP = frozenset(
         b"proxy-authenticate",
     }
 )
+#: Sent upstream in place of the client's Accept-Encoding when phasewatch asked the engine
+#: for usage the client did not: an encoded answer could not be stripped on its bytes.
+IDENTITY = (b"accept-encoding", b"identity")
 #: The proxy sets the framing and the host itself on the upstream side.
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}
 
@@ -65,3 +68,8 @@ def encoded(raw_headers: Iterable[tuple[bytes, bytes]]) -> bool:
         if k.lower() == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
             return True
     return False
+
+
+def without(headers: Headers, *names: bytes) -> Headers:
+    """`headers` less the fields named (lower-case names)."""
+    return [h for h in headers if h[0] not in names]

@@ -25,10 +25,18 @@ from .access import Access
 from .asgi import Receive, Scope, Send
 from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
+from .coding import Decoded, codings, decodable, decode_whole
 from .errors import ErrorShape, UpstreamFailure, describe, send_error
 from .exchange import Exchange
 from .gate import QueueFull, QueueTimeout
-from .headers import Headers, encoded, request_headers, request_id, response_headers
+from .headers import (
+    IDENTITY,
+    Headers,
+    request_headers,
+    request_id,
+    response_headers,
+    without,
+)
 from .limited import LimitedLog
 from .upstreams import Upstream, Upstreams
 
@@ -331,7 +339,12 @@ class Relay:
             upstream.active.add(ex)
             in_flight.inc()
             ex.marks.t_admit = time.monotonic()
-            resp = await self._open(upstream, scope, ex.prepared.body, ex.marks, ex.trace_headers)
+            extra = ex.trace_headers
+            if ex.prepared.strip_usage:
+                # what phasewatch adds must be removable: ask for an answer it can strip
+                # (the client's Accept-Encoding is replaced, this one case only)
+                extra = [*(extra or ()), IDENTITY]
+            resp = await self._open(upstream, scope, ex.prepared.body, ex.marks, extra)
             await self._respond(send, resp, ex, state)
         except UpstreamFailure as exc:
             state.finished = True
@@ -371,29 +384,49 @@ class Relay:
         ex.status = resp.status_code
         ex.marks.t_headers = time.monotonic()
         raw = resp.headers.raw
+        applied = codings(raw)
         tap = None
-        if ex.status < 400 and not encoded(raw):
+        decoded = None
+        if ex.status < 400:
             tap = ex.upstream.dialect.tap(
                 resp.headers.get("content-type", ""), ex.marks, ex.prepared, self.max_event_bytes
             )
+            if tap is not None and applied:
+                decoded = self._decoded(ex, tap, applied)
+                if decoded is None:
+                    tap = None
         ex.tap = tap
         headers = response_headers(raw)
         if self.echo_request_id:
             headers = [h for h in headers if h[0] != b"x-request-id"] + self._echo(ex)
-        if tap is not None:  # the proxy may change a stream's bytes: it goes out chunked
-            headers = [h for h in headers if h[0] != b"content-length"]
+        if decoded is not None and not decoded.exact:
+            # the decoded stream goes out (stripped) instead of the engine's coding
+            headers = without(headers, b"content-encoding", b"content-length")
+        elif tap is not None and decoded is None:
+            # the proxy may change a stream's bytes: it goes out chunked
+            headers = without(headers, b"content-length")
         await send({"type": "http.response.start", "status": ex.status, "headers": headers})
+        source: Tap | Decoded | None = decoded or tap
+        # the engine's coded bytes pass as they are: nothing of the proxy's may follow them
+        sealed = decoded is not None and decoded.exact
         try:
-            if tap is not None:
-                tail = await self._stream(send, resp, tap, ex)
-                kept = None
-            else:
-                kept = await self._forward_kept(send, resp)
+            if tap is None or source is None:
+                # a body phasewatch cannot decode is not kept: nothing in it is readable
+                keep = _MAX_KEPT_BODY if not applied or decodable(applied) else 0
+                kept = await self._forward_kept(send, resp, keep)
                 tail = b""
+            else:
+                if decoded is not None and not decoded.exact:
+                    tail = await self._stream_decoded(send, resp, decoded)
+                else:
+                    tail = await self._stream(send, resp, source)
+                if not sealed:
+                    tail += self._unterminated(ex, tap)
+                kept = None
         except httpx.HTTPError as exc:
             # a stream's tap ends it on an event boundary; a stream that had reached its
             # end before the connection broke is a whole answer
-            tail = tap.end(time.monotonic()) if tap is not None else b""
+            tail = source.end(time.monotonic()) if source is not None else b""
             if tap is None or not (tap.done or tap.error_payload is not None):
                 ex.fail(
                     "timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
@@ -401,7 +434,7 @@ class Relay:
                     502,
                 )
                 log.warning("%s (request %s)", ex.error_message, ex.request_id)
-                if tap is None:
+                if tap is None or sealed:
                     return  # a plain body is left cut short: the client sees the connection end
                 assert ex.error_message is not None
                 state.finished = True
@@ -414,7 +447,47 @@ class Relay:
                 self._oversized(ex, tap.oversized)
         state.finished = True
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+        if decoded is not None and decoded.broken is not None:
+            ex.fail("protocol", f"upstream {ex.upstream.name}: {decoded.broken}")
+            return
+        if kept is not None and applied:
+            got = decode_whole(applied, kept, _MAX_KEPT_BODY) if decodable(applied) else None
+            if got is None:
+                self._undecodable(ex, applied)
+                if ex.status < 400:
+                    return  # nothing readable: the request is counted, unmeasured
+            kept = got
         self._settle(ex, kept)
+
+    def _decoded(self, ex: Exchange, tap: Tap, applied: list[bytes]) -> Decoded | None:
+        """A stream in a content coding: measured on a decoded copy where the coding is
+        one phasewatch decodes (the tap then strips the decoded stream, when usage was
+        injected); else None, and it passes through unmeasured."""
+        if decodable(applied):
+            return Decoded(tap, applied, exact=not tap.rewrites)
+        if tap.rewrites:  # (counted with the body, as undecodable)
+            self._refusals.warning(
+                "undecodable_injected",
+                "upstream %s answered in a coding phasewatch cannot decode although asked "
+                "for identity: the usage it was asked for reaches the client (request %s)",
+                ex.upstream.name,
+                ex.request_id,
+            )
+        return None
+
+    def _undecodable(self, ex: Exchange, applied: list[bytes]) -> None:
+        """A body in a coding phasewatch cannot decode passed through: counted, said once."""
+        self.recorder.metrics.errors_total.labels(
+            ex.upstream.name, ex.model_label, ex.precision, "undecodable"
+        ).inc()
+        self._refusals.warning(
+            "undecodable",
+            "upstream %s answered in content coding %r, which phasewatch does not decode: "
+            "passed through unmeasured (request %s)",
+            ex.upstream.name,
+            b",".join(applied)[:64],
+            ex.request_id,
+        )
 
     def _oversized(self, ex: Exchange, events: int) -> None:
         """Events too large to measure passed through: counted, and said once."""
@@ -430,31 +503,44 @@ class Relay:
             ex.upstream.name,
         )
 
-    async def _stream(self, send: Send, resp: httpx.Response, tap: Tap, ex: Exchange) -> bytes:
+    async def _stream(self, send: Send, resp: httpx.Response, source: Tap | Decoded) -> bytes:
         """The per-event loop, the hottest code in the product: feed each chunk to the tap
-        and forward what it lets through. Returns what is left to send at the end."""
-        feed, monotonic = tap.feed, time.monotonic
+        (or to its decoder) and forward what it lets through. Returns what is left to send
+        at the end."""
+        feed, monotonic = source.feed, time.monotonic
         async for chunk in resp.aiter_raw():
             out = feed(chunk, monotonic())
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        tail = tap.end(monotonic())
-        if not tap.done and tap.error_payload is None:
-            # the engine closed the stream cleanly but never finished it: say so in the
-            # stream's own framing so clients do not take a cut answer as whole
-            tail += ex.upstream.dialect.stream_error(
-                f"upstream {ex.upstream.name} ended the stream without its terminator",
-                ex.prepared.endpoint,
-            )
-        return tail
+        return source.end(monotonic())
 
-    async def _forward_kept(self, send: Send, resp: httpx.Response) -> bytes:
-        """Forward a whole (unstreamed) body, keeping up to _MAX_KEPT_BODY of it to read
+    async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
+        """A coded stream decoded for the client (usage was injected, the engine coded its
+        answer anyway): forwarded a bounded piece at a time."""
+        async for chunk in resp.aiter_raw():
+            for out in decoded.pieces(chunk, time.monotonic()):
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        return decoded.end(time.monotonic())
+
+    def _unterminated(self, ex: Exchange, tap: Tap) -> bytes:
+        """The engine closed the stream cleanly but never finished it: say so in the
+        stream's own framing so clients do not take a cut answer as whole."""
+        if tap.done or tap.error_payload is not None:
+            return b""
+        return ex.upstream.dialect.stream_error(
+            f"upstream {ex.upstream.name} ended the stream without its terminator",
+            ex.prepared.endpoint,
+        )
+
+    async def _forward_kept(
+        self, send: Send, resp: httpx.Response, keep: int = _MAX_KEPT_BODY
+    ) -> bytes:
+        """Forward a whole (unstreamed) body, keeping up to `keep` bytes of it to read
         its usage at the end."""
         kept: list[bytes] = []
         size = 0
         async for chunk in resp.aiter_raw():
-            if size < _MAX_KEPT_BODY:
+            if size < keep:
                 kept.append(chunk)
                 size += len(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

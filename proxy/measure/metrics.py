@@ -497,7 +497,8 @@ class Metrics:
         self.otel_spans_dropped_total = Counter(
             PREFIX + "otel_spans_dropped",
             "Spans not delivered: reason=queue_full (the batch queue, OTEL_BSP_MAX_QUEUE_SIZE, "
-            "was full) or export_failed (the OTLP endpoint refused or could not be reached).",
+            "was full) or export_failed (the OTLP endpoint refused or could not be reached) "
+            "or shutdown (still queued when --otel-shutdown-timeout ran out).",
             ("reason",),
             registry=r,
         )

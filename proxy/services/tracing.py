@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ _SDK_BATCH_LOGGER = "opentelemetry.sdk._shared_internal"
 _MAX_MODEL_CHARS = 256
 #: How often at most the "span queue is full" line is repeated while spans are dropped.
 _DROP_LOG_EVERY = 60.0
+#: Seconds the export of what is queued may take at shutdown (--otel-shutdown-timeout).
+SHUTDOWN_TIMEOUT = 5.0
 
 #: Explicit bucket boundaries the GenAI semantic conventions advise.
 TTFT_BOUNDS = (
@@ -83,27 +86,62 @@ def _check_env() -> tuple[bool, bool]:
     return wanted[0], wanted[1]
 
 
-class _Dropped(logging.Filter):
-    """Counts the batch processor's "queue full" records as dropped spans and says so
+class _Drops:
+    """Spans dropped because the batch processor's queue is full: each one counted, said
     once a minute instead of once per span."""
 
     def __init__(self, metrics: Metrics) -> None:
-        super().__init__()
         self.counter = metrics.otel_spans_dropped_total.labels("queue_full")
         self.said = 0.0
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        self.counter.inc()
+        now = time.monotonic()
+        with self._lock:
+            if now - self.said < _DROP_LOG_EVERY:
+                return
+            self.said = now
+        log.warning(
+            "OpenTelemetry span queue is full (OTEL_BSP_MAX_QUEUE_SIZE): spans are "
+            'dropped (phasewatch_otel_spans_dropped_total{reason="queue_full"})'
+        )
+
+
+class _Dropped(logging.Filter):
+    """Keeps the batch processor's "queue full" record (one per dropped span, which the
+    SDK's duplicate filter thins to one per 20 s) out of the log; with `drops`, counts it
+    (where the processor's queue cannot be read, so spans are not counted there)."""
+
+    def __init__(self, drops: _Drops | None) -> None:
+        super().__init__()
+        self.drops = drops
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith("Queue full"):
             return True
-        self.counter.inc()
-        now = time.monotonic()
-        if now - self.said >= _DROP_LOG_EVERY:
-            self.said = now
-            log.warning(
-                "OpenTelemetry span queue is full (OTEL_BSP_MAX_QUEUE_SIZE): spans are "
-                'dropped (phasewatch_otel_spans_dropped_total{reason="queue_full"})'
-            )
+        if self.drops is not None:
+            self.drops.drop()
         return False
+
+
+def _queue_of(processor: Any) -> tuple[Any, int] | None:
+    """The batch processor's span queue and its capacity, where this SDK version keeps
+    them where phasewatch knows to look (else None: counted from the SDK's log record)."""
+    inner = getattr(processor, "_batch_processor", processor)
+    for queue_name, size_name in (("_queue", "_max_queue_size"), ("queue", "max_queue_size")):
+        queue = getattr(inner, queue_name, None)
+        size = getattr(inner, size_name, None)
+        if queue is not None and isinstance(size, int) and hasattr(queue, "__len__"):
+            return queue, size
+    return None
+
+
+def _started(fn: Any) -> threading.Thread:
+    """Start `fn` on a daemon thread (the caller joins it as long as it may wait)."""
+    thread = threading.Thread(target=fn, name="phasewatch-otel-shutdown", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Handle:
@@ -123,7 +161,9 @@ class _Handle:
 class Tracing:
     """OpenTelemetry traces and GenAI metrics of measured requests."""
 
-    def __init__(self, metrics: Metrics, version: str) -> None:
+    def __init__(
+        self, metrics: Metrics, version: str, shutdown_timeout: float = SHUTDOWN_TIMEOUT
+    ) -> None:
         traces, meters = _check_env()
         try:
             from opentelemetry import trace
@@ -157,20 +197,32 @@ class Tracing:
         resource = Resource.create(attributes)
         self._addresses: dict[str, tuple[str, int]] = {}
 
+        #: The longest the export of what is queued may take at shutdown.
+        self.shutdown_timeout = shutdown_timeout
         self.tracer_provider: Any = None
         self.tracer: Any = None
+        self._span_exporter: Any = None
+        self._metric_exporter: Any = None
+        self._processor: Any = None
         if traces:
             # the sampler comes from OTEL_TRACES_SAMPLER(_ARG), parent-based always-on
             # by default; the exporter and the batch processor read their OTEL_* variables
             self.tracer_provider = TracerProvider(resource=resource)
-            exporter = _counting_exporter(OTLPSpanExporter(), metrics)
-            self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            self._span_exporter = OTLPSpanExporter()
+            exporter = _counting_exporter(self._span_exporter, metrics)
+            drops = _Drops(metrics)
+            self._processor = _counting_processor(BatchSpanProcessor, exporter, drops)
+            self.tracer_provider.add_span_processor(self._processor)
             self.tracer = self.tracer_provider.get_tracer("phasewatch", version)
-            logging.getLogger(_SDK_BATCH_LOGGER).addFilter(_Dropped(metrics))
+            # first, so that the SDK's duplicate filter cannot hide the repeats from it
+            filters = logging.getLogger(_SDK_BATCH_LOGGER).filters
+            counted = _queue_of(self._processor) is not None
+            filters.insert(0, _Dropped(None if counted else drops))
 
         self.meter_provider: Any = None
         if meters:
-            reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+            self._metric_exporter = OTLPMetricExporter()
+            reader = PeriodicExportingMetricReader(self._metric_exporter)
             self.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
             meter = self.meter_provider.get_meter("phasewatch", version)
             self.ttft = meter.create_histogram(
@@ -213,13 +265,53 @@ class Tracing:
         return self.tracer is not None or self.meter_provider is not None
 
     def shutdown(self) -> None:
-        """Export what is queued and stop (blocking: run it off the event loop)."""
-        for provider in (self.tracer_provider, self.meter_provider):
+        """Export what is queued and stop, within `shutdown_timeout` seconds (blocking: run
+        it off the event loop). Traces and metrics are flushed side by side; what is not
+        exported by then (a collector down or silent: the SDK would retry for half a
+        minute and more) is given up: its exporter is shut, which ends its retries, the
+        spans still queued are counted as dropped, and one line says so."""
+        deadline = time.monotonic() + self.shutdown_timeout
+        running = []
+        for what, provider, exporter in (
+            ("spans", self.tracer_provider, self._span_exporter),
+            ("metrics", self.meter_provider, self._metric_exporter),
+        ):
             if provider is not None:
-                try:
-                    provider.shutdown()
-                except Exception:
-                    log.exception("OpenTelemetry shutdown failed")
+                running.append((what, _started(self._shut(provider)), exporter))
+        for what, thread, exporter in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if not thread.is_alive():
+                continue
+            queued = self._queued() if what == "spans" else 0
+            if queued:
+                self.metrics.otel_spans_dropped_total.labels("shutdown").inc(queued)
+            log.warning(
+                "OpenTelemetry %s not exported within %gs of shutdown "
+                "(--otel-shutdown-timeout; is the collector at OTEL_EXPORTER_OTLP_ENDPOINT "
+                "down?): given up%s",
+                what,
+                self.shutdown_timeout,
+                f", {queued} queued span(s) dropped" if queued else "",
+            )
+            try:
+                exporter.shutdown()  # ends the export's retries; the thread is a daemon
+            except Exception:
+                log.debug("OpenTelemetry exporter shutdown failed", exc_info=True)
+
+    @staticmethod
+    def _shut(provider: Any) -> Any:
+        def run() -> None:
+            try:
+                provider.shutdown()
+            except Exception:
+                log.exception("OpenTelemetry shutdown failed")
+
+        return run
+
+    def _queued(self) -> int:
+        """Spans waiting in the batch processor's queue (0 where it cannot be read)."""
+        found = _queue_of(self._processor)
+        return len(found[0]) if found is not None else 0
 
     # --- before the request goes upstream ------------------------------------------------
 
@@ -387,6 +479,29 @@ def _phase_attrs(
     if watts is not None:
         out["phasewatch.watts"] = watts
     return out
+
+
+def _counting_processor(batch: Any, exporter: SpanExporter, drops: _Drops) -> Any:
+    """The SDK's batch span processor, counting each span it drops because its queue is
+    full (the SDK only logs that, and its duplicate filter shows one line in 20 s)."""
+
+    class Counting(batch):
+        def __init__(self) -> None:
+            super().__init__(exporter)
+            self._queue_state = _queue_of(self)
+
+        def on_end(self, span: Any) -> None:
+            state = self._queue_state
+            if (
+                state is not None
+                and span.context is not None
+                and span.context.trace_flags.sampled
+                and len(state[0]) >= state[1]
+            ):
+                drops.drop()  # the queue takes it and drops its oldest span
+            super().on_end(span)
+
+    return Counting()
 
 
 def _counting_exporter(inner: SpanExporter, metrics: Metrics) -> SpanExporter:

@@ -1,0 +1,191 @@
+"""Content codings of an engine's response, decoded on the side to measure it.
+
+An engine (or a gateway in front of it) may compress its answer when the client accepts
+it. Where the coding is one the standard library decodes (gzip, deflate), the relay
+decodes a copy incrementally, in bounded pieces, and feeds those to the tap: the client
+still gets the engine's compressed bytes unchanged, and the stream is measured. Where
+phasewatch injected a usage request and the engine compressed anyway, the decoded stream
+is what the tap strips and what the client gets (without the coding: identity is always
+acceptable). A coding it cannot decode (``br``, ``zstd``) passes through unmeasured.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator
+
+from ..engines import Tap
+
+#: Largest piece of decoded output produced at once (a small compressed chunk may
+#: expand a thousandfold: it is decoded and handed on a piece at a time).
+PIECE = 64 * 1024
+
+#: Codings the standard library decodes.
+_ZLIB = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+#: Input kept while a deflate body may still turn out to be raw deflate (no zlib header).
+_SNIFF = 1024
+
+
+class Undecodable(Exception):
+    """The body is not valid in its declared coding."""
+
+
+def codings(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
+    """The content codings applied to a body, in the order applied (identity left out)."""
+    out: list[bytes] = []
+    for k, v in raw_headers:
+        if k.lower() == b"content-encoding":
+            for token in v.split(b","):
+                token = token.strip().lower()
+                if token and token != b"identity":
+                    out.append(token)
+    return out
+
+
+def decodable(applied: list[bytes]) -> bool:
+    return bool(applied) and all(c in _ZLIB for c in applied)
+
+
+class _Step:
+    """One coding, decoded incrementally: gzip (members one after another), deflate
+    (zlib-wrapped, or raw as some servers send it)."""
+
+    __slots__ = ("_d", "_out", "_seen", "_wbits")
+
+    def __init__(self, coding: bytes) -> None:
+        self._wbits = _ZLIB[coding]
+        self._d = zlib.decompressobj(self._wbits)
+        self._out = False  # produced output yet
+        self._seen: bytes | None = b"" if self._wbits == zlib.MAX_WBITS else None
+
+    def decode(self, data: bytes) -> Iterator[bytes]:
+        if self._seen is not None and not self._out:
+            self._seen += data
+            if len(self._seen) > _SNIFF:
+                self._seen = None
+        while True:
+            d = self._d
+            try:
+                out = d.decompress(data, PIECE)
+            except zlib.error as exc:
+                if self._seen is not None and not self._out:  # raw deflate: start over
+                    data, self._seen = self._seen, None
+                    self._d = zlib.decompressobj(-zlib.MAX_WBITS)
+                    continue
+                raise Undecodable(str(exc)) from None
+            data = d.unconsumed_tail
+            if out:
+                self._out = True
+                yield out
+            if d.eof:
+                rest = d.unused_data
+                if not rest or self._wbits != 16 + zlib.MAX_WBITS:
+                    return  # what follows the end of a deflate body is ignored
+                self._d = zlib.decompressobj(self._wbits)  # the next gzip member
+                data = rest
+                continue
+            if not out and not data:
+                return
+
+    def flush(self) -> bytes:
+        try:
+            return self._d.flush()
+        except zlib.error as exc:
+            raise Undecodable(str(exc)) from None
+
+
+class Decoder:
+    """The codings of one body undone in reverse order, fed chunk by chunk; every piece
+    it yields is at most :data:`PIECE` bytes (per step)."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, applied: list[bytes]) -> None:
+        self._steps = [_Step(c) for c in reversed(applied)]
+
+    def decode(self, chunk: bytes) -> Iterator[bytes]:
+        return self._through(0, chunk)
+
+    def _through(self, i: int, data: bytes) -> Iterator[bytes]:
+        if i == len(self._steps):
+            yield data
+            return
+        for piece in self._steps[i].decode(data):
+            yield from self._through(i + 1, piece)
+
+    def flush(self) -> Iterator[bytes]:
+        for i, step in enumerate(self._steps):
+            rest = step.flush()
+            if rest:
+                yield from self._through(i + 1, rest)
+
+
+def decode_whole(applied: list[bytes], body: bytes, limit: int) -> bytes | None:
+    """A kept whole body decoded, up to `limit` decoded bytes (None when it does not
+    decode); what is past the limit is not decoded at all."""
+    dec = Decoder(applied)
+    out: list[bytes] = []
+    size = 0
+    try:
+        for piece in (*dec.decode(body), *dec.flush()):
+            out.append(piece)
+            size += len(piece)
+            if size >= limit:
+                break
+    except Undecodable:
+        return None
+    return b"".join(out)
+
+
+class Decoded:
+    """A tap fed the decoded body. `exact`: the client gets the engine's bytes as they
+    came (:meth:`feed`; the decoded copy is only measured); otherwise it gets what the
+    tap lets through of the decoded stream (:meth:`pieces`, a bounded piece at a time,
+    so a small chunk that decodes to a great deal never sits in memory whole). After
+    the body stops decoding, `broken` says why and nothing more is measured."""
+
+    __slots__ = ("_dec", "broken", "exact", "tap")
+
+    def __init__(self, tap: Tap, applied: list[bytes], exact: bool) -> None:
+        self.tap = tap
+        self.exact = exact
+        self._dec = Decoder(applied)
+        self.broken: str | None = None
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        """Measure `chunk` on its decoded copy; return it as it came (exact) or what the
+        tap lets through of it."""
+        if not self.exact:
+            return b"".join(self.pieces(chunk, now))
+        if self.broken is None:
+            feed = self.tap.feed
+            try:
+                for piece in self._dec.decode(chunk):
+                    feed(piece, now)
+            except Undecodable as exc:
+                self.broken = str(exc)[:200]
+        return chunk
+
+    def pieces(self, chunk: bytes, now: float) -> Iterator[bytes]:
+        """What the tap lets through of `chunk` decoded, piece by piece."""
+        if self.broken is not None:
+            return
+        feed = self.tap.feed
+        try:
+            for piece in self._dec.decode(chunk):
+                out = feed(piece, now)
+                if out:
+                    yield out
+        except Undecodable as exc:
+            self.broken = str(exc)[:200]
+
+    def end(self, now: float) -> bytes:
+        out: list[bytes] = []
+        if self.broken is None:
+            feed = self.tap.feed
+            try:
+                out = [feed(piece, now) for piece in self._dec.flush()]
+            except Undecodable as exc:
+                self.broken = str(exc)[:200]
+        tail = self.tap.end(now)
+        return b"" if self.exact else b"".join(out) + tail
