@@ -16,8 +16,6 @@ import asyncio
 import logging
 from urllib.parse import quote
 
-from prometheus_client import make_asgi_app
-
 from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
@@ -27,6 +25,7 @@ from .core.errors import send_error
 from .core.host import Host
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
+from .measure.exposition import exposition_app
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder
 from .services import engine_state
@@ -71,7 +70,14 @@ class ProxyApp:
         self.upstreams = Upstreams(
             [Upstream(spec, options, self.metrics) for spec in settings.upstreams]
         )
-        self.recorder = Recorder(self.metrics, access_lines=settings.log_format != "none")
+        # what engines say is bounded: label values from the wire, numbers they report
+        self.metrics.labels.max_length = settings.max_label_length
+        self.metrics.labels.warn = LimitedLog(logging.getLogger("proxy.measure.labels")).warning
+        self.recorder = Recorder(
+            self.metrics,
+            access_lines=settings.log_format != "none",
+            warn=LimitedLog(logging.getLogger("proxy.measure.recorder")).warning,
+        )
         # GPU power: a side service sampling on its own thread, hooked into the recorder.
         self.power = PowerService(settings.power_options(), self.metrics, self.upstreams, host)
         self.recorder.listeners.append(self.power.on_request)
@@ -108,7 +114,8 @@ class ProxyApp:
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
         )
-        self.exposition = make_asgi_app(self.metrics.exposition)
+        # rendered on a worker thread: a big registry must not stall the event loop
+        self.exposition = exposition_app(self.metrics.exposition)
         self._refusals = LimitedLog(log)
         #: /metrics on the proxy port, unless it has its own address.
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None

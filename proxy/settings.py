@@ -215,6 +215,14 @@ class Settings(BaseSettings):
         "model lists); any other name is labelled 'other'.",
     )
     max_models: int = Field(64, ge=1, description="Most distinct model label values per upstream.")
+    max_label_length: int = Field(
+        128,
+        ge=16,
+        le=4096,
+        description="Longest label value taken from the wire (a listed model id); longer "
+        "or unprintable names are not listed and their requests are labelled other "
+        "(counted in label_values_folded_total).",
+    )
     model_refresh: float = Field(
         30.0, gt=0, description="Seconds between refreshes of each upstream's model list."
     )

@@ -66,6 +66,10 @@ class Exchange:
         return self.result.engine
 
     @property
+    def dropped(self) -> list[str]:
+        return self.result.dropped
+
+    @property
     def gaps(self) -> tuple[list[int], float] | None:
         tap = self.tap
         return None if tap is None else (tap.gap_counts, tap.gap_sum)

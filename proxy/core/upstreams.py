@@ -124,7 +124,7 @@ class Upstream:
             if label is None and self.dialect.answers_any_model and len(self.models) == 1:
                 label = next(iter(self.models))  # the engine answers any name with its model
             label = label or OTHER
-            if len(self._label_cache) < 4096:
+            if len(self._label_cache) < 4096 and len(model) <= 256:  # a client's text
                 self._label_cache[model] = label
         return label
 
@@ -223,6 +223,7 @@ class Upstream:
         query = ModelQuery(
             self.client, self.options.max_models, self.precision_read, self.options.model_dir
         )
+        query.fits = functools.partial(self.metrics.labels.fits, self.name, "model")
         listed = await self.dialect.list_models(query)
         if listed is None:
             self._set_up(False)

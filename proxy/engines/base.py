@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import re
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..measure.kvcache import KVShape
+from ..measure.labels import plain
 from ..measure.metrics import GAP_BUCKETS
 from ..measure.precision import Precision
 from ..measure.timeline import EngineTimings, Marks, Usage
@@ -53,6 +55,9 @@ class Outcome:
     finished: bool = False  # the response reached its normal end
     response_model: str | None = None  # the model the engine says answered
     finish_reasons: tuple[str, ...] = ()  # why generation stopped, per choice
+    #: The usage and timing fields whose values were implausible and dropped
+    #: (proxy.measure.sanity); the recorder counts them.
+    dropped: list[str] = field(default_factory=list)
 
 
 class Tap:
@@ -252,16 +257,6 @@ def settle(tap: Tap, out: Outcome, terminator: str) -> Outcome:
     return out
 
 
-def as_int(value) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
 #: An event carrying generated output: non-empty text, reasoning or a tool-call delta, or
 #: a finish reason (the finish event carries the last token). Tolerates spaced JSON.
 OUTPUT_RE = re.compile(
@@ -323,6 +318,9 @@ class ModelQuery:
     max_models: int
     known: set[str]
     model_dir: str | None = None
+    #: Whether a listed name may become a label value (proxy.measure.labels); names
+    #: that do not fit are not listed (before the max_models cap: they take no place).
+    fits: Callable[[str], bool] = plain
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ import httpx
 
 from ..measure.kvcache import KVShape, from_gguf
 from ..measure.precision import Precision, from_bits_per_weight, from_gguf_type, from_llama_ftype
+from ..measure.sanity import Values
 from ..measure.timeline import EngineTimings, Marks
 from .base import (
     OUTPUT_RE,
@@ -52,7 +53,6 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
-    as_int,
     loads,
     no_generation,
     read_response,
@@ -173,7 +173,7 @@ class LlamaCppDialect(OpenAIDialect):
             entries = [
                 e
                 for e in (data if isinstance(data, list) else ())
-                if isinstance(e, dict) and isinstance(e.get("id"), str)
+                if isinstance(e, dict) and isinstance(e.get("id"), str) and query.fits(e["id"])
             ]
             props = None
             if any(e["id"] not in query.known for e in entries):
@@ -243,7 +243,7 @@ class LlamaCppDialect(OpenAIDialect):
             return out
         usage_obj = loads(tap.usage_payload)
         if isinstance(usage_obj, dict):
-            self._read_usage(usage_obj, out.usage)
+            self._read_usage(usage_obj, out)
         timings_obj = loads(tap.timings_payload)
         if isinstance(timings_obj, dict):
             read_timings(timings_obj, out)
@@ -253,14 +253,17 @@ class LlamaCppDialect(OpenAIDialect):
 def read_timings(obj: dict, out: Outcome) -> None:
     """Counts and engine timings from an object carrying ``timings`` (and maybe usage)."""
     if out.usage.prompt_tokens is None and isinstance(obj.get("usage"), dict):
-        OpenAIDialect._read_usage(obj, out.usage)
+        OpenAIDialect._read_usage(obj, out)
     read_response(obj, out)
     t = obj.get("timings")
     if not isinstance(t, dict):
         return
-    prompt_n, cache_n = as_int(t.get("prompt_n")), as_int(t.get("cache_n")) or 0
-    predicted_n = as_int(t.get("predicted_n"))
-    prompt_ms, predicted_ms = _num(t.get("prompt_ms")), _num(t.get("predicted_ms"))
+    v = Values(out.dropped)
+    prompt_n = v.count(t.get("prompt_n"), "prefill_tokens")
+    cache_n = v.count(t.get("cache_n"), "cached_tokens") or 0
+    predicted_n = v.count(t.get("predicted_n"), "decode_tokens")
+    prompt_s = v.seconds(t.get("prompt_ms"), "prefill_seconds", 1000.0)
+    predicted_s = v.seconds(t.get("predicted_ms"), "decode_seconds", 1000.0)
     u = out.usage
     if u.prompt_tokens is None and prompt_n is not None:
         u.prompt_tokens = prompt_n + cache_n
@@ -270,21 +273,13 @@ def read_timings(obj: dict, out: Outcome) -> None:
         u.completion_tokens = predicted_n
     e = EngineTimings()
     e.prefill_tokens = prompt_n  # excludes tokens served from the prompt cache
-    if prompt_ms is not None:
-        e.prefill_seconds = prompt_ms / 1000.0
+    e.prefill_seconds = prompt_s
     e.decode_tokens = predicted_n
-    if predicted_ms is not None:
-        e.decode_seconds = predicted_ms / 1000.0
-    rate = _num(t.get("predicted_per_second"))
+    e.decode_seconds = predicted_s
+    rate = v.rate(t.get("predicted_per_second"), "decode_rate")
     if rate is not None and predicted_n is not None and predicted_n >= 2:
         e.decode_tokens_per_second = rate
     out.engine = e
-
-
-def _num(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
 
 
 # --- precision and state ----------------------------------------------------------------------

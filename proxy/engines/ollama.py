@@ -44,6 +44,7 @@ from ..measure.precision import (
     from_hf_config,
     from_llama_ftype,
 )
+from ..measure.sanity import Values
 from ..measure.timeline import EngineTimings, Marks, Usage
 from .base import (
     EngineReading,
@@ -53,7 +54,6 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
-    as_int,
     error_message,
     loads,
     read_response,
@@ -176,6 +176,8 @@ class OllamaDialect(OpenAIDialect):
                 if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                     continue
                 name = item["name"]
+                if not query.fits(name):
+                    continue
                 out.names.append(name)
                 if name not in query.known:
                     # /api/show: the KV shape, and the precision the tag may not give
@@ -270,43 +272,60 @@ class OllamaDialect(OpenAIDialect):
 
 
 def read_done_line(obj: dict, out: Outcome) -> None:
-    """Counts and engine timings from a native done line (ns; a missing key is 0)."""
+    """Counts and engine timings from a native done line (ns; a missing key is 0, an
+    implausible value is dropped: proxy.measure.sanity)."""
+    v = Values(out.dropped)
 
-    def ns(key: str) -> int:
-        return as_int(obj.get(key)) or 0
+    def given(key: str) -> object:
+        value = obj.get(key)
+        return 0 if value is None else value
 
-    total, load = ns("total_duration"), ns("load_duration")
-    prompt_n, prompt_ns = ns("prompt_eval_count"), ns("prompt_eval_duration")
-    eval_n, eval_ns = ns("eval_count"), ns("eval_duration")
+    ns: dict[str, float] = {}  # the plausible durations, in nanoseconds as sent
+
+    def seconds(key: str, name: str) -> float | None:
+        value = given(key)
+        s = v.seconds(value, name, 1e9)
+        if s is not None:
+            ns[key] = value  # type: ignore[assignment]
+        return s
+
+    prompt_n = v.count(given("prompt_eval_count"), "prompt_tokens")
+    eval_n = v.count(given("eval_count"), "completion_tokens")
+    total, load = (
+        seconds("total_duration", "total_seconds"),
+        seconds("load_duration", "load_seconds"),
+    )
+    prompt_s = seconds("prompt_eval_duration", "prefill_seconds")
+    eval_s = seconds("eval_duration", "decode_seconds")
     out.usage = Usage(prompt_tokens=prompt_n, completion_tokens=eval_n)
     e = EngineTimings()
     # prompt_eval_count includes prefix-cache hits, prompt_eval_duration does not:
     # Ollama gives no cached count, so the engine's prefill rate is over all prompt
     # tokens (docs/dialects.md says what that means).
     e.prefill_tokens = prompt_n
-    e.prefill_seconds = prompt_ns / 1e9
+    e.prefill_seconds = prompt_s
     e.decode_tokens = eval_n
-    e.decode_seconds = eval_ns / 1e9
-    if eval_ns > 0 and eval_n >= 2:
-        e.decode_tokens_per_second = eval_n / (eval_ns / 1e9)
-    e.load_seconds = load / 1e9
-    if total > 0:
-        e.total_seconds = total / 1e9
-        e.queue_seconds = max(0, total - load - prompt_ns - eval_ns) / 1e9
+    e.decode_seconds = eval_s
+    if eval_s and eval_n is not None and eval_n >= 2:
+        e.decode_tokens_per_second = v.rate(eval_n / eval_s, "decode_rate")
+    e.load_seconds = load
+    if total:
+        e.total_seconds = total
+        parts = ("load_duration", "prompt_eval_duration", "eval_duration")
+        e.queue_seconds = max(0, ns["total_duration"] - sum(ns.get(k, 0) for k in parts)) / 1e9
     out.engine = e
     read_response(obj, out)
 
 
 def read_embed(obj: dict, out: Outcome) -> None:
     """Input tokens and engine timings from a native embeddings answer (ns)."""
-    prompt_n = as_int(obj.get("prompt_eval_count"))
-    out.usage = Usage(prompt_tokens=prompt_n)
+    v = Values(out.dropped)
+    out.usage = Usage(prompt_tokens=v.count(obj.get("prompt_eval_count"), "prompt_tokens"))
     e = EngineTimings()
-    total, load = as_int(obj.get("total_duration")), as_int(obj.get("load_duration"))
-    if load is not None:
-        e.load_seconds = load / 1e9
+    e.load_seconds = v.seconds(obj.get("load_duration"), "load_seconds", 1e9)
+    total = v.seconds(obj.get("total_duration"), "total_seconds", 1e9)
     if total:
-        e.total_seconds = total / 1e9
+        e.total_seconds = total
     out.engine = e
 
 

@@ -23,7 +23,8 @@ import httpx
 from ..measure import kvcache
 from ..measure.kvcache import KVShape
 from ..measure.precision import Precision, from_hf_config, from_name
-from ..measure.timeline import Marks, Usage
+from ..measure.sanity import Values
+from ..measure.timeline import Marks
 from .base import (
     EngineReading,
     ModelList,
@@ -31,7 +32,6 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
-    as_int,
     canonical_name,
     error_message,
     loads,
@@ -83,7 +83,11 @@ class OpenAIDialect:
         out = ModelList([])
         items = obj.get("data")
         for item in items if isinstance(items, list) else ():
-            if isinstance(item, dict) and isinstance(item.get("id"), str):
+            if (
+                isinstance(item, dict)
+                and isinstance(item.get("id"), str)
+                and query.fits(item["id"])
+            ):
                 mid = item["id"]
                 out.names.append(mid)
                 if mid not in query.known:
@@ -186,7 +190,7 @@ class OpenAIDialect:
             if not isinstance(obj, dict):
                 out.error_kind, out.error_message = "protocol", "response is not JSON"
                 return out
-            self._read_usage(obj, out.usage)
+            self._read_usage(obj, out)
             read_response(obj, out)
             if "choices" not in obj:  # embeddings, rerank, score: nothing was generated
                 out.usage.completion_tokens = None
@@ -194,7 +198,7 @@ class OpenAIDialect:
             return out
         obj = loads(tap.usage_payload)
         if isinstance(obj, dict):
-            self._read_usage(obj, out.usage)
+            self._read_usage(obj, out)
             read_response(obj, out)
         finish = loads(tap.finish_payload)
         if isinstance(finish, dict):
@@ -202,18 +206,20 @@ class OpenAIDialect:
         return settle(tap, out, "[DONE]")
 
     @staticmethod
-    def _read_usage(obj: dict, usage: Usage) -> None:
+    def _read_usage(obj: dict, out: Outcome) -> None:
+        """The usage object's counts; implausible ones are dropped (proxy.measure.sanity)."""
         u = obj.get("usage")
         if not isinstance(u, dict):
             return
-        usage.prompt_tokens = as_int(u.get("prompt_tokens"))
-        usage.completion_tokens = as_int(u.get("completion_tokens"))
-        if usage.prompt_tokens is None and usage.completion_tokens is None:
+        v, usage = Values(out.dropped), out.usage
+        usage.prompt_tokens = v.count(u.get("prompt_tokens"), "prompt_tokens")
+        usage.completion_tokens = v.count(u.get("completion_tokens"), "completion_tokens")
+        if u.get("prompt_tokens") is None and u.get("completion_tokens") is None:
             # pooling answers (vLLM's rerank) count only total_tokens: all of them input
-            usage.prompt_tokens = as_int(u.get("total_tokens"))
+            usage.prompt_tokens = v.count(u.get("total_tokens"), "total_tokens")
         details = u.get("prompt_tokens_details")
         if isinstance(details, dict):
-            usage.cached_tokens = as_int(details.get("cached_tokens"))
+            usage.cached_tokens = v.count(details.get("cached_tokens"), "cached_tokens")
 
 
 # --- precision from the checkpoint ----------------------------------------------------------

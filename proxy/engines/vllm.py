@@ -110,4 +110,7 @@ def vllm_reading(text: str, models: set[str]) -> EngineReading:
 
 
 def _int(text: str | None) -> int | None:
-    return int(text) if text is not None and text.isdigit() else None
+    """A plain decimal count of at most 12 digits (a label value is the engine's text)."""
+    if text is None or not (text.isascii() and text.isdigit() and len(text) <= 12):
+        return None
+    return int(text)

@@ -30,6 +30,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 
+from .labels import LabelBound
+
 # One `_created` series per counter and histogram child doubles the exposition for
 # nothing a dashboard uses; Prometheus works out resets itself.
 disable_created_metrics()
@@ -502,6 +504,25 @@ class Metrics:
             ("reason",),
             registry=r,
         )
+        # What the proxy refused of what engines said (proxy.measure.sanity, .labels).
+        self.engine_values_dropped_total = Counter(
+            PREFIX + "engine_values_dropped",
+            "Values in an engine's usage or timings that cannot be true (negative, not a "
+            "number, not finite, beyond proxy.measure.sanity's bounds), dropped by field; "
+            "the request is measured without them.",
+            ("upstream", "field"),
+            registry=r,
+        )
+        self.label_values_folded_total = Counter(
+            PREFIX + "label_values_folded",
+            "Names from the wire refused as label values (longer than --max-label-length "
+            "or not printable), by label, counted at each model-list read: requests for "
+            "them are labelled other.",
+            ("upstream", "label"),
+            registry=r,
+        )
+        #: Bounds every label value taken from the wire.
+        self.labels = LabelBound(self.label_values_folded_total)
         #: The engines' own counters and histograms, re-exported as they were scraped.
         self.engine_series = EngineSeries()
         self.exposition.register(self.engine_series)

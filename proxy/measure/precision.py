@@ -234,7 +234,12 @@ def from_bits_per_weight(size_bytes, n_params) -> Precision | None:
         return None
     if size_bytes <= 0 or n_params <= 0:
         return None
-    bpw = 8.0 * size_bytes / n_params
+    try:
+        bpw = 8.0 * size_bytes / n_params
+    except OverflowError:  # an engine's size too large for a float: no precision from it
+        return None
+    if not bpw <= 64.0:  # no weight has more bits; NaN and inf fail too
+        return None
     for bound, prec in (
         (24.0, "fp32"),
         (12.0, "fp16"),
@@ -335,8 +340,10 @@ def _from_quant_config(q: dict) -> Precision | None:
                     "NVFP4" if "nvfp4" in fmt or w.get("group_size") == 16 else "FP4",
                     "engine",
                 )
-            if isinstance(nb, int):
-                scheme = f"W{nb}A{a.get('num_bits', 16) if a else 16}"
+            if type(nb) is int and 0 < nb <= 64:
+                act = a.get("num_bits", 16) if a else 16
+                act = act if type(act) is int and 0 < act <= 64 else 16
+                scheme = f"W{nb}A{act}"
                 return Precision(_int_bits(nb), scheme, "engine")
         if "float-quantized" in fmt:
             return Precision("fp8", "FP8", "engine")

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .kvcache import KVModel
 from .metrics import Metrics, observe_counts, prompt_band
+from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
 #: The per-request lines (filter or route them by this name).
@@ -50,6 +51,8 @@ class Finished(Protocol):
     @property
     def engine_timings(self) -> EngineTimings: ...
     @property
+    def dropped(self) -> list[str]: ...  # implausible engine values the dialect dropped
+    @property
     def gaps(self) -> tuple[list[int], float] | None: ...
     @property
     def kv(self) -> KVModel | None: ...
@@ -60,6 +63,9 @@ Listener = Callable[[Any, Figures], "dict | None"]
 #: Called last with (request, figures, every field of the log line): exporters that want
 #: what the listeners added (the power listener's watts and joules).
 Sink = Callable[[Any, Figures, dict], None]
+#: Writes one warning per kind at most every so often (proxy.core.limited.LimitedLog's
+#: ``warning``): (kind, message, *args).
+Warn = Callable[..., object]
 
 #: OpenMetrics caps an exemplar's label names and values at 128 characters in all.
 _EXEMPLAR_CHARS = 128
@@ -83,7 +89,9 @@ def exemplar(request_id: str, trace_id: str | None) -> dict[str, str]:
 class Recorder:
     """Observes metrics and writes the per-request line."""
 
-    def __init__(self, metrics: Metrics, access_lines: bool = True) -> None:
+    def __init__(
+        self, metrics: Metrics, access_lines: bool = True, warn: Warn | None = None
+    ) -> None:
         self.metrics = metrics
         self.access_lines = access_lines
         #: Side services hook in here (the power sampler attaches per-phase watts, the
@@ -91,11 +99,54 @@ class Recorder:
         self.listeners: list[Listener] = []
         #: Exporters (the OpenTelemetry spans) see the whole line, listeners' fields included.
         self.sinks: list[Sink] = []
+        #: The rate-limited warning (the app passes a LimitedLog's); without one, the
+        #: first line of each kind only.
+        self.warn: Warn = warn or _FirstOnly(log).warning
 
     def record(self, ex: Finished) -> None:
+        """Observe the request and write its line. Never raises: it runs in the relay's
+        ``finally``, and whatever an engine sent, the request is logged, its listeners
+        (power share, status page) and sinks (the span) run, with what was measurable."""
+        dropped: list[str] = []
+        f = Figures()
+        listeners = [] if ex.outcome == "rejected" else self.listeners
+        try:
+            dropped.extend(ex.dropped)
+            usage, timings = checked(ex.usage, ex.engine_timings, dropped)
+            f = figures(ex.marks, usage, timings, streamed=ex.streamed)
+            bound_figures(f, dropped)
+            self._observe(ex, f)
+        except Exception as exc:  # noqa: BLE001 - a defect must not cost the request its line
+            self.warn(
+                "recorder",
+                "measuring request %s failed (%s); logged with what was measured",
+                ex.request_id,
+                type(exc).__name__,
+            )
+        if dropped:
+            self._dropped(ex, dropped)
+        self._finish(ex, f, listeners)
+
+    def _dropped(self, ex: Finished, dropped: list[str]) -> None:
+        """Count the engine's implausible values, and say so (never the values)."""
+        try:
+            counter = self.metrics.engine_values_dropped_total
+            for name in dropped:
+                counter.labels(ex.upstream_name, name if name in FIELDS else "other").inc()
+        except Exception:  # counting must not cost the request its line
+            log.debug("counting dropped engine values failed", exc_info=True)
+        self.warn(
+            "implausible_engine_value",
+            "upstream %s reported implausible %s; dropped, the request is measured without "
+            "it (request %s)",
+            ex.upstream_name,
+            ",".join(sorted({n if n in FIELDS else "other" for n in dropped})),
+            ex.request_id,
+        )
+
+    def _observe(self, ex: Finished, f: Figures) -> None:
         m = self.metrics
         base = (ex.upstream_name, ex.model_label, ex.precision)
-        f = figures(ex.marks, ex.usage, ex.engine_timings, streamed=ex.streamed)
         band = prompt_band(f.prompt_tokens)
         client = ex.client
         # Grafana jumps from a slow bucket to the trace and the log line through these.
@@ -107,7 +158,6 @@ class Recorder:
                 f.request_seconds, marker
             )
         if ex.outcome == "rejected":
-            self._finish(ex, f, [])
             return
         if f.queue_proxy is not None:
             m.queue_seconds.labels(*base, "proxy").observe(f.queue_proxy)
@@ -152,7 +202,6 @@ class Recorder:
             m.completion_tokens.labels(*base).observe(f.completion_tokens)
             if f.completion_tokens:
                 m.tokens_total.labels(*base, "decode", client).inc(f.completion_tokens)
-        self._finish(ex, f, self.listeners)
 
     def _finish(self, ex: Finished, f: Figures, listeners: list[Listener]) -> None:
         """Run the listeners, then the sinks, then write the line."""
@@ -210,6 +259,22 @@ class Recorder:
             fields["error_message"] = ex.error_message
         fields.update(extra)
         return fields
+
+
+class _FirstOnly:
+    """A stand-in for LimitedLog (which lives above this layer): the first line of
+    each kind, then none."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.said: set[str] = set()
+
+    def warning(self, kind: str, msg: str, *args: object) -> bool:
+        if kind in self.said:
+            return False
+        self.said.add(kind)
+        self.logger.warning(msg, *args)
+        return True
 
 
 def _r(value: float | None, digits: int = 4) -> float | None:
