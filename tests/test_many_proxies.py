@@ -214,6 +214,7 @@ class Fleet:
         self.logs: dict[str, Path] = {}
         self.sent = {"p1": 0, "p2": 0}
         self.warmup = {"p1": 0, "p2": 0}  # sent before Prometheus started
+        self.traffic_done = 0.0  # wall clock, as Prometheus stamps its samples
 
     # everything that talks to a host runs on the client host
     def on_client(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -366,11 +367,13 @@ def fleet() -> Iterator[Fleet]:
         f.wait_ready("mon", f.prom + "/-/ready")
         wait(lambda: f.value('count(up{job="phasewatch"} == 1)') == 2, f, "both proxies scraped")
         wait(lambda: f.value('count(up{job="engine"} == 1)') == 2, f, "both engines scraped")
-        time.sleep(4)  # two scrapes of the quiet fleet before the traffic: the rates' start
+        # two scrapes of every target before the traffic: where the rates start
+        wait(lambda: (f.value("min(count_over_time(up[1m]))") or 0) >= 2, f, "two scrapes of each")
         jobs = []
         for i in range(36):  # two thirds to p1, a third to p2, every model, both wire modes
             jobs.append(("p2" if i % 3 == 2 else "p1", models[i % len(models)], i, i % 2 == 0))
         f.traffic(jobs)
+        f.traffic_done = time.time()
         yield f
     finally:
         f.pool.shutdown(wait=True)
@@ -480,7 +483,10 @@ def test_recording_rules_sum_tokens_over_replicas_as_the_engines_count_them(flee
     two thirds of it, a sum per replica twice it."""
     rule = 'phasewatch:tokens:rate5m{phase="decode"}'
     wait(lambda: fleet.query(rule), fleet, "recording rules evaluated")
-    time.sleep(3)  # the last scrape of every target in the rules' window
+    # every target scraped after the last request, and the rules evaluated after that
+    done = fleet.traffic_done
+    wait(lambda: (fleet.value("min(timestamp(up))") or 0) > done, fleet, "scrapes after traffic")
+    wait(lambda: (fleet.value(f"min(timestamp({rule}))") or 0) > done + 2, fleet, "rules after")
     engines = (
         "(sum(rate(vllm:generation_tokens_total[5m])) + "
         "sum(rate(llamacpp:tokens_predicted_total[5m])))"
@@ -518,7 +524,9 @@ def test_replica_shares_follow_what_the_client_sent_where(fleet):
 def test_gpu_energy_both_replicas_report_is_counted_once(fleet):
     """Both replicas sample the simulated vLLM's three GPUs. The fleet's power from the
     energy counters equals the GPUs' own DCGM counter's rate, not twice it; so do the
-    existing per-GPU rule and the power dashboard's energy panel."""
+    existing per-GPU rule and the power dashboard's energy panel. (The bounds leave room
+    for a minute of 2 s scrapes on a busy machine, and for the max of two replicas' noisy
+    estimates reading a little high; a sum over replicas reads 2.)"""
     wait(lambda: fleet.query("phasewatch:fleet_gpu_power_watts:rate5m"), fleet, "energy rule")
     # both replicas report each of the three GPUs
     reported = fleet.query("count by (gpu) (phasewatch_gpu_energy_joules_total)")
@@ -531,18 +539,18 @@ def test_gpu_energy_both_replicas_report_is_counted_once(fleet):
     ):
         ratio = _ratio(fleet, expr, dcgm)
         print(f"\n{expr} / the GPUs' DCGM energy rate: {ratio:.3f}")
-        assert 0.85 < ratio < 1.15, (expr, ratio)
+        assert 0.8 < ratio < 1.25, (expr, ratio)
     # what a sum over replicas would have said: twice the GPUs' energy
     doubled = _ratio(fleet, "sum(rate(phasewatch_gpu_energy_joules_total[5m]))", dcgm)
     print(f"a plain sum over replicas / DCGM: {doubled:.3f}")
-    assert 1.7 < doubled < 2.3, doubled
+    assert 1.7 < doubled < 2.5, doubled
     # the power dashboard's "Energy per GPU over the time range", over a range that holds it
     panel = _panel_expr("phasewatch-power.json", "Energy per GPU over the time range")
     expr = "sum(" + _substitute(panel, "5m") + ")"
     truth_wh = dcgm.replace("rate(", "increase(").replace("/ 1000", "/ 1000 / 3600")
     ratio = _ratio(fleet, expr, truth_wh)
     print(f"power dashboard's energy over the range / DCGM: {ratio:.3f}")
-    assert 0.85 < ratio < 1.15, ratio
+    assert 0.8 < ratio < 1.25, ratio
 
 
 def test_fleet_dashboard_panels_show_both_replicas(fleet):
