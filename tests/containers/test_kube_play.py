@@ -116,7 +116,8 @@ def kube(podman: Podman, image: str, tmp_path):
         pods.run("kube", "down", str(path), check=False, timeout=180)
 
 
-def test_generated_subset_changes_only_what_a_local_pod_needs(image):
+def test_generated_subset_changes_only_what_a_local_pod_needs():
+    image = "localhost/phasewatch:any"
     docs, dep = playable(image, 18090)
     played = next(d for d in docs if d["kind"] == "Deployment")
     assert played["spec"]["replicas"] == 1 < dep["spec"]["replicas"]
@@ -199,3 +200,12 @@ def test_deployment_pod_becomes_ready_and_measures_a_request(kube):
     assert sum(float(line.rsplit(" ", 1)[1]) for line in ok) == 1.0, ok
     assert sum(float(line.rsplit(" ", 1)[1]) for line in decode) == usage["completion_tokens"]
     assert all(f'model="{models[0]}"' in line for line in ok)
+    # and the ConfigMap's power source works inside the pod: the simulator's GPUs sampled
+    poll(
+        "GPU power sampled from the engine container",
+        lambda: (
+            'phasewatch_power_sampling_up{source="dcgm"} 1.0'
+            in httpx.get(url + "/metrics", timeout=10).text
+        ),
+        timeout=30,
+    )
