@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -104,6 +105,14 @@ def pod_podman(podman: Podman, folder: Path) -> Podman:
 
 @pytest.fixture
 def kube(podman: Podman, image: str, tmp_path):
+    if shutil.which("catatonit") is None and not any(
+        p.name == "catatonit" for p in Path("/usr/libexec/podman").glob("*")
+    ):
+        pytest.fail(
+            "podman cannot make a pod's pause image without catatonit: apt-get install "
+            "catatonit (bash .ci/run does it)",
+            pytrace=False,
+        )
     host_port = free_port()
     docs, dep = playable(image, host_port)
     path = tmp_path / f"phasewatch-kube-{os.getpid()}.yaml"
