@@ -977,7 +977,89 @@ def overview() -> dict:
         w=8,
     )
     overview_physics(d)
+    overview_fleet(d)
     return d.json()
+
+
+def overview_fleet(d: Dash) -> None:
+    """The whole fleet: every phasewatch replica and every engine (appended, so the panels
+    above keep their ids). Requests and tokens add up over replicas; each GPU counts once."""
+    d.row("Fleet: every replica, every engine")
+    d.add(
+        timeseries(
+            "Requests per second per model, all replicas",
+            "Measured requests per model, summed over every phasewatch replica and every engine "
+            "serving the model (recording rule phasewatch:requests:rate5m, which has no "
+            "instance label).",
+            [target(f"sum by (model) (phasewatch:requests:rate5m{{{SEL}}})", "{{model}}")],
+            "reqps",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "Tokens per second, all replicas",
+            "Tokens per phase summed over every replica and engine (recording rule "
+            "phasewatch:tokens:rate5m): prefill, cached (from the prefix cache), decode.",
+            [target(f"sum by (phase) (phasewatch:tokens:rate5m{{{SEL}}})", "{{phase}}")],
+            TOKS,
+            steps(GREEN),
+            fill=10,
+        ),
+        w=8,
+    )
+    d.add(
+        timeseries(
+            "GPU power per engine, each GPU once",
+            "Average GPU draw per engine from the energy counters (recording rule "
+            "phasewatch:fleet_gpu_power_watts:rate5m): every replica samples the same GPUs, so "
+            "each GPU (engine, index) is taken once, not once per replica.",
+            [target(f"phasewatch:fleet_gpu_power_watts:rate5m{{{UP}}}", "{{upstream}}")],
+            "watt",
+            steps(GREEN),
+            stack=True,
+            fill=40,
+        ),
+        w=8,
+    )
+    share = (
+        f"sum by (instance) (phasewatch:replica_requests:rate5m{{{UP}}}) / on () group_left () "
+        f"sum(phasewatch:replica_requests:rate5m{{{UP}}})"
+    )
+    d.add(
+        timeseries(
+            "Share of requests per replica",
+            "Each phasewatch replica's share of the requests (recording rule "
+            "phasewatch:replica_requests:rate5m): even shares when the Service balances.",
+            [target(share, "{{instance}}")],
+            "percentunit",
+            steps(GREEN),
+            stack=True,
+            max_=1,
+            fill=40,
+        ),
+        w=12,
+    )
+    d.add(
+        timeseries(
+            "Requests waiting per replica",
+            "Requests waiting at each replica's admission gate (--max-concurrency; recording "
+            "rule phasewatch:replica_queued_requests:sum): what deploy/k8s/hpa.yaml scales on.",
+            [
+                target(
+                    f"sum by (instance) (phasewatch:replica_queued_requests:sum{{{UP}}})",
+                    "{{instance}}",
+                )
+            ],
+            "short",
+            steps(GREEN, (4, YELLOW), (16, RED)),
+            fill=10,
+        ),
+        w=12,
+    )
 
 
 #: Endpoints that generate (the rest are whole-body requests: embeddings, rerank, ...).
