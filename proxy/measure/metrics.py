@@ -395,8 +395,10 @@ class Metrics:
         self.model_info = Gauge(
             PREFIX + "model_info",
             "1 for each model an upstream serves, with its "
-            "normalised precision and raw quantisation scheme (quant).",
-            ("upstream", "model", "precision", "quant", "precision_source"),
+            "normalised precision, raw quantisation scheme (quant) and model family (the "
+            "name without publisher and quantisation markers: what precisions are compared "
+            "within).",
+            ("upstream", "model", "precision", "quant", "precision_source", "family"),
             registry=r,
             multiprocess_mode="max",
         )
