@@ -622,17 +622,28 @@ def overview() -> dict:
         )
 
     proxy_q = per_upstream_mean("phasewatch_queue_seconds", ', where="proxy"')
-    engine_q = per_upstream_mean("phasewatch_queue_seconds", ', where="upstream"')
+    # the engine's queue: from its per-request prefill time (Ollama, llama-server), or
+    # from its own queue histogram (vLLM request_queue_time_seconds, re-exported: every
+    # replica serves the same engine's numbers, so max over replicas)
+    vllm_q = (
+        "sum by (upstream) (max by (upstream, model, precision) "
+        f"(rate(phasewatch_engine_queue_seconds_sum{{{SEL}}}[$__rate_interval]))) / "
+        "sum by (upstream) (max by (upstream, model, precision) "
+        f"(rate(phasewatch_engine_queue_seconds_count{{{SEL}}}[$__rate_interval])))"
+    )
+    own_q = per_upstream_mean("phasewatch_queue_seconds", ', where="upstream"')
+    engine_q = f"({own_q}) or ({vllm_q})"
     ttft_mean = per_upstream_mean("phasewatch_ttft_seconds", "")
     d.add(
         timeseries(
             "Where does TTFT go: proxy queue, engine queue, prefill",
             "Mean time to first token per upstream, split into the wait at phasewatch's own gate "
             "(--max-concurrency), the wait in the engine's queue, and prefill (the rest). The "
-            "engine's queue comes from the engine's own figures where it has them (Ollama and "
-            "llama-server report their prefill time, so queue = TTFT window - prefill); where "
-            "an engine reports none (vLLM: its queue time is not re-exported), its queue is "
-            "unknown and stays inside the series named 'prefill + engine queue (not reported)'.",
+            "engine's queue comes from the engine's own figures: vLLM's request_queue_time_seconds "
+            "(re-exported as phasewatch_engine_queue_seconds), Ollama's and llama-server's "
+            "prefill time (queue = TTFT window - prefill). Where an engine reports neither (an "
+            "OpenAI server of unknown make, vLLM with --engine-scrape 0), its queue is unknown "
+            "and stays inside the series named 'prefill + engine queue (not reported)'.",
             [
                 target(f"({proxy_q}) and on (upstream) ({ttft_mean})", "proxy queue {{upstream}}"),
                 target(

@@ -547,6 +547,12 @@ ENGINE_HISTOGRAMS = {
         "Time per output token as the engine measures it (vLLM "
         "request_time_per_output_token_seconds, its own buckets).",
     ),
+    "queue": (
+        "engine_queue_seconds",
+        "Time requests waited in the engine's own queue before it scheduled them, as the "
+        "engine measures it (vLLM request_queue_time_seconds, its own buckets): the "
+        "engine-side part of TTFT.",
+    ),
 }
 
 
