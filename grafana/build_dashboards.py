@@ -1168,7 +1168,9 @@ def overview_physics(d: Dash) -> None:
             "phasewatch's TTFT (request received -> first token forwarded: what the client "
             "feels) beside the engine's own (vLLM time_to_first_token_seconds, re-exported), "
             "and their gap: the time outside the engine's clock (HTTP, the API server's "
-            "tokenising and queueing, the proxy). Each is interpolated in its own buckets.",
+            "tokenising and queueing, the proxy). Each is interpolated in its own buckets, so "
+            "the gap is clamped at 0: a 0 means smaller than the buckets can tell, never that "
+            "the engine's clock ran longer than the client's.",
             [
                 target(
                     "histogram_quantile(0.5, sum by (upstream, model, le) "
