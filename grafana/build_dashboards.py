@@ -562,13 +562,33 @@ def overview() -> dict:
     d.add(
         timeseries(
             "Median decode rate by model",
-            "Median decode tokens/s per upstream, model and precision over 5 min (recording rule): "
-            "the series DecodeRateRegression watches (it fires when the 30 min median falls below "
-            "80 % of the same window 1 d / 7 d earlier).",
+            "Median decode tokens/s per upstream, model and precision over 5 min, all prompt "
+            "lengths (recording rule). It moves with the mix of prompt lengths (decode slows as "
+            "the context grows): DecodeRateRegression watches each prompt band on its own (next "
+            "panel).",
             [
                 target(
                     f'phasewatch:decode_tokens_per_second:p50_5m{{{SEL}, source="$source"}}',
                     "{{model}} ({{precision}}) on {{upstream}}",
+                )
+            ],
+            TOKS,
+            steps(RED, (10, YELLOW), (25, GREEN)),
+            fill=0,
+        )
+    )
+    d.add(
+        timeseries(
+            "Decode rate by prompt length",
+            "Median decode tokens/s per prompt band, model and precision over 5 min (recording "
+            "rule phasewatch:decode_tokens_per_second_by_band:p50_5m). Every decode step reads "
+            "the whole KV cache, so longer prompts decode slower: compare a band with itself. "
+            "DecodeRateRegression fires when a band's 30 min median falls below 80 % of the same "
+            "band 1 d / 7 d earlier.",
+            [
+                target(
+                    f'phasewatch:decode_tokens_per_second_by_band:p50_5m{{{SEL}, source="$source"}}',
+                    "{{model}} ({{precision}}) {{prompt_band}}",
                 )
             ],
             TOKS,
@@ -594,6 +614,57 @@ def overview() -> dict:
     )
 
     d.row("Where the wait goes")
+
+    def per_upstream_mean(metric: str, matchers: str) -> str:
+        return (
+            f"sum by (upstream) (rate({metric}_sum{{{SEL}{matchers}}}[$__rate_interval])) / "
+            f"sum by (upstream) (rate({metric}_count{{{SEL}{matchers}}}[$__rate_interval]))"
+        )
+
+    proxy_q = per_upstream_mean("phasewatch_queue_seconds", ', where="proxy"')
+    # the engine's queue: from its per-request prefill time (Ollama, llama-server), or
+    # from its own queue histogram (vLLM request_queue_time_seconds, re-exported: every
+    # replica serves the same engine's numbers, so max over replicas)
+    vllm_q = (
+        "sum by (upstream) (max by (upstream, model, precision) "
+        f"(rate(phasewatch_engine_queue_seconds_sum{{{SEL}}}[$__rate_interval]))) / "
+        "sum by (upstream) (max by (upstream, model, precision) "
+        f"(rate(phasewatch_engine_queue_seconds_count{{{SEL}}}[$__rate_interval])))"
+    )
+    own_q = per_upstream_mean("phasewatch_queue_seconds", ', where="upstream"')
+    engine_q = f"({own_q}) or ({vllm_q})"
+    ttft_mean = per_upstream_mean("phasewatch_ttft_seconds", "")
+    d.add(
+        timeseries(
+            "Where does TTFT go: proxy queue, engine queue, prefill",
+            "Mean time to first token per upstream, split into the wait at phasewatch's own gate "
+            "(--max-concurrency), the wait in the engine's queue, and prefill (the rest). The "
+            "engine's queue comes from the engine's own figures: vLLM's request_queue_time_seconds "
+            "(re-exported as phasewatch_engine_queue_seconds), Ollama's and llama-server's "
+            "prefill time (queue = TTFT window - prefill). Where an engine reports neither (an "
+            "OpenAI server of unknown make, vLLM with --engine-scrape 0), its queue is unknown "
+            "and stays inside the series named 'prefill + engine queue (not reported)'.",
+            [
+                target(f"({proxy_q}) and on (upstream) ({ttft_mean})", "proxy queue {{upstream}}"),
+                target(
+                    f"({engine_q}) and on (upstream) ({ttft_mean})", "engine queue {{upstream}}"
+                ),
+                target(
+                    f"clamp_min(({ttft_mean}) - on (upstream) ({proxy_q}) - on (upstream) ({engine_q}), 0)",
+                    "prefill {{upstream}}",
+                ),
+                target(
+                    f"clamp_min(({ttft_mean}) - on (upstream) ({proxy_q}), 0) unless on (upstream) ({engine_q})",
+                    "prefill + engine queue (not reported) {{upstream}}",
+                ),
+            ],
+            "s",
+            steps(GREEN, (1, YELLOW), (2, RED)),
+            stack=True,
+            fill=40,
+            legend_calcs=("mean", "lastNotNull"),
+        )
+    )
     sums = {
         "queue": f'sum(rate(phasewatch_queue_seconds_sum{{{SEL}, where="proxy"}}[$__rate_interval]))',
         "prefill": f'sum(rate(phasewatch_prefill_seconds_sum{{{SEL}, source="proxy"}}[$__rate_interval]))',
@@ -603,8 +674,9 @@ def overview() -> dict:
     d.add(
         timeseries(
             "Share of wall time: queue, prefill, decode",
-            "Of all the time requests spent, the share in the proxy's queue, in prefill (first "
-            "output minus request sent: includes the engine's own queue) and in decode. For chat "
+            "Of all the time requests spent (not only until the first token), the share in the "
+            "proxy's queue, in prefill (first output minus request sent: includes the engine's "
+            "own queue; the TTFT panel beside splits it) and in decode. For chat "
             "with short prompts decode takes most of the wait; "
             "long RAG prompts shift it to prefill.",
             [target(f"{expr} / {total}", name) for name, expr in sums.items()],
@@ -1178,7 +1250,9 @@ def overview_physics(d: Dash) -> None:
             "phasewatch's TTFT (request received -> first token forwarded: what the client "
             "feels) beside the engine's own (vLLM time_to_first_token_seconds, re-exported), "
             "and their gap: the time outside the engine's clock (HTTP, the API server's "
-            "tokenising and queueing, the proxy). Each is interpolated in its own buckets.",
+            "tokenising and queueing, the proxy). Each is interpolated in its own buckets, so "
+            "the gap is clamped at 0: a 0 means smaller than the buckets can tell, never that "
+            "the engine's clock ran longer than the client's.",
             [
                 target(
                     "histogram_quantile(0.5, sum by (upstream, model, le) "
@@ -1337,40 +1411,56 @@ def _sel(precision_matcher: str) -> str:
     return f'upstream=~"$upstream", model=~"$model", {precision_matcher}'
 
 
+#: Joins a series keyed by (upstream, model, precision) to its model family
+#: (phasewatch_model_info{family}), so precisions are compared within one family and
+#: never summed across different models.
+FAMILY_JOIN = (
+    " * on (upstream, model, precision) group_left (family) "
+    "max by (upstream, model, precision, family) (phasewatch_model_info)"
+)
+
+
+def fam(expr: str) -> str:
+    """`expr` with the family label of its model."""
+    return f"({expr}){FAMILY_JOIN}"
+
+
 def figures(pm: str, rng: str = "$__range") -> dict[str, str]:
-    """The benchmark table's figures, one series per precision, for precision matcher pm."""
+    """The benchmark table's figures, one series per model family and precision, for
+    precision matcher pm (the same figures as `phasewatch report`)."""
     s = _sel(pm)
     per_gpu = "upstream, model, precision, gpu"
+    by = "family, precision"
     idle_per_model = (
         f'sum by (upstream, model, precision) (sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_sum{{{s}, state="idle"}}[{rng}]))'
         f' / sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_count{{{s}, state="idle"}}[{rng}])))'
     )
-    return {
-        "decode": (
-            "histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_decode_tokens_per_second_bucket"
-            f'{{{s}, source="$source"}}[{rng}])))'
-        ),
-        "prefill4k": (
-            "1000 / histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_prefill_tokens_per_second_bucket"
-            f'{{{s}, source="$source", prompt_band="2k-6k"}}[{rng}])))'
-        ),
-        "prefill16k": (
-            "1000 / histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_prefill_tokens_per_second_bucket"
-            f'{{{s}, source="$source", prompt_band="12k-24k"}}[{rng}])))'
-        ),
-        "ttft8k": (
-            "histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_ttft_seconds_bucket"
-            f'{{{s}, prompt_band="6k-12k"}}[{rng}])))'
-        ),
-        "decode_watts": (
-            f'sum by (precision) (rate(phasewatch_gpu_power_watts_sum{{{s}, phase="decode"}}[{rng}]))'
-            f' / sum by (precision) (rate(phasewatch_gpu_power_watts_count{{{s}, phase="decode"}}[{rng}]))'
-        ),
-        "idle_watts": f"avg by (precision) ({idle_per_model})",
-        "joules": (
-            f"avg by (precision) (avg_over_time(phasewatch:joules_per_decode_token:rate5m{{{s}}}[{rng}]))"
-        ),
+
+    def median(metric: str, matchers: str) -> str:
+        return (
+            f"histogram_quantile(0.5, sum by ({by}, le) "
+            f"({fam(f'rate({metric}_bucket{{{s}, {matchers}}}[{rng}])')}))"
+        )
+
+    def mean(metric: str, matchers: str) -> str:
+        return (
+            f"sum by ({by}) ({fam(f'rate({metric}_sum{{{s}, {matchers}}}[{rng}])')})"
+            f" / sum by ({by}) ({fam(f'rate({metric}_count{{{s}, {matchers}}}[{rng}])')})"
+        )
+
+    out = {
+        "decode": median("phasewatch_decode_tokens_per_second", 'source="$source"'),
+        "prefill4k": "1000 / "
+        + median("phasewatch_prefill_tokens_per_second", 'source="$source", prompt_band="2k-6k"'),
+        "prefill16k": "1000 / "
+        + median("phasewatch_prefill_tokens_per_second", 'source="$source", prompt_band="12k-24k"'),
+        "ttft8k": median("phasewatch_ttft_seconds", 'prompt_band="6k-12k"'),
+        "decode_watts": mean("phasewatch_gpu_power_watts", 'phase="decode"'),
+        "idle_watts": f"avg by ({by}) ({fam(idle_per_model)})",
     }
+    # joules_per_token_at_decode: decode W / decode tok/s of the same family and precision
+    out["joules"] = f"({out['decode_watts']}) / ({out['decode']})"
+    return out
 
 
 def precision_comparison() -> dict:
@@ -1395,8 +1485,8 @@ def precision_comparison() -> dict:
     )
     f = figures('precision=~"$precision"')
     b = figures('precision="$baseline"')
-    speedup = f"{f['decode']} / ignoring (precision) group_left () {b['decode']}"
-    saving = f"1 - ({f['decode_watts']}) / ignoring (precision) group_left () ({b['decode_watts']})"
+    speedup = f"{f['decode']} / on (family) group_left () {b['decode']}"
+    saving = f"1 - ({f['decode_watts']}) / on (family) group_left () ({b['decode_watts']})"
 
     rows = [
         (
@@ -1454,20 +1544,27 @@ def precision_comparison() -> dict:
         ),
         (
             "joules",
-            "Energy per generated token",
+            "Energy per token at decode load",
             "joule",
             steps(GREEN, (1, YELLOW), (3, RED)),
             3,
-            "GPU energy over generated tokens, rate(energy) / rate(decode tokens), averaged over the "
-            "time range (recording rule). Exact per precision when GPUs are mapped to models "
-            "(--power-gpu GPU=MODEL); a GPU shared by several models gives their blend.",
+            "joules_per_token_at_decode: power at decode load / median decode tok/s, per model "
+            "family and precision over the time range (the status page's and phasewatch "
+            "report's J/tok at decode). Idle and prefill are not in it, so it compares "
+            "precisions like with like; the all-in figure (idle included) is on the Power & "
+            "energy dashboard.",
         ),
     ]
     d.row("What to report: one column per precision")
     for key, title, unit, th, dec, desc in rows:
         d.add(
             stat(
-                title, desc, [target(f[key], "{{precision}}", instant=True)], unit, th, decimals=dec
+                title,
+                desc,
+                [target(f[key], "{{family}} {{precision}}", instant=True)],
+                unit,
+                th,
+                decimals=dec,
             ),
             w=8,
             h=5,
@@ -1476,8 +1573,9 @@ def precision_comparison() -> dict:
         stat(
             "Decode speed-up vs baseline",
             "Median decode tok/s of each precision over the "
-            "baseline precision's (variable 'Baseline precision', default bf16).",
-            [target(speedup, "{{precision}}", instant=True)],
+            "baseline precision's of the same model family (variable 'Baseline precision', "
+            "default bf16).",
+            [target(speedup, "{{family}} {{precision}}", instant=True)],
             "suffix:x",
             steps(RED, (0.95, YELLOW), (1.2, GREEN)),
             decimals=2,
@@ -1489,8 +1587,9 @@ def precision_comparison() -> dict:
         stat(
             "Power saving at decode vs baseline",
             "1 - decode-load power of each precision / "
-            "the baseline precision's. Positive: draws less than the baseline.",
-            [target(saving, "{{precision}}", instant=True)],
+            "the baseline precision's of the same model family. Positive: draws less than "
+            "the baseline.",
+            [target(saving, "{{family}} {{precision}}", instant=True)],
             "percentunit",
             steps(RED, (0, YELLOW), (0.1, GREEN)),
             decimals=0,
@@ -1507,7 +1606,7 @@ def precision_comparison() -> dict:
         "ttft8k": "TTFT ~8K (s)",
         "decode_watts": "decode W",
         "idle_watts": "idle W",
-        "joules": "J/token",
+        "joules": "J/token at decode",
         "speedup": "decode speed-up",
         "saving": "power saving",
     }
@@ -1555,7 +1654,8 @@ def precision_comparison() -> dict:
     d.add(
         table(
             "What to report, per precision",
-            "The same figures as above, a row per precision (merge of instant queries over the "
+            "The same figures as above, a row per model family and precision (merge of instant "
+            "queries over the "
             "dashboard's time range). Empty cells: no requests of that kind in the range (e.g. no "
             "~16K prompts) or no power source.",
             targets,
@@ -1563,7 +1663,7 @@ def precision_comparison() -> dict:
             steps(GREEN),
             organize={
                 "excludeByName": {"Time": True},
-                "indexByName": {"precision": 0},
+                "indexByName": {"family": 0, "precision": 1},
                 "renameByName": rename,
             },
         ),
@@ -1575,12 +1675,15 @@ def precision_comparison() -> dict:
     d.add(
         timeseries(
             "Median decode rate by precision",
-            "5 min median decode tokens/s (recording rule), per precision.",
+            "5 min median decode tokens/s (recording rule), per model family and precision.",
             [
                 target(
-                    "histogram_quantile(0.5, sum by (precision, le) "
-                    f'(phasewatch:decode_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
-                    "{{precision}}",
+                    "histogram_quantile(0.5, sum by (family, precision, le) ("
+                    + fam(
+                        f'phasewatch:decode_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}'
+                    )
+                    + "))",
+                    "{{family}} {{precision}}",
                 )
             ],
             TOKS,
@@ -1591,12 +1694,16 @@ def precision_comparison() -> dict:
     d.add(
         timeseries(
             "Median prefill rate by precision",
-            "5 min median prefill tokens/s (recording rule), per precision, all prompt lengths.",
+            "5 min median prefill tokens/s (recording rule), per model family and precision, "
+            "all prompt lengths.",
             [
                 target(
-                    "histogram_quantile(0.5, sum by (precision, le) "
-                    f'(phasewatch:prefill_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}))',
-                    "{{precision}}",
+                    "histogram_quantile(0.5, sum by (family, precision, le) ("
+                    + fam(
+                        f'phasewatch:prefill_tokens_per_second_bucket:rate5m{{{SEL}, source="$source"}}'
+                    )
+                    + "))",
+                    "{{family}} {{precision}}",
                 )
             ],
             TOKS,
@@ -1607,10 +1714,12 @@ def precision_comparison() -> dict:
     d.add(
         timeseries(
             "TTFT p95 by precision",
-            "5 min p95 time to first token per precision, all prompt lengths (recording rule).",
+            "5 min p95 time to first token per model family and precision, all prompt lengths "
+            "(recording rule; the slowest upstream of each).",
             [
                 target(
-                    f"max by (precision) (phasewatch:ttft_seconds:p95_5m{{{SEL}}})", "{{precision}}"
+                    f"max by (family, precision) ({fam(f'phasewatch:ttft_seconds:p95_5m{{{SEL}}}')})",
+                    "{{family}} {{precision}}",
                 )
             ],
             "s",
@@ -1620,12 +1729,16 @@ def precision_comparison() -> dict:
     )
     d.add(
         timeseries(
-            "Energy per generated token by precision",
-            "J per generated token over 5 min (recording rule phasewatch:joules_per_decode_token:rate5m).",
+            "Energy per token at decode load by precision",
+            "joules_per_token_at_decode over 5 min (recording rule "
+            "phasewatch:joules_per_token_at_decode:rate5m: power at decode load / median decode "
+            "tok/s), per model family and precision. Idle and prefill are not in it.",
             [
                 target(
-                    f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})",
-                    "{{precision}}",
+                    "avg by (family, precision) ("
+                    + fam(f"phasewatch:joules_per_token_at_decode:rate5m{{{SEL}}}")
+                    + ")",
+                    "{{family}} {{precision}}",
                 )
             ],
             "joule",
@@ -1830,13 +1943,17 @@ def power() -> dict:
     d.row("Energy")
     d.add(
         timeseries(
-            "Energy per generated token by precision",
-            "GPU energy over generated tokens, 5 min (recording rule). Exact per precision when "
-            "GPUs are mapped to models (--power-gpu GPU=MODEL); a blend where a GPU serves several.",
+            "Energy per token at decode load by precision",
+            "joules_per_token_at_decode over 5 min (recording rule): mean GPU power over "
+            "requests' decode windows / median decode tok/s, per model family and precision. "
+            "Idle and prefill are not in it: the figure that compares precisions (int4 below "
+            "fp8 below bf16).",
             [
                 target(
-                    f"avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})",
-                    "{{precision}}",
+                    "avg by (family, precision) ("
+                    + fam(f"phasewatch:joules_per_token_at_decode:rate5m{{{SEL}}}")
+                    + ")",
+                    "{{family}} {{precision}}",
                 )
             ],
             "joule",
@@ -1847,18 +1964,41 @@ def power() -> dict:
     )
     d.add(
         timeseries(
-            "Generated tokens per joule by precision",
-            "The inverse: tokens per joule (higher is better).",
+            "All-in energy per generated token (idle and prefill included)",
+            "joules_per_token_all_in over 5 min (recording rule): the GPU's whole energy counter, "
+            "idle and prefill included, / generated tokens: the cost of owning the GPU at this "
+            "utilisation. Not a precision comparison: on the same traffic a faster precision "
+            "idles more and can read higher here. Exact per model when GPUs are mapped to "
+            "models (--power-gpu GPU=MODEL); a blend where a GPU serves several.",
             [
                 target(
-                    f"1 / avg by (precision) (phasewatch:joules_per_decode_token:rate5m{{{SEL}}})",
-                    "{{precision}}",
+                    f"phasewatch:joules_per_token_all_in:rate5m{{{SEL}}}",
+                    "{{model}} ({{precision}}) on {{upstream}}",
                 )
             ],
-            "suffix: tok/J",
-            steps(RED, (0.3, YELLOW), (1, GREEN)),
+            "joule",
+            steps(GREEN, (1, YELLOW), (3, RED)),
             fill=0,
-            decimals=2,
+            decimals=3,
+        )
+    )
+    d.add(
+        timeseries(
+            "Energy attributed to requests per generated token",
+            "joules_per_token_attributed over 5 min (recording rule): each request's share of its "
+            "GPUs' energy while it ran (phasewatch_request_energy_joules_total, split evenly "
+            "among the requests in flight; idle energy is nobody's) / generated tokens. Between "
+            "the at-decode and the all-in figures.",
+            [
+                target(
+                    f"phasewatch:joules_per_token_attributed:rate5m{{{SEL}}}",
+                    "{{model}} ({{precision}}) on {{upstream}}",
+                )
+            ],
+            "joule",
+            steps(GREEN, (1, YELLOW), (3, RED)),
+            fill=0,
+            decimals=3,
         )
     )
     d.add(

@@ -608,7 +608,7 @@ def stack():
         if "--power-dcgm-url" in flags:  # give a slow machine time for its first power samples
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not prom.query(
-                "phasewatch:joules_per_decode_token:rate5m"
+                "phasewatch:joules_per_token_all_in:rate5m"
             ):
                 time.sleep(0.5)
         time.sleep(3)  # a few more scrapes and rule evaluations of the trickle

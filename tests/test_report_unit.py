@@ -77,7 +77,7 @@ def test_table_without_power_says_na():
     assert math.isclose(bf16.ttft_s["6k-12k"], 1.6, rel_tol=0.03)
     assert bf16.share_prefill == 0.25 and bf16.share_decode == 0.75
     assert bf16.decode_speedup == 1.0 and int4.baseline.endswith("(bf16)")
-    assert not rep.power and bf16.decode_watts is None and bf16.joules_per_token is None
+    assert not rep.power and bf16.decode_watts is None and bf16.joules_per_token_at_decode is None
     text = markdown(rep)
     assert (
         "n/a" in text
@@ -103,12 +103,12 @@ def test_power_per_model_gpu_and_joules_per_token():
     assert rep.power
     assert bf16.decode_watts == 360.0 and int4.decode_watts == 240.0
     assert bf16.idle_watts == 22.0 and int4.idle_watts == 22.0  # its own GPU, not both
-    assert math.isclose(bf16.joules_per_token, 360.0 / bf16.decode_tok_s)
+    assert math.isclose(bf16.joules_per_token_at_decode, 360.0 / bf16.decode_tok_s)
     assert math.isclose(int4.power_saving, 1 - 240.0 / 360.0)
     assert math.isclose(
         int4.energy_saving, 1 - (240.0 / int4.decode_tok_s) / (360.0 / bf16.decode_tok_s)
     )
-    assert math.isclose(int4.joules_per_token_energy, 2400.0 / 1000)  # 5 requests x 200 tokens
+    assert math.isclose(int4.joules_per_token_all_in, 2400.0 / 1000)  # 5 requests x 200 tokens
     text = markdown(rep)
     assert "| 360 | 22 | 7.2" in text and "33%" in text
 
@@ -126,7 +126,7 @@ def test_power_from_samples_of_an_upstream_serving_one_model():
     rep = build(Samples.from_registry(m.registry))
     (row,) = rep.rows
     assert row.idle_watts == 44.0 and row.decode_watts == 600.0
-    assert math.isclose(row.joules_per_token, 600.0 / row.decode_tok_s)
+    assert math.isclose(row.joules_per_token_at_decode, 600.0 / row.decode_tok_s)
     assert row.baseline is not None and row.decode_speedup == 1.0
 
 

@@ -20,6 +20,7 @@ from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
 from ..measure.kvcache import KVModel, KVShape
 from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
+from ..measure.summary import model_family
 from ..transport import ClientOptions, TLSOptions, make_client, make_transport
 from .gate import AdmissionGate
 from .host import Board, Host
@@ -313,7 +314,9 @@ class Upstream:
     def publish_models(self) -> None:
         for model in sorted(self.models | self.configured_models):
             p = self.precision.get(model)
-            self.metrics.model_info.labels(self.name, model, p.precision, p.quant, p.source).set(1)
+            self.metrics.model_info.labels(
+                self.name, model, p.precision, p.quant, p.source, model_family(model)
+            ).set(1)
         self.publish_kv()
 
     async def aclose(self) -> None:

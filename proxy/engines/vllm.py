@@ -47,6 +47,7 @@ HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": "ttft",
     "vllm:e2e_request_latency_seconds": "e2e",
     "vllm:request_time_per_output_token_seconds": "tpot",
+    "vllm:request_queue_time_seconds": "queue",
 }
 CACHE_CONFIG = "vllm:cache_config_info"
 

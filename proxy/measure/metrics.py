@@ -397,8 +397,10 @@ class Metrics:
         self.model_info = Gauge(
             PREFIX + "model_info",
             "1 for each model an upstream serves, with its "
-            "normalised precision and raw quantisation scheme (quant).",
-            ("upstream", "model", "precision", "quant", "precision_source"),
+            "normalised precision, raw quantisation scheme (quant) and model family (the "
+            "name without publisher and quantisation markers: what precisions are compared "
+            "within).",
+            ("upstream", "model", "precision", "quant", "precision_source", "family"),
             registry=r,
             multiprocess_mode="max",
         )
@@ -566,6 +568,12 @@ ENGINE_HISTOGRAMS = {
         "engine_time_per_output_token_seconds",
         "Time per output token as the engine measures it (vLLM "
         "request_time_per_output_token_seconds, its own buckets).",
+    ),
+    "queue": (
+        "engine_queue_seconds",
+        "Time requests waited in the engine's own queue before it scheduled them, as the "
+        "engine measures it (vLLM request_queue_time_seconds, its own buckets): the "
+        "engine-side part of TTFT.",
     ),
 }
 

@@ -1,6 +1,7 @@
 """The benchmark table computed from phasewatch's own samples: per upstream x model x
-precision, decode tok/s, prefill ms/token and TTFT by prompt band, power, J/token, phase
-shares and speed-ups against the unquantised row.
+precision, decode tok/s, prefill ms/token and TTFT by prompt band, power, energy per
+token (at decode load, all-in and attributed), phase shares and speed-ups against the
+unquantised row of the same model family.
 
 Pure: samples in (a ``/metrics`` page, a Prometheus server's answers, or the proxy's own
 registry), a :class:`Report` out. ``phasewatch report`` renders it; the status page
@@ -210,14 +211,16 @@ class Row:
     decode_watts: float | None = None
     prefill_watts: float | None = None
     idle_watts: float | None = None
-    joules_per_token: float | None = None  # decode W / decode tok/s
-    joules_per_token_energy: float | None = None  # energy counter / generated tokens
+    # Three energy-per-token figures (docs/metrics.md defines each once):
+    joules_per_token_at_decode: float | None = None  # decode W / decode tok/s
+    joules_per_token_all_in: float | None = None  # whole GPU energy / generated tokens
+    joules_per_token_attributed: float | None = None  # requests' energy / generated tokens
     baseline: str | None = None  # "model (precision)" of the row compared against
     decode_speedup: float | None = None
     prefill_speedup: float | None = None
     prefill_speedup_band: str | None = None
     power_saving: float | None = None  # 1 - decode W / baseline decode W
-    energy_saving: float | None = None  # 1 - J/token / baseline J/token
+    energy_saving: float | None = None  # 1 - J/token at decode / the baseline's
     tpot_ms: float | None = None  # median time per output token
     kv_bytes_per_token: float | None = None  # None: the model's KV shape is unknown
     kv_dtype: str = "unknown"  # the element type the engine keeps the cache in
@@ -372,10 +375,13 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
                 r.prefill_watts = _state_watts(samples, gpus, "prefill")
             energy = sum(samples.total(_n("gpu_energy_joules_total"), **g) for g in gpus)
             if energy and r.decode_tokens:
-                r.joules_per_token_energy = energy / r.decode_tokens
+                r.joules_per_token_all_in = energy / r.decode_tokens
+        attributed = samples.total(_n("request_energy_joules_total"), **lab)
+        if attributed and r.decode_tokens:
+            r.joules_per_token_attributed = attributed / r.decode_tokens
         r.idle_watts = _state_watts(samples, gpus, "idle")
         if r.decode_watts is not None and r.decode_tok_s:
-            r.joules_per_token = r.decode_watts / r.decode_tok_s
+            r.joules_per_token_at_decode = r.decode_watts / r.decode_tok_s
         kv_memory(samples, lab, r)
         rows.append(r)
 
@@ -477,5 +483,5 @@ def compare(rows: list[Row]) -> None:
                 break
         if r.decode_watts and base.decode_watts:
             r.power_saving = 1.0 - r.decode_watts / base.decode_watts
-        if r.joules_per_token and base.joules_per_token:
-            r.energy_saving = 1.0 - r.joules_per_token / base.joules_per_token
+        if r.joules_per_token_at_decode and base.joules_per_token_at_decode:
+            r.energy_saving = 1.0 - r.joules_per_token_at_decode / base.joules_per_token_at_decode

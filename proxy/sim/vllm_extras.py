@@ -40,6 +40,11 @@ _HISTOGRAMS = (
         "Histogram of time_per_output_token_seconds per request.",
         TPOT_BUCKETS,
     ),
+    (
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        E2E_BUCKETS,
+    ),
 )  # fmt: skip
 
 
@@ -86,6 +91,8 @@ class VLLMStats:
         self.prefix_hits[truth.model] += truth.cached_tokens
         if truth.t_first is not None:
             hists["vllm:time_to_first_token_seconds"].observe(truth.t_first - truth.t_recv)
+        if truth.t_admit is not None:
+            hists["vllm:request_queue_time_seconds"].observe(truth.t_admit - truth.t_recv)
         if truth.t_end is not None:
             hists["vllm:e2e_request_latency_seconds"].observe(truth.t_end - truth.t_recv)
         if truth.t_first is not None and truth.t_last is not None and truth.completion_tokens > 1:

@@ -1,9 +1,9 @@
 """``phasewatch report``: the benchmark table from live traffic.
 
 The table (decode tok/s, prefill ms/token at ~4K and ~16K prompts, TTFT at ~8K, power
-under decode load and idle, J/token, speed-ups per precision) is computed by
-:mod:`proxy.measure.summary` from phasewatch's own metrics, read here from a ``/metrics``
-page or a Prometheus server's HTTP API.
+under decode load and idle, J/token at decode load and all-in, speed-ups per precision)
+is computed by :mod:`proxy.measure.summary` from phasewatch's own metrics, read here
+from a ``/metrics`` page or a Prometheus server's HTTP API.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ def markdown(rep: Report) -> str:
         return "No measured requests yet: send some traffic through phasewatch first.\n"
     head = (
         "| upstream | model | precision | requests | errors / aborted | decode tok/s "
-        "| prefill ms/tok ~4K | prefill ms/tok ~16K | TTFT ~8K | decode W | idle W | J/tok "
+        "| prefill ms/tok ~4K | prefill ms/tok ~16K | TTFT ~8K | decode W | idle W "
+        "| J/tok at decode | J/tok all-in "
         "| prefill / decode time | decode speed-up | prefill speed-up | power saving "
         "| TPOT ms | KV B/tok |"
     )
@@ -191,7 +192,8 @@ def markdown(rep: Report) -> str:
                     _f(r.ttft_s.get(BAND_8K), "{:.2f} s"),
                     _f(r.decode_watts, "{:.0f}", na),
                     _f(r.idle_watts, "{:.0f}", na),
-                    _f(r.joules_per_token, "{:.2f}", na),
+                    _f(r.joules_per_token_at_decode, "{:.2f}", na),
+                    _f(r.joules_per_token_all_in, "{:.2f}", na),
                     share,
                     _x(r.decode_speedup),
                     _x(r.prefill_speedup),
@@ -241,8 +243,11 @@ def markdown(rep: Report) -> str:
     if rep.power:
         notes.append(
             "decode W: GPU power over each request's decode window; idle W: GPU samples with "
-            "nothing in flight; J/tok = decode W / decode tok/s (one stream); power saving "
-            "compares decode W."
+            "nothing in flight; J/tok at decode = decode W / decode tok/s (one stream at "
+            "decode load: the figure that compares precisions); J/tok all-in = the GPUs' "
+            "whole energy (idle and prefill included) / generated tokens (the cost of "
+            "owning the GPU at this utilisation: a faster precision idles more and reads "
+            "higher here); power saving compares decode W."
         )
     else:
         notes.append("Power: n/a (phasewatch is not sampling GPU power here).")
@@ -310,7 +315,7 @@ def clients_markdown(rows: list[ClientRow], source: str) -> str:
     na = "—" if power else "n/a"
     out = [
         "| client | requests | ok | errors | aborted | prompt tokens | cached | "
-        "completion tokens | energy J | Wh | J/tok |",
+        "completion tokens | energy J | Wh | J/tok attributed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

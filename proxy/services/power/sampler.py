@@ -98,6 +98,16 @@ class GpuMap:
         }
         return upstream, "all", precisions.pop() if len(precisions) == 1 else "mixed"
 
+    def settled(self, gpu: str) -> bool:
+        """Whether this GPU's labels are final: every upstream it serves has answered its
+        first model-list probe (until then the precision reads ``unknown`` only because it
+        has not been detected yet)."""
+        for o in self.owners(gpu):
+            probed = getattr(o.upstream, "probed", None)
+            if probed is not None and not probed.is_set():
+                return False
+        return True
+
     def in_flight(self, gpu: str) -> list:
         out = []
         for o in self.owners(gpu):
@@ -204,6 +214,11 @@ class PowerSampler:
         self.up: bool | None = None  # None until the first tick
         self.opened = False
         self._current: dict[str, tuple] = {}  # gpu -> labels of its current-watts gauge
+        #: gpu -> joules counted under its current labels (carried over when an
+        #: ``unknown`` precision is detected and the series is relabelled)
+        self._joules: dict[str, float] = {}
+        #: gpu -> joules measured before its labels were settled, not yet counted
+        self._pending: dict[str, float] = {}
         self._caller = _Caller()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -270,26 +285,19 @@ class PowerSampler:
             self._set_down(f"reading {self.source.name} failed: {exc}")
             return
         t = (t0 + self.clock()) / 2.0
-        m = self.metrics
         seen = 0
         for gpu, r in sorted(readings.items()):
             if not self.gpus.owners(gpu):
                 continue
             seen += 1
-            labels = self.gpus.labels(gpu)
             prefill, decode = self.in_flight(gpu)
-            state = classify(prefill, decode)
-            if before.get(gpu, state) == state:
-                m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(r.watts)
-            current = labels + (gpu,)
-            old = self._current.get(gpu)
-            if old is not None and old != current:
-                _remove(m.gpu_power_current_watts, old)
-            m.gpu_power_current_watts.labels(*current).set(r.watts)
-            self._current[gpu] = current
             joules = self.meters.setdefault(gpu, EnergyMeter()).step(t, r.watts, r.energy_mj)
-            if joules > 0:
-                m.gpu_energy_joules_total.labels(*current).inc(joules)
+            if not self.gpus.settled(gpu):
+                # no series labelled with a precision not detected yet: the energy waits
+                # for the labels, the sample is only kept for per-request power
+                self._pending[gpu] = self._pending.get(gpu, 0.0) + max(joules, 0.0)
+            else:
+                self._publish(gpu, r.watts, joules, classify(prefill, decode), before)
             ring = self.rings.get(gpu)
             if ring is None:
                 ring = self.rings.setdefault(gpu, Ring())
@@ -301,6 +309,28 @@ class PowerSampler:
                 f"{self.source.name} reports GPUs {sorted(readings)}, none of them "
                 "mapped by --power-gpu"
             )
+
+    def _publish(self, gpu: str, watts: float, joules: float, state: str, before: dict) -> None:
+        m = self.metrics
+        labels = self.gpus.labels(gpu)
+        current = labels + (gpu,)
+        old = self._current.get(gpu)
+        if old is not None and old != current:
+            _remove(m.gpu_power_current_watts, old)
+            if old[2] == "unknown":  # the precision is known now: no stale unknown series
+                _remove(m.gpu_energy_joules_total, old)
+                for st in ("idle", "prefill", "decode"):
+                    _remove(m.gpu_power_sample_watts, old + (st,))
+                joules += self._joules.get(gpu, 0.0)  # the GPU's energy stays counted
+            self._joules[gpu] = 0.0
+        if before.get(gpu, state) == state:
+            m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(watts)
+        m.gpu_power_current_watts.labels(*current).set(watts)
+        self._current[gpu] = current
+        joules += self._pending.pop(gpu, 0.0)
+        if joules > 0:
+            m.gpu_energy_joules_total.labels(*current).inc(joules)
+            self._joules[gpu] = self._joules.get(gpu, 0.0) + joules
 
     def _set_up(self, visible: int, used: int) -> None:
         if self.up is None:
