@@ -89,7 +89,10 @@ def test_a_bad_variable_is_named_as_the_variable_and_a_bad_flag_as_the_flag(sim)
     line = error_line(
         run("serve", "--upstream", sim.url, env={"PHASEWATCH_MAX_CONCURRENCY": "lots"})
     )
-    assert line.startswith("phasewatch: error: PHASEWATCH_MAX_CONCURRENCY (--max-concurrency):") and "'lots'" in line
+    assert (
+        line.startswith("phasewatch: error: PHASEWATCH_MAX_CONCURRENCY (--max-concurrency):")
+        and "'lots'" in line
+    )
     line = error_line(run("serve", "--upstream", sim.url, "--max-concurrency", "lots"))
     assert line.startswith("phasewatch: error: --max-concurrency:"), line
 
@@ -142,3 +145,13 @@ def test_engine_without_a_name_with_one_upstream(sim):
         )
     )
     assert "--engine vllm" in line and "NAME=vllm" in line and "a, b" in line, line
+
+
+def test_the_demo_says_its_gpus_and_their_power_are_simulated():
+    from .servers import free_port
+
+    res = run("demo", "--port", str(free_port()), "--rate", "0", "--duration", "2", timeout=90)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if 'msg="demo:' in ln]
+    assert "simulated vllm engine" in line and "3 simulated GPUs" in line, line
+    assert "fake dcgm-exporter" in line and "simulated, not measured" in line, line
