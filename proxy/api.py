@@ -310,7 +310,8 @@ class OwnApi:
             return
         if path != PREFIX + "/" and path.endswith("/") and path.rstrip("/") in self._routes:
             qs = scope.get("query_string", b"").decode("latin-1")
-            target = relative(raw, raw.rstrip("/")) + ("?" + qs if qs else "")
+            keep = qs and qs.isascii() and qs.isprintable()  # else dropped, not echoed
+            target = relative(raw, raw.rstrip("/")) + ("?" + qs if keep else "")
             await _redirect(send, 307, target)
             return
         await self.app(scope, receive, send)
@@ -321,7 +322,7 @@ class OwnApi:
         """``?key=KEY``: a valid key sets the page cookie and redirects to the same page
         without it (the key leaves the address bar); an invalid one is a 401."""
         presented = next(v for k, v in query if k == "key")
-        token = self.access.page_cookie(presented.encode("latin-1", "replace"))
+        token = self.access.page_cookie(presented.encode("utf-8", "replace"))
         if token is None:
             await self._unauthorized(scope, send, raw)
             return
@@ -341,7 +342,7 @@ class OwnApi:
             if not msg.get("more_body"):
                 break
         form = dict(parse_qsl(body.decode("latin-1"), keep_blank_values=True))
-        token = self.access.page_cookie(form.get("key", "").encode("latin-1", "replace"))
+        token = self.access.page_cookie(form.get("key", "").encode("utf-8", "replace"))
         if token is None:
             await self._unauthorized(scope, send, scope["path"], failed=True)
             return

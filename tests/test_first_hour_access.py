@@ -20,11 +20,12 @@ from .hostile import connect, read_response
 from .servers import start_proxy
 
 KEY = "first-hour-key-5678"
+UNICODE_KEY = "schlüssel-ключ-9"
 
 
 @pytest.fixture(scope="module")
 def keyed(sim):
-    server = start_proxy(f"sim={sim.url}", args=["--api-key", KEY])
+    server = start_proxy(f"sim={sim.url}", args=["--api-key", KEY, "--api-key", UNICODE_KEY])
     yield server
     server.stop()
 
@@ -100,7 +101,12 @@ def test_a_key_link_sets_a_strict_httponly_cookie_that_opens_the_pages_only(keye
         assert c.get("/phasewatch/").status_code == 200
         # the cookie is for the pages: a relayed route still wants the key itself
         assert c.get("/v1/models").status_code == 401
-    with httpx.Client(base_url=keyed.url, cookies={name: value[:-1] + "0"}) as c:
+    # a key beyond ASCII, percent-encoded in the link as browsers send it
+    r = httpx.get(keyed.url + "/phasewatch/docs", params={"key": UNICODE_KEY})
+    assert r.status_code == 303 and r.headers["location"] == "./docs", r.text
+    with httpx.Client(
+        base_url=keyed.url, cookies={name: value[:-1] + ("1" if value.endswith("0") else "0")}
+    ) as c:
         assert c.get("/phasewatch/api/summary").status_code == 401
     assert KEY not in keyed.log()
 
