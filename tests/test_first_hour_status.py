@@ -76,7 +76,7 @@ def busy_proxy():
     model_dir = tempfile.mkdtemp(prefix="pw-models-")
     sim = start_sim("vllm", speed=10.0, deterministic=False, extra=["--model-dir", model_dir])
     dead = f"http://127.0.0.1:{free_port()}"
-    args = ["--model-dir", model_dir, "--power-source", "dcgm"]
+    args = ["--model-dir", model_dir, "--power-source", "dcgm", "--model-refresh", "2"]
     args += ["--power-dcgm-url", sim.url + "/metrics"]
     for i, m in enumerate(SIM_MODELS):
         args += ["--power-gpu", f"{i}={m}"]
@@ -100,10 +100,13 @@ def busy_proxy():
                 with c.stream("POST", "/v1/chat/completions", json=body) as r:
                     for _ in r.iter_raw():
                         pass
-            wait_for(
-                lambda: len(c.get("/phasewatch/api/summary").json()["rows"]) >= 20,
-                what="20 rows in the summary",
-            )
+
+            def ready() -> bool:
+                rows = c.get("/phasewatch/api/summary").json()["rows"]
+                sim_rows = [r for r in rows if r["upstream"] == "sim"]
+                return len(rows) >= 20 and all(r["kv_bytes_per_token"] for r in sim_rows)
+
+            wait_for(ready, what="20 rows, the simulated models' KV-cache shapes read")
         yield proxy
     finally:
         proxy.stop()
@@ -155,6 +158,14 @@ def test_the_page_with_20_models_and_an_upstream_down(busy_proxy, browser, width
         # the down upstream's card, and its reason where the summary carries one
         state = page.eval("document.querySelector('[data-upstream=\"dead\"]').dataset.state")
         assert state == "down"
+        # GPUs are mapped to the simulator's models: the other upstreams have none, and
+        # say so rather than "0 W"
+        cards = page.eval(
+            """Object.fromEntries([...document.querySelectorAll(".card[data-upstream]")]
+                 .map(c => [c.dataset.upstream, c.textContent]))"""
+        )
+        assert "no GPU mapped" in cards["big"] and "0 W" not in cards["big"], cards
+        assert re.search(r"GPU power now\d+ W", cards["sim"]), cards
         reason = page.eval(
             """(async () => {
                  const d = await (await fetch(SUMMARY_URL)).json();
