@@ -1,25 +1,37 @@
 """phasewatch's own API under ``/phasewatch/``: liveness, readiness, the status page and
-its summary, a debug view, and OpenAPI docs at ``/phasewatch/docs``.
+its summary, a debug view, and OpenAPI docs at ``/phasewatch/docs`` (Swagger UI served
+from the package: the docs work offline).
 
 A FastAPI app mounted behind the raw dispatcher (:mod:`proxy.app`): only these few
 routes pay for routing and validation; relayed requests never reach it. With proxy keys
 set, everything but liveness and readiness needs one (``Authorization: Bearer KEY``,
-``x-api-key: KEY``, or HTTP Basic with the key as password, which a browser asks for).
+``x-api-key: KEY``, HTTP Basic with the key as password, which a browser asks for, or
+the page cookie that a ``?key=KEY`` link or the login form sets). The key is checked in
+:class:`OwnApi` before anything answers, a redirect included; its redirects are relative
+references, never built from the ``Host`` header.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import html
+import posixpath
 import typing
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
+import fastapi_offline
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, create_model
 
 from . import __version__
 from .core import Access, Relay, Upstreams
+from .core.access import COOKIE
+from .core.asgi import Receive, Scope, Send
 from .measure.summary import Row
 from .services.status import StatusPage
 
@@ -102,15 +114,16 @@ class Summary(BaseModel):
 # --- the app ----------------------------------------------------------------------------
 
 
-def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access: Access) -> FastAPI:
+def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access: Access) -> OwnApi:
     """The own-API app, wired to the proxy's parts."""
     api = FastAPI(
         title="phasewatch",
         version=__version__,
         description="phasewatch's own routes. Every other path is relayed to the engine unchanged.",
-        docs_url=PREFIX + "/docs",
+        docs_url=None,  # served below, from the package's Swagger UI (no CDN)
         openapi_url=PREFIX + "/openapi.json",
         redoc_url=None,
+        redirect_slashes=False,  # OwnApi redirects, after the key, relative
     )
 
     def key(request: Request) -> None:
@@ -193,7 +206,213 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
     async def page_root() -> HTMLResponse:
         return _page(status)
 
-    return api
+    @api.get(PREFIX + "/docs", response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        page = get_swagger_ui_html(
+            openapi_url=PREFIX + "/openapi.json",
+            title="phasewatch — API",
+            swagger_js_url=DOCS_ASSETS + "swagger-ui-bundle.js",
+            swagger_css_url=DOCS_ASSETS + "swagger-ui.css",
+            swagger_favicon_url=DOCS_ASSETS + "favicon.png",
+            # no badge fetched from the online validator
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+        page.headers.update(
+            {"content-security-policy": _DOCS_CSP, "x-content-type-options": "nosniff"}
+        )
+        return page
+
+    @api.get(DOCS_ASSETS + "{name}", include_in_schema=False)
+    async def docs_asset(name: str) -> Response:
+        """Swagger UI's files, from the fastapi-offline package."""
+        if name not in _ASSET_TYPES:
+            raise HTTPException(404, "no such file")
+        return Response(
+            _asset(name),
+            media_type=_ASSET_TYPES[name],
+            headers={"cache-control": "public, max-age=86400", "x-content-type-options": "nosniff"},
+        )
+
+    return OwnApi(api, access)
+
+
+#: Where the docs page's assets are served (from the fastapi-offline package).
+DOCS_ASSETS = PREFIX + "/docs/assets/"
+_ASSET_TYPES = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "favicon.png": "image/png",
+}
+#: Swagger UI 5 (OpenAPI 3.1, as FastAPI writes it), shipped in fastapi-offline's wheel.
+_ASSET_DIR = Path(fastapi_offline.__file__).parent / "static"
+_assets: dict[str, bytes] = {}
+
+
+def _asset(name: str) -> bytes:
+    if name not in _assets:  # read once, on first use
+        _assets[name] = (_ASSET_DIR / name).read_bytes()
+    return _assets[name]
+
+
+_DOCS_CSP = (
+    "default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+    "form-action 'self'; frame-ancestors 'none'"
+)
+
+#: Own routes answered without a key: the probes (a trailing slash redirects to them).
+OPEN_PATHS = frozenset({PREFIX + "/health", PREFIX + "/ready"})
+LOGIN_PATH = PREFIX + "/login"
+#: Largest login form body read.
+_MAX_LOGIN_BODY = 4096
+_UNAUTHORIZED = b'{"detail":"missing or invalid phasewatch API key"}'
+_BASIC = (b"www-authenticate", b'Basic realm="phasewatch", charset="UTF-8"')
+
+
+def relative(base: str, target: str) -> str:
+    """A relative reference from the page at path `base` to path `target` (``../docs``
+    from ``/phasewatch/docs/``): right behind a gateway that adds a path prefix, and
+    never built from the ``Host`` header."""
+    base_dir = base[: base.rfind("/") + 1]
+    target_dir, name = target[: target.rfind("/") + 1], target[target.rfind("/") + 1 :]
+    up = posixpath.relpath(target_dir, base_dir)
+    return ("./" if up == "." else up + "/") + name
+
+
+class OwnApi:
+    """The own API behind its gate: the key first (401 before any redirect or route),
+    then the ``?key=`` link and the login form that set the page cookie, then a relative
+    redirect for a trailing slash, then FastAPI."""
+
+    def __init__(self, app: FastAPI, access: Access) -> None:
+        self.app = app
+        self.access = access
+        self._routes = frozenset(
+            getattr(r, "path", "") for r in app.routes if "{" not in getattr(r, "path", "{")
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        raw: str = (scope.get("raw_path") or path.encode()).decode("latin-1")
+        open_path = path.rstrip("/") in OPEN_PATHS or not self.access.required
+        if self.access.required and path == LOGIN_PATH and scope["method"] == "POST":
+            await self._login(scope, receive, send)
+            return
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        if self.access.required and not open_path and any(k == "key" for k, _ in query):
+            await self._key_link(scope, send, raw, query)
+            return
+        if not open_path and not self.access.allowed(scope["headers"], basic=True):
+            await self._unauthorized(scope, send, raw)
+            return
+        if path != PREFIX + "/" and path.endswith("/") and path.rstrip("/") in self._routes:
+            qs = scope.get("query_string", b"").decode("latin-1")
+            keep = qs and qs.isascii() and qs.isprintable()  # else dropped, not echoed
+            target = relative(raw, raw.rstrip("/")) + ("?" + qs if keep else "")
+            await _redirect(send, 307, target)
+            return
+        await self.app(scope, receive, send)
+
+    async def _key_link(
+        self, scope: Scope, send: Send, raw: str, query: list[tuple[str, str]]
+    ) -> None:
+        """``?key=KEY``: a valid key sets the page cookie and redirects to the same page
+        without it (the key leaves the address bar); an invalid one is a 401."""
+        presented = next(v for k, v in query if k == "key")
+        token = self.access.page_cookie(presented.encode("utf-8", "replace"))
+        if token is None:
+            await self._unauthorized(scope, send, raw)
+            return
+        rest = urlencode([(k, v) for k, v in query if k != "key"])
+        await _redirect(send, 303, relative(raw, raw) + ("?" + rest if rest else ""), token)
+
+    async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The login form's POST (``key=KEY``, form-encoded): the page cookie and a
+        redirect to the status page, or the form again with a 401."""
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if len(body) > _MAX_LOGIN_BODY:
+                await _redirect(send, 413, None)
+                return
+            if not msg.get("more_body"):
+                break
+        form = dict(parse_qsl(body.decode("latin-1"), keep_blank_values=True))
+        token = self.access.page_cookie(form.get("key", "").encode("utf-8", "replace"))
+        if token is None:
+            await self._unauthorized(scope, send, scope["path"], failed=True)
+            return
+        raw = scope["path"]
+        await _redirect(send, 303, relative(raw, PREFIX + "/"), token)
+
+    async def _unauthorized(self, scope: Scope, send: Send, raw: str, failed: bool = False) -> None:
+        """401 with a Basic challenge (a browser's prompt: any user name, the key as
+        password); a browser that cancels it sees a login form instead."""
+        wants_html = any(k == b"accept" and b"text/html" in v for k, v in scope["headers"])
+        if wants_html and scope["method"] in ("GET", "HEAD", "POST"):
+            body = _login_page(relative(raw, LOGIN_PATH), failed).encode()
+            ctype = b"text/html; charset=utf-8"
+        else:
+            body, ctype = _UNAUTHORIZED, b"application/json"
+        headers = [
+            (b"content-type", ctype),
+            (b"content-length", str(len(body)).encode()),
+            _BASIC,
+            (b"cache-control", b"no-store"),
+            (b"content-security-policy", _LOGIN_CSP.encode()),
+        ]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body}
+        )
+
+
+_LOGIN_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; base-uri 'none'; "
+    "frame-ancestors 'none'"
+)
+
+
+def _login_page(action: str, failed: bool) -> str:
+    note = "<p class=bad>That key is not valid.</p>" if failed else ""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>phasewatch — key needed</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>body{{font:15px/1.5 system-ui,sans-serif;background:#0f1419;color:#e6edf3;
+max-width:34em;margin:12vh auto;padding:0 20px}}input{{font:inherit;padding:6px 8px;
+width:100%;margin:8px 0;box-sizing:border-box}}button{{font:inherit;padding:6px 14px}}
+.bad{{color:#f85149}}code{{color:#8b98a5}}</style></head><body>
+<h1>phasewatch</h1>
+<p>This proxy runs with <code>--api-key</code>: its pages need a key. Give one of the
+proxy's keys below (it sets a cookie for this browser), or answer the browser's sign-in
+prompt with any user name and the key as password, or open
+<code>/phasewatch/?key=KEY</code>.</p>{note}
+<form method="post" action="{html.escape(action)}">
+<label for="key">API key</label>
+<input id="key" name="key" type="password" autocomplete="current-password" required autofocus>
+<button type="submit">Open the status page</button>
+</form></body></html>
+"""
+
+
+async def _redirect(
+    send: Send, status: int, location: str | None, token: str | None = None
+) -> None:
+    """A redirect to a relative reference (or, without one, an empty answer of
+    `status`), setting the page cookie when `token` is given."""
+    headers = [(b"content-length", b"0"), (b"cache-control", b"no-store")]
+    if location is not None:
+        headers.append((b"location", location.encode("latin-1")))
+    if token is not None:
+        headers.append(
+            (b"set-cookie", f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict".encode())
+        )
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
 
 
 _CSP = (

@@ -80,6 +80,16 @@ def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
     if parts.query or parts.fragment:
         raise ValueError(f"upstream {spec!r} must not carry a query or fragment")
     url = url.rstrip("/")
+    endpoint = _endpoint_part(parts.path)
+    if endpoint:
+        base = url[: len(url) - len(parts.path.rstrip("/"))] + parts.path.rstrip("/").removesuffix(
+            endpoint
+        )
+        raise ValueError(
+            f"upstream {url} is an endpoint URL (it ends in {endpoint}): give the engine's "
+            f"base URL, {base} (phasewatch appends each client's whole path to it: every "
+            "request would get the engine's 404)"
+        )
     note = None
     if parts.path.rstrip("/").endswith(_OPENAI_SUFFIX):
         base = url.removesuffix(_OPENAI_SUFFIX)
@@ -90,6 +100,33 @@ def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
         )
         url = base
     return name, url, note
+
+
+#: Paths of the engines' endpoints: an upstream URL ending in one is an endpoint, not a base.
+_ENDPOINTS = (
+    "/chat/completions",
+    "/completions",
+    "/embeddings",
+    "/responses",
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+    "/completion",
+)
+
+
+def _endpoint_part(path: str) -> str:
+    """The endpoint part of an upstream URL's path (``/v1/chat/completions``, any ``/v1/…``,
+    Ollama's ``/api/chat``), or "" for a base path."""
+    path = path.rstrip("/")
+    segments = path.split("/")
+    if "v1" in segments[:-1]:
+        return "/" + "/".join(segments[segments.index("v1") :])
+    for end in _ENDPOINTS:
+        if path.endswith(end):
+            return end
+    return ""
 
 
 ENV_PREFIX = "PHASEWATCH_"
@@ -127,6 +164,44 @@ def unknown_variables(environ: Mapping[str, str], known: frozenset[str]) -> list
             f"environment variable {name} is not a phasewatch setting and is ignored ({hint})"
         )
     return notes
+
+
+#: Settings whose absence opens the proxy (or hands the client's credentials to the
+#: engine): a near-miss of one refuses to start instead of being ignored with a warning.
+ACCESS_SETTINGS = ("PHASEWATCH_API_KEY", "PHASEWATCH_UPSTREAM_KEY")
+
+#: Second spellings of settings (``--upstream-ca-file`` beside ``--upstream-key-file``):
+#: variable -> field; the flags are added by the command line.
+ENV_ALIASES = {
+    "PHASEWATCH_UPSTREAM_CA_FILE": "upstream_ca",
+    "PHASEWATCH_UPSTREAM_CERT_FILE": "upstream_cert",
+}
+
+
+def access_near_misses(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
+    """``PHASEWATCH_*`` variables that name no setting yet look like an access-control
+    one (``PHASEWATCH_APIKEY``, ``PHASEWATCH_API_KEYS``): one message each (names only)."""
+    out = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
+            continue
+        if name.startswith(OTHER_PREFIXES):
+            continue
+        # the nearest setting is one of them, or the name speaks of a key and is close
+        near = [
+            n
+            for n in difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            if n in ACCESS_SETTINGS
+        ]
+        if not near and ("KEY" in name or "TOKEN" in name):
+            near = difflib.get_close_matches(name, ACCESS_SETTINGS, n=1, cutoff=0.8)
+        if near:
+            out.append(
+                f"environment variable {name} is not a phasewatch setting, and looks like "
+                f"{near[0]}: refusing to start rather than run without access control "
+                f"(rename it to {near[0]}, or unset it)"
+            )
+    return out
 
 
 def check_precision(item: str) -> None:
@@ -445,6 +520,22 @@ class Settings(BaseSettings):
         "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        """The second spellings' variables (ENV_ALIASES), where the first is not given."""
+        if not isinstance(data, dict):
+            return data
+        for var, field in ENV_ALIASES.items():
+            value = os.environ.get(var)
+            if not value:
+                continue
+            if data.get(field) not in (None, "", []):
+                flag = "--" + field.replace("_", "-")
+                raise ValueError(f"{var} and {flag} (or {ENV_PREFIX}{field.upper()}) both given")
+            data = {**data, field: value}
+        return data
+
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
     def _secret_lists(cls, value: Any, info: ValidationInfo) -> Any:
@@ -536,8 +627,10 @@ class Settings(BaseSettings):
 
     @field_validator("precision", "engine")
     @classmethod
-    def _check_pairs(cls, value: list[str]) -> list[str]:
+    def _check_pairs(cls, value: list[str], info: ValidationInfo) -> list[str]:
         for item in value:
+            if info.field_name == "engine" and "=" not in item and item:
+                continue  # a bare engine: for the one upstream (checked in _parse)
             if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
                 raise ValueError(f"{item!r} is not a name=value pair")
         return value
@@ -604,7 +697,14 @@ class Settings(BaseSettings):
                     "the proxy open (unset it, or give a key)"
                 )
         keys = dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
-        engines = dict(item.split("=", 1) for item in self.engine)
+        known = frozenset(ENV_PREFIX + f.upper() for f in type(self).model_fields) | set(
+            ENV_ALIASES
+        )
+        misses = access_near_misses(os.environ, known)
+        if misses:
+            raise ValueError("; ".join(misses))
+        engines = dict(item.split("=", 1) for item in self.engine if "=" in item)
+        bare = [item for item in self.engine if "=" not in item]
         specs = []
         notes = []
         for spec in self.upstream:
@@ -615,6 +715,15 @@ class Settings(BaseSettings):
                 parts = urlsplit(url)
                 name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
             specs.append(UpstreamSpec(name, url, engine=engines.get(name), api_key=keys.get(name)))
+        if bare:
+            if len(bare) > 1 or len(specs) != 1:
+                raise ValueError(
+                    f"--engine {bare[0]} (without NAME=) is for a single upstream; with "
+                    f"{len(specs)} upstreams, give NAME={bare[0]} for each"
+                    + (f" (upstreams: {', '.join(s.name for s in specs)})" if specs else "")
+                )
+            engines[specs[0].name] = bare[0]
+            specs[0] = replace(specs[0], engine=bare[0])
         names = {s.name for s in specs}
         specs = self._with_tls(specs, names)
         for name, engine in engines.items():
@@ -654,7 +763,6 @@ class Settings(BaseSettings):
                 "through --client-header; give the --clients entry another name"
             )
         self._upstreams = tuple(specs)
-        known = frozenset(ENV_PREFIX + f.upper() for f in type(self).model_fields)
         self._notices = notes + unknown_variables(os.environ, known)
         self._precision = dict(item.split("=", 1) for item in self.precision)
         self._power_gpu = {

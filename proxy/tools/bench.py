@@ -795,12 +795,29 @@ def warnings(result: dict, max_spread: float) -> list[str]:
                 )
                 + "; more --repeat, or a quieter engine and client machine"
             )
-        for scenario, seen in m.get("other_traffic", {}).items():
-            out.append(
-                f"{m['model']} ({m['precision']}): other traffic on the engine during the "
-                f"{scenario} runs ({'; '.join(seen)}): its figures include that load"
-            )
+    # other traffic: one warning for the whole bench, naming each scenario it touched
+    busy = [
+        f"the {scenario} runs of {m['model']} ({m['precision']}) ("
+        + "; ".join(seen[:3])
+        + (f"; {len(seen) - 3} more" if len(seen) > 3 else "")
+        + ")"
+        for m in result["models"]
+        for scenario, seen in m.get("other_traffic", {}).items()
+    ]
+    if busy:
+        out.append(
+            "other traffic on the engine during "
+            + ", ".join(busy)
+            + ": those figures include that load (bench a quiet engine)"
+        )
     return out
+
+
+def runs_phrase(repetitions: int) -> str:
+    """What each figure is: a median (min–max) of several runs, or a single run."""
+    if repetitions == 1:
+        return "one run per figure (no median, no spread: --repeat 3 for those)"
+    return f"median (min–max) of {repetitions} runs"
 
 
 async def run_bench(opts, progress_stream=sys.stderr) -> dict:
@@ -843,7 +860,9 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
         progress = Progress(per_model * len(models), opts.quiet, progress_stream)
         if opts.repeat < 3:
             progress.note(
-                f"note: {opts.repeat} repetition(s); medians need at least 3 to mean much"
+                "note: --repeat 1: one run per figure, no median or spread"
+                if opts.repeat == 1
+                else f"note: {opts.repeat} runs per figure; medians need at least 3 to mean much"
             )
         started = time.time()
         results = []
@@ -858,7 +877,12 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
             "seconds": round(time.time() - started, 2),
             "repetitions": opts.repeat,
             "max_spread": opts.max_spread,
-            "method": "median of repetitions (min–max in brackets); client-side timing (httpx "
+            "method": (
+                "one run per figure"
+                if opts.repeat == 1
+                else "median of repetitions (min–max in brackets)"
+            )
+            + "; client-side timing (httpx "
             "streaming); TTFT at the first event carrying content; prefill ms/token = TTFT / "
             "prompt tokens",
             "models": [asdict(r) for r in results],
@@ -883,7 +907,7 @@ def table(result: dict) -> str:
     power = any(m["power"] for m in models)
     na = "—" if power else "n/a"
     out = [
-        f"phasewatch bench: {result['url']}, median (min–max) of {result['repetitions']} runs "
+        f"phasewatch bench: {result['url']}, {runs_phrase(result['repetitions'])} "
         f"({result['seconds']:.0f} s)",
         "",
     ]
@@ -919,8 +943,9 @@ def table(result: dict) -> str:
     if levels:
         out += [
             "",
-            "Concurrency sweep (aggregate tok/s, min–max of the runs; per-stream decode tok/s "
-            "in square brackets):",
+            "Concurrency sweep (aggregate tok/s"
+            + (", min–max of the runs" if result["repetitions"] > 1 else "")
+            + "; per-stream decode tok/s in square brackets):",
             "",
         ]
         out.append("| model | precision | " + " | ".join(f"{c} at once" for c in levels) + " |")

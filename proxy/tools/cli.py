@@ -7,6 +7,7 @@ Parses flags and hands over: the proxy (proxy.app under proxy.runtime), the simu
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import typing
 from typing import Any, NoReturn
@@ -14,7 +15,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from .. import __version__
-from ..settings import Settings
+from ..settings import ENV_ALIASES, Settings
 
 _PROG = "phasewatch"
 
@@ -23,17 +24,25 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) is list or "list[" in str(annotation)
 
 
+#: A second spelling per setting that has one: its variable's flag (``--upstream-ca-file``).
+_ALIASES = {
+    field: "--" + var.removeprefix("PHASEWATCH_").lower().replace("_", "-")
+    for var, field in ENV_ALIASES.items()
+}
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field, documented from the field's description."""
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        flags = [flag, _ALIASES[name]] if name in _ALIASES else [flag]
         env = "PHASEWATCH_" + name.upper()
         annotation = field.annotation
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description} [env {env}; default {default!r}]"
         if _is_list(annotation):
             parser.add_argument(
-                flag, dest=name, action="append", default=None, help=help_text, metavar="VALUE"
+                *flags, dest=name, action="append", default=None, help=help_text, metavar="VALUE"
             )
         elif annotation is bool:
             parser.add_argument(
@@ -46,7 +55,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                 else None
             )
             parser.add_argument(
-                flag,
+                *flags,
                 dest=name,
                 default=None,
                 help=help_text,
@@ -68,7 +77,9 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def validation_line(exc: ValidationError) -> str:
+def validation_line(exc: ValidationError, given: set[str] | None = None) -> str:
+    """One line for a refused setting, naming the flag, or the variable for a setting
+    not given as a flag (`given`: the settings given as flags)."""
     parts = []
     for err in exc.errors():
         names = [str(p) for p in err["loc"] if isinstance(p, str)]
@@ -77,6 +88,8 @@ def validation_line(exc: ValidationError) -> str:
             parts.append(msg)
             continue
         where = "--" + "-".join(names).replace("_", "-")
+        if given is not None and names[0] not in given:  # from the environment
+            where = "PHASEWATCH_" + "_".join(names).upper() + f" ({where})"
         value = err.get("input")
         shown = (
             f" (got {value!r})" if value is not None and not isinstance(value, (list, dict)) else ""
@@ -89,10 +102,11 @@ def validation_line(exc: ValidationError) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    given = given_settings(args)
     try:
-        settings = Settings(**given_settings(args))
+        settings = Settings(**given)
     except ValidationError as exc:
-        fail(validation_line(exc))
+        fail(validation_line(exc, set(given)))
     except ValueError as exc:
         fail(str(exc))
     import logging
@@ -198,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
+        # short: a mistake prints it, and --help lists the flags below it
+        usage="%(prog)s --upstream [NAME=]URL [--flag VALUE ...] (--help lists every flag)",
         help="run the proxy in front of one or more engines",
         description="Run the proxy. Every flag can also be set as a "
         "PHASEWATCH_* environment variable; flags win.",
@@ -254,8 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """The error for unknown arguments, with the nearest flag for a misspelt one."""
+    flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.7)
+            if near:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {near[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (
+        f" ({'; '.join(hints)})" if hints else ""
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # told by the subcommand, with its usage (not the top-level one)
+        sub = next(a for a in parser._actions if a.dest == "command")
+        command = sub.choices[args.command]  # type: ignore[index]
+        command.error(unrecognized(extra, command))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -97,7 +97,18 @@ async def _run(
         await asyncio.sleep(0.05)
     url = base_url(sock)
     announce(sock)
-    log.info("demo: simulator on http://127.0.0.1:%d, traffic to %s", sim_port, url)
+    gpus = sorted({me.gpu.name for me in sim_app.engine.models.values()})
+    log.info(
+        "demo: simulated %s engine on http://127.0.0.1:%d; %d simulated GPUs (%s, physics "
+        "model, no real GPU) whose watts come from the simulator's fake dcgm-exporter at "
+        "%s: the power figures are simulated, not measured; traffic to %s",
+        getattr(args, "engine", None) or "vllm",
+        sim_port,
+        len(power_gpu),
+        ", ".join(gpus),
+        settings.power_dcgm_url,
+        url,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -205,7 +205,7 @@ def _decode(ax, series: list[Series], spread: bool) -> None:
         )
     ax.set_xticks(xs, [s.label for s, _ in rows], fontsize=8)
     ax.set_ylabel("tokens / s (one stream)")
-    ax.set_title("Decode speed" + (" — median, min–max of the runs" if spread else " — median"))
+    ax.set_title("Decode speed" + (" — median, min–max of the runs" if spread else ""))
     ax.set_ylim(0, max(max((d["max"] for _, d in rows), default=1) * 1.25, 1))
 
 
@@ -318,7 +318,12 @@ def draw(series: list[Series], out_dir: str, title: str, spread: bool) -> list[s
     def save(fig, name: str) -> None:
         for ext in ("png", "svg"):
             path = os.path.join(out_dir, f"{name}.{ext}")
-            meta = {"Date": None} if ext == "svg" else {"Software": None}
+            # the title (and its caveats: one run, other traffic) in the file's metadata too
+            meta = (
+                {"Date": None, "Title": title}
+                if ext == "svg"
+                else {"Software": None, "Title": title}
+            )
             fig.savefig(path, dpi=110, bbox_inches="tight", metadata=meta)
             written.append(path)
         plt.close(fig)
@@ -345,10 +350,14 @@ def draw(series: list[Series], out_dir: str, title: str, spread: bool) -> list[s
 
 
 def bench_charts(result: dict, out_dir: str) -> list[str]:
-    title = f"phasewatch bench — {result['url']} — median of {result['repetitions']} runs" + (
-        " (min–max whiskers)" if result["repetitions"] > 1 else ""
-    )
-    return draw(from_bench(result), out_dir, title, spread=True)
+    if result["repetitions"] > 1:
+        runs = f"median of {result['repetitions']} runs (min–max whiskers)"
+    else:
+        runs = "one run per figure (no median, no spread)"
+    title = f"phasewatch bench — {result['url']} — {runs}"
+    if any(m.get("other_traffic") for m in result["models"]):
+        title += " — ⚠ other traffic on the engine during some runs"
+    return draw(from_bench(result), out_dir, title, spread=result["repetitions"] > 1)
 
 
 def report_charts(report, out_dir: str) -> list[str]:
