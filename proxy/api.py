@@ -40,6 +40,7 @@ class UpstreamState(BaseModel):
     engine: str
     up: bool | None
     models: int
+    reason: str | None = None  # why it is down
 
 
 class Readiness(BaseModel):
@@ -81,6 +82,7 @@ class SummaryUpstream(BaseModel):
     in_flight: float
     queued: float
     watts: float | None
+    reason: str | None = None  # why it is down (a refused connection, HTTP 500 on /health)
 
 
 class Summary(BaseModel):
@@ -92,6 +94,7 @@ class Summary(BaseModel):
     power_sampled: bool
     gpus: list[dict[str, Any]]
     upstreams: list[SummaryUpstream]
+    pools: list[dict[str, Any]] = []  # upstreams listing one model, their shares
     bands: dict[str, str]
     rows: list[SummaryRow]
     series: list[dict[str, str]]
@@ -140,7 +143,12 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
             draining=relay.draining,
             upstreams=[
                 UpstreamState(
-                    name=u.name, url=u.url, engine=u.engine, up=u.up, models=len(u.models)
+                    name=u.name,
+                    url=u.url,
+                    engine=u.engine,
+                    up=u.up,
+                    models=len(u.models),
+                    reason=u.reason,
                 )
                 for u in upstreams.all
             ],

@@ -69,7 +69,8 @@ class ProxyApp:
         self.metrics = metrics or Metrics()
         options = settings.upstream_options()
         self.upstreams = Upstreams(
-            [Upstream(spec, options, self.metrics) for spec in settings.upstreams]
+            [Upstream(spec, options, self.metrics) for spec in settings.upstreams],
+            settings.balance_options(),
         )
         self.recorder = Recorder(self.metrics, access_lines=settings.log_format != "none")
         # GPU power: a side service sampling on its own thread, hooked into the recorder.
@@ -96,6 +97,7 @@ class ProxyApp:
             max_body_memory=settings.max_body_memory,
             max_event_bytes=settings.max_event_bytes,
             body_timeout=settings.body_timeout,
+            admin_api=settings.admin_api_mode,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
