@@ -15,11 +15,12 @@ import typing
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, create_model
 
 from . import __version__
 from .core import Access, Relay, Upstreams
+from .core.bridge import bridge_metrics
 from .measure.summary import Row
 from .services.status import StatusPage
 
@@ -40,7 +41,6 @@ class UpstreamState(BaseModel):
     engine: str
     up: bool | None
     models: int
-    reason: str | None = None  # why it is down
 
 
 class Readiness(BaseModel):
@@ -143,12 +143,7 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
             draining=relay.draining,
             upstreams=[
                 UpstreamState(
-                    name=u.name,
-                    url=u.url,
-                    engine=u.engine,
-                    up=u.up,
-                    models=len(u.models),
-                    reason=u.reason,
+                    name=u.name, url=u.url, engine=u.engine, up=u.up, models=len(u.models)
                 )
                 for u in upstreams.all
             ],
@@ -165,6 +160,23 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
         """The status page's data: the table per upstream x model x precision, recent
         points for the charts, upstreams and GPUs."""
         return status.summary()
+
+    @api.get(
+        PREFIX + "/upstreams/{name}/metrics",
+        response_class=PlainTextResponse,
+        dependencies=[Depends(key)],
+        tags=["status"],
+    )
+    async def upstream_metrics(name: str) -> PlainTextResponse:
+        """One upstream's load under vLLM's gauge names (the router bridge: llm-d's
+        endpoint picker and the Gateway API Inference Extension read these), for every
+        engine: the engine's own figures where it has them, else phasewatch's."""
+        found = next((u for u in upstreams.all if u.name == name), None)
+        if found is None:
+            raise HTTPException(404, "no upstream of that name")
+        return PlainTextResponse(
+            bridge_metrics(found), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @api.get(PREFIX + "/debug", response_model=Debug, dependencies=[Depends(key)], tags=["status"])
     async def debug() -> Debug:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from proxy.core import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
-from proxy.core.balance import Balancer, BalanceOptions, Load, expected_wait, prefix_key
+from proxy.core.balance import BalanceOptions, Balancer, Load, expected_wait, prefix_key
 from proxy.core.pool import PoolDown
 from proxy.measure.metrics import Metrics
 from proxy.transport import ClientOptions
@@ -75,9 +75,11 @@ def test_the_fallbacks_follow_the_winner_in_order_of_expected_wait():
 
 def chat(system: str, user: str) -> bytes:
     return json.dumps(
-        {"model": "m", "messages": [{"role": "system", "content": system},
-                                    {"role": "user", "content": user}]}
-    ).encode()  # fmt: skip
+        {
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        }
+    ).encode()
 
 
 def test_prefix_key_reads_the_prompts_leading_bytes_only():
@@ -111,8 +113,9 @@ def test_affinity_keeps_a_prefix_on_one_member_until_it_is_overloaded():
 
 def upstream(name: str, models: set[str], metrics: Metrics, weight: float = 1.0) -> Upstream:
     options = UpstreamOptions(client=ClientOptions(transport=httpx.MockTransport(lambda r: None)))
-    u = Upstream(UpstreamSpec(name, f"http://{name}.test", engine="vllm", weight=weight),
-                 options, metrics)  # fmt: skip
+    u = Upstream(
+        UpstreamSpec(name, f"http://{name}.test", engine="vllm", weight=weight), options, metrics
+    )
     u.routable = set(models)
     u.models = set(models)
     u.up = True
@@ -124,7 +127,7 @@ def test_pools_form_from_the_model_lists_and_refuse_when_every_member_is_down():
     a, b, c = (upstream(n, {"m", n}, metrics) for n in ("a", "b", "c"))
     c.routable = c.models = {"other-model"}
     ups = Upstreams([a, b, c], BalanceOptions("round-robin"))
-    assert [u.name for u in ups.choose("m", b"")][0] in ("a", "b")
+    assert ups.choose("m", b"")[0].name in ("a", "b")
     assert Counter(ups.choose("m", b"")[0].name for _ in range(10)) == {"a": 5, "b": 5}
     assert ups.choose("a", b"") == [a]  # one upstream: no pool
     ups.pools.publish()

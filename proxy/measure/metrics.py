@@ -376,7 +376,8 @@ class Metrics:
         )
         self.upstream_up = Gauge(
             PREFIX + "upstream_up",
-            "1 when the upstream answered its last model-list probe, else 0.",
+            "1 while the upstream is up (its last model-list or health probe answered, and no "
+            "request since was refused or cut), else 0.",
             ("upstream", "engine"),
             registry=r,
             multiprocess_mode="livemostrecent",
