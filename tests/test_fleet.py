@@ -352,3 +352,41 @@ def test_a_flood_of_listed_models_does_not_displace_the_real_one(copies):
         proxy.stop()
         sim.stop()
         eng.close()
+
+
+def bridge(proxy, name: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(proxy.url + f"/phasewatch/upstreams/{name}/metrics")
+    assert r.status_code == 200, r.text
+    return {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+
+def test_the_router_bridge_writes_every_engines_load_in_vllms_names():
+    ollama = start_sim("ollama", speed=0.3)
+    llama = start_sim("llamacpp", speed=0.3)
+    proxy = start_proxy(f"ol={ollama.url}", f"ll={llama.url}", args=["--engine-scrape", "0.2"])
+    names = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    try:
+        assert set(bridge(proxy, "ol")) == names and set(bridge(proxy, "ll")) == names
+        assert bridge(proxy, "ol")["vllm:num_requests_running"] == 0
+        assert httpx.get(proxy.url + "/phasewatch/upstreams/nope/metrics").status_code == 404
+        model = httpx.get(ollama.url + "/api/tags").json()["models"][0]["name"]
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "long"}],
+            "stream": True,
+            "options": {"num_predict": 400},
+        }
+        with httpx.stream("POST", proxy.url + "/api/chat", json=body, timeout=60) as r:
+            chunks = r.iter_raw()  # kept: a dropped iterator closes the stream
+            next(chunks)
+            # Ollama says nothing of its load: phasewatch's own count stands in
+            wait_for(
+                lambda: bridge(proxy, "ol")["vllm:num_requests_running"] == 1,
+                what="the Ollama stream counted as running",
+            )
+    finally:
+        proxy.stop()
+        ollama.stop()
+        llama.stop()

@@ -44,7 +44,7 @@ def bridge_metrics(u: Upstream) -> str:
         kv if kv is not None else 0.0,
     )
     model = next(iter(u.models)) if len(u.models) == 1 else ""
-    labels = f'model_name="{_escape(model)}"' if model else ""
+    labels = f'{{model_name="{_escape(model)}"}}' if model else ""
     lines = []
     if kv is None:
         lines.append(f"# phasewatch: upstream {u.name} reports no KV-cache use; written as 0")
@@ -52,6 +52,6 @@ def bridge_metrics(u: Upstream) -> str:
         lines += [
             f"# HELP {name} {help_text}",
             f"# TYPE {name} gauge",
-            f"{name}{{{labels}}} {value}",
+            f"{name}{labels} {value}",
         ]
     return "\n".join(lines) + "\n"

@@ -557,6 +557,7 @@ class Relay:
         if not tap.done and tap.error_payload is None:
             # the engine closed the stream cleanly but never finished it: say so in the
             # stream's own framing so clients do not take a cut answer as whole
+            ex.upstream.eject("midstream", "a stream ended without its terminator")
             tail += ex.upstream.dialect.stream_error(
                 f"upstream {ex.upstream.name} ended the stream without its terminator",
                 ex.prepared.endpoint,

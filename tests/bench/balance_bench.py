@@ -28,6 +28,7 @@ import json
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,18 @@ def compare(policy: str, args) -> dict:
         slow.stop()
 
 
+def ejected_ms(proxy: Server, t_kill: float | None) -> float | None:
+    """Milliseconds from the kill to the proxy's log line marking the replica down."""
+    if t_kill is None:
+        return None
+    for line in proxy.log().splitlines():
+        if "upstream fast " in line and "not answering" in line:
+            stamp = line.split("ts=", 1)[1].split(" ", 1)[0]
+            t = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+            return 1e3 * (t.timestamp() - t_kill)
+    return None
+
+
 def kill(args) -> dict:
     fast = start_sim("vllm", speed=args.fast_speed)
     slow = start_sim("vllm", speed=args.slow_speed)
@@ -152,6 +165,7 @@ def kill(args) -> dict:
         if i == args.requests // 3 and "t" not in killed:
             fast.proc.kill()
             killed["t"] = time.monotonic()
+            killed["wall"] = time.time()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -166,7 +180,9 @@ def kill(args) -> dict:
             "requests": len(results),
             "lost": lost,
             "concurrency": args.concurrency,
-            "eject_ms": 1e3 * (killed["down"] - killed["t"]) if "down" in killed else None,
+            # from the proxy's own log line (its clock), and as a client polling /metrics saw it
+            "eject_ms": ejected_ms(proxy, killed.get("wall")),
+            "seen_down_ms": 1e3 * (killed["down"] - killed["t"]) if "down" in killed else None,
         }
     finally:
         done.set()
@@ -204,10 +220,14 @@ def main() -> None:
             f"{r['policy']:<14}{r['ok']:>6}{r['ttft_p50_ms']:>13.1f}{r['ttft_p99_ms']:>13.1f}"
             f"{r['tok_s']:>9.0f}{r['req_s']:>8.1f}{r['share_fast']:>7.0%}{r['share_slow']:>7.0%}"
         )
-    eject = f"{k['eject_ms']:.0f} ms" if k["eject_ms"] is not None else "not seen"
+
+    def ms(v: float | None) -> str:
+        return f"{v:.0f} ms" if v is not None else "not seen"
+
     print(
         f"kill of the fast replica under load ({k['concurrency']} clients): "
-        f"{k['lost']} of {k['requests']} requests lost, ejected after {eject}"
+        f"{k['lost']} of {k['requests']} requests lost, ejected after {ms(k['eject_ms'])} "
+        f"(proxy's log), seen down on /metrics after {ms(k['seen_down_ms'])}"
     )
 
 
