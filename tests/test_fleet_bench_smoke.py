@@ -27,3 +27,5 @@ def test_balance_benchmark_smoke():
     kill = out["kill"]
     assert kill["eject_ms"] is not None
     assert kill["lost"] <= kill["concurrency"], kill
+    rr, prefix = out["affinity"]
+    assert prefix["cached_share"] >= rr["cached_share"], out["affinity"]

@@ -48,8 +48,10 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> tuple[bool, float]:
-    """One streamed request: (whole answer, client-seen TTFT in seconds)."""
+async def one(
+    client: httpx.AsyncClient, url: str, i: int, max_tokens: int
+) -> tuple[bool, float, float]:
+    """One streamed request: (whole answer, client-seen TTFT, whole time, in seconds)."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"request {i}: tell me something"}],
@@ -63,19 +65,19 @@ async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> t
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 await r.aread()
-                return False, ttft
+                return False, ttft, time.monotonic() - t0
             async for chunk in r.aiter_raw():
                 if ttft != ttft and b'"content":"' in chunk and b'"content":""' not in chunk:
                     ttft = time.monotonic() - t0
                 got += chunk
     except httpx.HTTPError:
-        return False, ttft
-    return b"data: [DONE]" in got and b'"error"' not in got, ttft
+        return False, ttft, time.monotonic() - t0
+    return b"data: [DONE]" in got and b'"error"' not in got, ttft, time.monotonic() - t0
 
 
 async def drive(url: str, n: int, concurrency: int, max_tokens: int, on_start=None):
     """A closed loop of `concurrency` clients sending `n` requests in all."""
-    results: list[tuple[bool, float]] = []
+    results: list[tuple[bool, float, float]] = []
     counter = iter(range(n))
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256)) as c:
 
@@ -113,13 +115,16 @@ def compare(policy: str, args) -> dict:
         )
         proxy.request_lines(at_least=len(results))
         count, tokens = shares(proxy)
-        ttfts = [t for ok, t in results if ok and t == t]
+        ttfts = [t for ok, t, _ in results if ok and t == t]
+        whole = [e for ok, _, e in results if ok]
         return {
             "policy": policy,
-            "ok": sum(1 for ok, _ in results if ok),
+            "ok": sum(1 for ok, _, _ in results if ok),
             "requests": len(results),
             "ttft_p50_ms": 1e3 * pct(ttfts, 0.5),
             "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
+            "e2e_p50_ms": 1e3 * pct(whole, 0.5),
+            "e2e_p99_ms": 1e3 * pct(whole, 0.99),
             "tok_s": tokens / wall,
             "req_s": len(results) / wall,
             "share_fast": count.get("fast", 0) / max(1, sum(count.values())),
@@ -129,6 +134,40 @@ def compare(policy: str, args) -> dict:
         proxy.stop()
         fast.stop()
         slow.stop()
+
+
+def affinity(args, mode: str) -> dict:
+    """Prefix caching across a pool: two llama-server engines (each keeps its last
+    prompt's KV), conversations of 4 requests sharing a long system prompt, round-robin
+    against --affinity prefix; the cached share of prompt tokens as phasewatch counts it
+    (its log lines' cached_tokens)."""
+    a = start_sim("llamacpp", speed=args.fast_speed)
+    b = start_sim("llamacpp", speed=args.fast_speed)
+    extra = ["--affinity", "prefix"] if mode == "prefix" else ["--balance", "round-robin"]
+    proxy = start_proxy(f"a={a.url}", f"b={b.url}", args=[*extra, "--engine-scrape", "0"])
+    try:
+        model = httpx.get(a.url + "/v1/models").json()["data"][0]["id"]
+        # conversations: runs of 4 requests sharing a system prompt, 6 prompts in turn
+        systems = [f"You are assistant {k} of the support team. " * 30 for k in range(6)]
+        n = 4 * max(6, args.requests // 32)
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=120) as c:
+                for i in range(n):
+                    body = {"model": model, "max_tokens": 4, "messages": [
+                        {"role": "system", "content": systems[(i // 4) % len(systems)]},
+                        {"role": "user", "content": f"question {i}"}]}  # fmt: skip
+                    await c.post(proxy.url + "/v1/chat/completions", json=body)
+
+        asyncio.run(run())
+        lines = proxy.request_lines(at_least=n)
+        prompt = sum(int(x.get("prompt_tokens") or 0) for x in lines)
+        cached = sum(int(x.get("cached_tokens") or 0) for x in lines)
+        return {"mode": mode, "requests": n, "cached_share": cached / max(1, prompt)}
+    finally:
+        proxy.stop()
+        a.stop()
+        b.stop()
 
 
 def ejected_ms(proxy: Server, t_kill: float | None) -> float | None:
@@ -175,7 +214,7 @@ def kill(args) -> dict:
         )
         done.set()
         watcher.join(timeout=5)
-        lost = sum(1 for ok, _ in results if not ok)
+        lost = sum(1 for ok, _, _ in results if not ok)
         return {
             "requests": len(results),
             "lost": lost,
@@ -205,20 +244,22 @@ def main() -> None:
         args.requests, args.concurrency, args.max_tokens = 24, 4, 16
     rows = [compare(p, args) for p in ("least-loaded", "round-robin")]
     k = kill(args)
+    aff = [affinity(args, mode) for mode in ("round-robin", "prefix")]
     if args.json:
-        print(json.dumps({"compare": rows, "kill": k}))
+        print(json.dumps({"compare": rows, "kill": k, "affinity": aff}))
         return
     print(
         f"pool: fast (--speed {args.fast_speed}) + slow (--speed {args.slow_speed}), "
         f"{args.requests} streamed requests, {args.concurrency} clients, "
         f"{args.max_tokens} tokens each"
     )
-    print(f"{'policy':<14}{'ok':>6}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'tok/s':>9}"
-          f"{'req/s':>8}{'fast':>7}{'slow':>7}")  # fmt: skip
+    print(f"{'policy':<14}{'ok':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'e2e p50':>10}"
+          f"{'e2e p99':>10}{'tok/s':>8}{'req/s':>7}{'fast':>6}{'slow':>6}   (ms)")  # fmt: skip
     for r in rows:
         print(
-            f"{r['policy']:<14}{r['ok']:>6}{r['ttft_p50_ms']:>13.1f}{r['ttft_p99_ms']:>13.1f}"
-            f"{r['tok_s']:>9.0f}{r['req_s']:>8.1f}{r['share_fast']:>7.0%}{r['share_slow']:>7.0%}"
+            f"{r['policy']:<14}{r['ok']:>5}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
+            f"{r['e2e_p50_ms']:>10.0f}{r['e2e_p99_ms']:>10.0f}{r['tok_s']:>8.0f}"
+            f"{r['req_s']:>7.1f}{r['share_fast']:>6.0%}{r['share_slow']:>6.0%}"
         )
 
     def ms(v: float | None) -> str:
@@ -228,6 +269,12 @@ def main() -> None:
         f"kill of the fast replica under load ({k['concurrency']} clients): "
         f"{k['lost']} of {k['requests']} requests lost, ejected after {ms(k['eject_ms'])} "
         f"(proxy's log), seen down on /metrics after {ms(k['seen_down_ms'])}"
+    )
+    rr, px = aff
+    print(
+        f"prefix cache, two llama-server engines, {rr['requests']} requests in runs of 4 "
+        f"sharing one of 6 system prompts: cached share of prompt tokens {rr['cached_share']:.0%} round-robin, "
+        f"{px['cached_share']:.0%} with --affinity prefix"
     )
 
 
