@@ -193,3 +193,30 @@ def test_probes_skip_while_traffic_answers_and_a_5xx_probe_says_why():
     finally:
         proxy.stop()
         eng.close()
+
+
+def test_every_worker_sees_death_and_return_within_seconds():
+    """Under --workers 2 the primary probes and the other worker follows its board."""
+    port = free_port()
+    sim = start_sim("vllm", speed=8.0, port=port)
+    proxy = start_proxy(
+        f"sim=http://127.0.0.1:{port}",
+        args=["--workers", "2", "--model-refresh", "300", "--engine-scrape", "0"],
+    )
+    try:
+        sim.stop()
+        # several answers in a row: whichever worker takes each one agrees
+        wait_for(
+            lambda: all(ready_status(proxy) == 503 for _ in range(6)),
+            timeout=SEEN_WITHIN,
+            what="every worker's readiness 503",
+        )
+        sim = start_sim("vllm", speed=8.0, port=port)
+        wait_for(
+            lambda: all(ready_status(proxy) == 200 for _ in range(6)),
+            timeout=SEEN_WITHIN,
+            what="every worker's readiness 200",
+        )
+    finally:
+        proxy.stop()
+        sim.stop()
