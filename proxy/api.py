@@ -25,13 +25,14 @@ from urllib.parse import parse_qsl, urlencode
 import fastapi_offline
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, create_model
 
 from . import __version__
 from .core import Access, Relay, Upstreams
 from .core.access import COOKIE
 from .core.asgi import Receive, Scope, Send
+from .core.bridge import bridge_metrics
 from .measure.summary import Row
 from .services.status import StatusPage
 
@@ -93,6 +94,7 @@ class SummaryUpstream(BaseModel):
     in_flight: float
     queued: float
     watts: float | None
+    reason: str | None = None  # why it is down (a refused connection, HTTP 500 on /health)
 
 
 class Summary(BaseModel):
@@ -104,6 +106,7 @@ class Summary(BaseModel):
     power_sampled: bool
     gpus: list[dict[str, Any]]
     upstreams: list[SummaryUpstream]
+    pools: list[dict[str, Any]] = []  # upstreams listing one model, their shares
     bands: dict[str, str]
     rows: list[SummaryRow]
     series: list[dict[str, str]]
@@ -170,6 +173,23 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
         """The status page's data: the table per upstream x model x precision, recent
         points for the charts, upstreams and GPUs."""
         return status.summary()
+
+    @api.get(
+        PREFIX + "/upstreams/{name}/metrics",
+        response_class=PlainTextResponse,
+        dependencies=[Depends(key)],
+        tags=["status"],
+    )
+    async def upstream_metrics(name: str) -> PlainTextResponse:
+        """One upstream's load under vLLM's gauge names (the router bridge: llm-d's
+        endpoint picker and the Gateway API Inference Extension read these), for every
+        engine: the engine's own figures where it has them, else phasewatch's."""
+        found = next((u for u in upstreams.all if u.name == name), None)
+        if found is None:
+            raise HTTPException(404, "no upstream of that name")
+        return PlainTextResponse(
+            bridge_metrics(found), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @api.get(PREFIX + "/debug", response_model=Debug, dependencies=[Depends(key)], tags=["status"])
     async def debug() -> Debug:

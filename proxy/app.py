@@ -68,7 +68,8 @@ class ProxyApp:
         self.metrics = metrics or Metrics()
         options = settings.upstream_options()
         self.upstreams = Upstreams(
-            [Upstream(spec, options, self.metrics) for spec in settings.upstreams]
+            [Upstream(spec, options, self.metrics) for spec in settings.upstreams],
+            settings.balance_options(),
         )
         # what engines say is bounded: label values from the wire, numbers they report
         self.metrics.labels.max_length = settings.max_label_length
@@ -110,6 +111,7 @@ class ProxyApp:
             max_body_memory=settings.max_body_memory,
             max_event_bytes=settings.max_event_bytes,
             body_timeout=settings.body_timeout,
+            admin_api=settings.admin_api_mode,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access

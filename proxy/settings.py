@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .core.balance import BalanceOptions
 from .core.upstreams import UpstreamOptions, UpstreamSpec
 from .engines import ENGINES
 from .measure.kvcache import KV_DTYPE_BYTES, kv_dtype
@@ -520,6 +522,56 @@ class Settings(BaseSettings):
         "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
+    # Fleets: pools of upstreams serving one model, health, model management
+    balance: Literal["least-loaded", "round-robin", "random"] = Field(
+        "least-loaded",
+        description="How a pool (upstreams listing one model) spreads its requests: "
+        "least-loaded (the least expected wait from in-flight requests, the engine's "
+        "queue and KV-cache use, and measured seconds per request), round-robin, random "
+        "(both weighted by --upstream-weight).",
+    )
+    affinity: Literal["none", "prefix"] = Field(
+        "none",
+        description="prefix: requests whose prompts share their first 512 bytes go to one "
+        "member of the pool (its prefix cache), unless it is overloaded.",
+    )
+    upstream_weight: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="An upstream's weight in its pool, name=W (W > 0, default 1; "
+        "repeatable): its share under round-robin and random, a divisor of its expected "
+        "wait under least-loaded.",
+    )
+    health_interval: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds between health probes (one cheap GET) of an upstream that "
+        "is up and idle; none while real requests answer (0: no probes, only the "
+        "model-list refresh).",
+    )
+    health_backoff_max: float = Field(
+        2.0,
+        gt=0,
+        description="Longest wait between probes of a down (ejected) upstream; the wait "
+        "starts at 0.25 s and doubles.",
+    )
+    health_timeout: float = Field(
+        2.0, gt=0, description="Seconds one health probe may take before it counts as failed."
+    )
+    eject_after_5xx: int = Field(
+        3,
+        ge=0,
+        description="5xx answers in a row that mark an upstream down (0: never on status "
+        "alone; a refused connection always does).",
+    )
+    admin_api: Literal["auto", "deny", "allow", "keyed"] = Field(
+        "auto",
+        description="The engines' model-management endpoints (Ollama /api/copy, "
+        "/api/delete, /api/pull, /api/create, /api/push, /api/blobs; vLLM "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter; llama-server /lora-adapters, "
+        "/slots): allow, deny (403), keyed (only with a proxy key that names no client); "
+        "auto: deny when --api-key names clients, else allow.",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
@@ -607,6 +659,7 @@ class Settings(BaseSettings):
         "upstream_cert",
         "upstream_key_file",
         "upstream_insecure",
+        "upstream_weight",
         mode="before",
     )
     @classmethod
@@ -726,6 +779,7 @@ class Settings(BaseSettings):
             specs[0] = replace(specs[0], engine=bare[0])
         names = {s.name for s in specs}
         specs = self._with_tls(specs, names)
+        specs = self._with_weights(specs, names)
         for name, engine in engines.items():
             if engine not in ENGINES:
                 raise ValueError(
@@ -763,6 +817,13 @@ class Settings(BaseSettings):
                 "through --client-header; give the --clients entry another name"
             )
         self._upstreams = tuple(specs)
+        if self.admin_api == "keyed" and not any(
+            split_named_key(k.get_secret_value())[0] is None for k in self.api_key
+        ):
+            raise ValueError(
+                "--admin-api keyed needs a proxy key that names no client (--api-key KEY): "
+                "only such a key may call the engines' model-management endpoints"
+            )
         self._notices = notes + unknown_variables(os.environ, known)
         self._precision = dict(item.split("=", 1) for item in self.precision)
         self._power_gpu = {
@@ -814,6 +875,34 @@ class Settings(BaseSettings):
             out.append(spec)
         return out
 
+    def _with_weights(self, specs: list[UpstreamSpec], names: set[str]) -> list[UpstreamSpec]:
+        weights: dict[str, float] = {}
+        for item in self.upstream_weight:
+            name, _, text = item.partition("=")
+            try:
+                weight = float(text)
+            except ValueError:
+                weight = math.nan
+            if not name or not math.isfinite(weight) or weight <= 0:
+                raise ValueError(f"--upstream-weight: {item[:80]!r} is not name=W with W > 0")
+            if specs and name not in names:
+                raise ValueError(
+                    f"--upstream-weight: no upstream is named {name!r} (upstreams: "
+                    f"{', '.join(sorted(names))})"
+                )
+            weights[name] = weight
+        return [replace(s, weight=weights[s.name]) if s.name in weights else s for s in specs]
+
+    @property
+    def admin_api_mode(self) -> str:
+        """allow, deny or keyed: auto is deny when a proxy key names a client, else allow."""
+        if self.admin_api != "auto":
+            return self.admin_api
+        return "deny" if self._named_keys else "allow"
+
+    def balance_options(self) -> BalanceOptions:
+        return BalanceOptions(self.balance, self.affinity)
+
     @property
     def notices(self) -> list[str]:
         """Warnings for the start-up log: a corrected upstream URL, unknown variables."""
@@ -848,6 +937,10 @@ class Settings(BaseSettings):
                 (name, kv_dtype(dtype) or dtype)
                 for name, _, dtype in (item.partition("=") for item in self.kv_cache_dtype)
             ),
+            health_interval=self.health_interval,
+            health_backoff_max=self.health_backoff_max,
+            health_timeout=self.health_timeout,
+            eject_after_5xx=self.eject_after_5xx,
         )
 
     def power_options(self) -> PowerOptions:

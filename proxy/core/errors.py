@@ -15,9 +15,11 @@ ErrorShape = Callable[[int, str, str], tuple[bytes, bytes]]
 class UpstreamFailure(Exception):
     """The upstream could not be reached or did not answer: the client gets `status`."""
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, status: int, kind: str, message: str, unsent: bool = False) -> None:
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
+        #: No byte of the request reached the engine: it may go to another replica.
+        self.unsent = unsent
 
 
 def json_error(status: int, message: str, kind: str) -> bytes:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import httpx
 
-from ..engines import Tap, get_dialect
+from ..engines import Tap, get_dialect, is_admin_path
 from ..engines.framing import MAX_EVENT_BYTES
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
@@ -38,7 +38,8 @@ from .headers import (
     without,
 )
 from .limited import LimitedLog
-from .upstreams import Upstream, Upstreams
+from .pool import PoolDown
+from .upstreams import Upstream, Upstreams, failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Relay:
         max_body_memory: int | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
         body_timeout: float = 30.0,
+        admin_api: str = "allow",
     ) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
@@ -100,6 +102,9 @@ class Relay:
         self._refusals = LimitedLog(log)
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
+        #: The engines' model-management endpoints: allow, deny, or keyed (a bare proxy
+        #: key, one naming no client, may call them).
+        self.admin_api = admin_api
 
     def busy(self) -> int:
         """Generation requests in flight or queued, over all upstreams."""
@@ -180,8 +185,17 @@ class Relay:
         path = scope["path"]
         if not self.upstreams.probed:  # only the first requests after start
             await self.upstreams.wait_probed()
+        if (
+            self.admin_api != "allow"
+            and method not in ("GET", "HEAD")
+            and is_admin_path(path)
+            and (self.admin_api == "deny" or key_client != "")
+        ):
+            await self._refuse_admin(send, path)
+            return
 
         upstream = self.upstreams.all[0]
+        chain: list[Upstream] = []
         if len(self.upstreams.all) > 1:
             if method == "GET" and path in catalog.UNION_PATHS:  # every upstream's models
                 await catalog.send_union(send, self.upstreams, path)
@@ -200,13 +214,19 @@ class Relay:
                     return
                 upstream = native
             else:
-                upstream = self.upstreams.route(model)
+                try:
+                    upstream, *chain = self.upstreams.choose(model, body)
+                except PoolDown as exc:
+                    self.recorder.metrics.rejected_total.labels("pool_down").inc()
+                    self._refusals.warning("pool_down", "refused a request (pool_down): %s", exc)
+                    await send_error(send, 503, str(exc), "unavailable", [(b"retry-after", b"1")])
+                    return
         dialect = upstream.dialect
         endpoint = dialect.endpoint(method, path)
         # a dialect may also decline (an Ollama model load is not a generation)
         prepared = dialect.prepare(endpoint, body, self.inject_usage) if endpoint else None
         if prepared is None:
-            await self._passthrough(scope, receive, send, upstream, body)
+            await self._passthrough(scope, receive, send, upstream, body, chain)
             return
         del body  # only the prepared body is kept from here on
         label = upstream.model_label(prepared.model)
@@ -224,20 +244,63 @@ class Relay:
                 self.trace_hook(ex, headers)
             except Exception:  # a side service must never break the request path
                 log.exception("trace hook failed (request %s)", ex.request_id)
-        await self._measured(scope, receive, send, ex)
+        await self._measured(scope, receive, send, ex, chain)
+
+    async def _refuse_admin(self, send: Send, path: str) -> None:
+        self.recorder.metrics.rejected_total.labels("admin_api").inc()
+        self._refusals.warning(
+            "admin_api",
+            "refused a request (admin_api): a model-management endpoint (--admin-api %s)",
+            self.admin_api,
+        )
+        how = "with a proxy key that names no client" if self.admin_api == "keyed" else ""
+        await send_error(
+            send,
+            403,
+            f"{path[:100]} manages the engine's models; phasewatch refuses it "
+            f"(--admin-api {self.admin_api}{': allowed only ' + how if how else ''})",
+            "permission_denied",
+        )
+
+    def _retry_on(self, failed: Upstream, nxt: Upstream, exc: UpstreamFailure) -> None:
+        """Say (at most every 10 s) that a request that never reached `failed` goes on."""
+        self._refusals.warning(
+            "retry",
+            "upstream %s: a request could not be sent (%s); sent to %s of its pool instead",
+            failed.name,
+            exc.kind,
+            nxt.name,
+        )
 
     # --- unmeasured paths -----------------------------------------------------------
 
     async def _passthrough(
-        self, scope: Scope, receive: Receive, send: Send, upstream: Upstream, body: bytes
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        upstream: Upstream,
+        body: bytes,
+        chain: list[Upstream] | None = None,
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
         state = _Watch()
         watcher = asyncio.create_task(_watch_disconnect(receive, task, state))
         resp = None
+        fallbacks = list(chain or ())
         try:
-            resp = await self._open(upstream, scope, body)
+            while True:
+                try:
+                    resp = await self._open(upstream, scope, body)
+                except UpstreamFailure as exc:
+                    if not exc.unsent or not fallbacks:
+                        raise
+                    nxt = fallbacks.pop(0)
+                    self._retry_on(upstream, nxt, exc)
+                    upstream = nxt
+                    continue
+                break
             await send(
                 {
                     "type": "http.response.start",
@@ -272,8 +335,19 @@ class Relay:
 
     # --- measured generation ----------------------------------------------------------
 
-    async def _measured(self, scope: Scope, receive: Receive, send: Send, ex: Exchange) -> None:
+    async def _measured(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        chain: list[Upstream] | None = None,
+    ) -> None:
+        """Admit, send and relay one measured request. `chain`: the other members of the
+        request's pool, tried in order while the request could not be sent (no byte of it
+        reached the engine); a request that was sent is never sent again."""
         upstream = ex.upstream
+        fallbacks = list(chain or ())
         m = self.recorder.metrics
         base = (upstream.name, ex.model_label, ex.precision)
         task = asyncio.current_task()
@@ -344,7 +418,35 @@ class Relay:
                 # what phasewatch adds must be removable: ask for an answer it can strip
                 # (the client's Accept-Encoding is replaced, this one case only)
                 extra = [*(extra or ()), IDENTITY]
-            resp = await self._open(upstream, scope, ex.prepared.body, ex.marks, extra)
+            while True:
+                try:
+                    resp = await self._open(upstream, scope, ex.prepared.body, ex.marks, extra)
+                except UpstreamFailure as exc:
+                    if not exc.unsent or not fallbacks:
+                        raise
+                    # not sent: the next member takes it, through its own gate
+                    upstream.active.discard(ex)
+                    upstream.gate.release()
+                    in_flight.dec()
+                    admitted = False
+                    nxt = fallbacks.pop(0)
+                    self._retry_on(upstream, nxt, exc)
+                    m.pool_retries_total.labels(upstream.model_label(ex.prepared.model)).inc()
+                    ex.upstream = upstream = nxt
+                    ex.model_label = nxt.model_label(ex.prepared.model)
+                    ex.precision = nxt.precision_of(ex.model_label).precision
+                    base = (upstream.name, ex.model_label, ex.precision)
+                    queued = m.queued_requests.labels(*base)
+                    in_flight = m.in_flight_requests.labels(*base)
+                    try:
+                        await self._admit(upstream, queued)
+                    except (QueueFull, QueueTimeout):
+                        raise exc from None  # the next member is full too: the first failure
+                    admitted = True
+                    upstream.active.add(ex)
+                    in_flight.inc()
+                    continue
+                break
             await self._respond(send, resp, ex, state)
         except UpstreamFailure as exc:
             state.finished = True
@@ -377,7 +479,16 @@ class Relay:
                 upstream.gate.release()
                 in_flight.dec()
             ex.marks.t_end = time.monotonic()
+            if ex.outcome == "ok" and ex.marks.t_admit is not None:
+                upstream.observe(ex.marks.t_end - ex.marks.t_admit)  # least-loaded's rate
             self.recorder.record(ex)
+
+    async def _admit(self, upstream: Upstream, queued) -> None:
+        queued.inc()
+        try:
+            await upstream.gate.acquire()
+        finally:
+            queued.dec()
 
     async def _respond(self, send: Send, resp: httpx.Response, ex: Exchange, state: _Watch) -> None:
         """Forward the response head, then its body (tapped when it is a stream)."""
@@ -428,6 +539,8 @@ class Relay:
             # end before the connection broke is a whole answer
             tail = source.end(time.monotonic()) if source is not None else b""
             if tap is None or not (tap.done or tap.error_payload is not None):
+                if not isinstance(exc, httpx.TimeoutException):  # the engine went away
+                    ex.upstream.eject("midstream", "a response was cut")
                 ex.fail(
                     "timeout" if isinstance(exc, httpx.TimeoutException) else "midstream",
                     f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}",
@@ -527,6 +640,7 @@ class Relay:
         stream's own framing so clients do not take a cut answer as whole."""
         if tap.done or tap.error_payload is not None:
             return b""
+        ex.upstream.eject("midstream", "a stream ended without its terminator")
         return ex.upstream.dialect.stream_error(
             f"upstream {ex.upstream.name} ended the stream without its terminator",
             ex.prepared.endpoint,
@@ -592,17 +706,25 @@ class Relay:
         try:
             resp = await upstream.transport.handle_async_request(req)
         except httpx.ConnectTimeout as exc:
+            upstream.eject("timeout", failure_reason(exc, ""))
             raise UpstreamFailure(
-                504, "timeout", f"{where} did not accept a connection in time: {describe(exc)}"
+                504,
+                "timeout",
+                f"{where} did not accept a connection in time: {describe(exc)}",
+                unsent=True,
             ) from None
         except httpx.ConnectError as exc:
+            upstream.eject("connect", failure_reason(exc, ""))
             raise UpstreamFailure(
-                502, "connect", f"{where} is unreachable: {describe(exc)}"
+                502, "connect", f"{where} is unreachable: {describe(exc)}", unsent=True
             ) from None
         except httpx.PoolTimeout as exc:
             raise UpstreamFailure(
-                503, "pool", f"no free connection to {where}: {describe(exc)}"
+                503, "pool", f"no free connection to {where}: {describe(exc)}", unsent=True
             ) from None
+        except httpx.RemoteProtocolError as exc:  # sent, and the engine closed: no retry
+            upstream.eject("protocol", "closed the connection without an answer")
+            raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
         except httpx.TimeoutException as exc:
             raise UpstreamFailure(
                 504, "timeout", f"{where} did not answer in time: {describe(exc)}"
@@ -614,6 +736,7 @@ class Relay:
             raise UpstreamFailure(
                 502, "protocol", f"{where} switched protocols (101), which is not relayed"
             )
+        upstream.answered(resp.status_code)
         return resp
 
 

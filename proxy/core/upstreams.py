@@ -4,17 +4,28 @@ One pooled keep-alive client per upstream. The engine is detected in the backgro
 (at start and whenever the upstream comes back, since it may have been replaced) unless
 the operator named it. The model list is refreshed in the background and bounds the
 `model` label: names the upstream does not list (or the operator did not configure) are
-labelled ``other``.
+labelled ``other``. Routing reads the whole list (a client that makes an engine list many
+models cannot push a real one out of it); labels take the first ``--max-models`` names and
+keep them while they are listed.
+
+Health: a refused connection or a failed request ejects the upstream at once (it is
+``down`` with its reason); an idle upstream is probed every ``--health-interval`` with one
+cheap GET (not while real traffic answers), and a down one is probed back with a backoff
+that starts at a quarter second and doubles up to ``--health-backoff-max``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import math
+import time
 from dataclasses import astuple, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import httpx
 
 from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
 from ..measure.kvcache import KVModel, KVShape
@@ -22,8 +33,10 @@ from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
 from ..measure.summary import model_family
 from ..transport import ClientOptions, TLSOptions, make_client, make_transport
+from .balance import BalanceOptions, Balancer
 from .gate import AdmissionGate
 from .host import Board, Host
+from .pool import Pools
 from .supervisor import every
 
 if TYPE_CHECKING:
@@ -47,6 +60,7 @@ class UpstreamSpec:
     engine: str | None = None  # the operator's override; None: detected
     api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer
     tls: TLSOptions | None = None  # this upstream's own TLS options (default: the shared ones)
+    weight: float = 1.0  # its share in a pool (--upstream-weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +78,34 @@ class UpstreamOptions:
     #: KV-cache element type per model or upstream name (``fp8``, ``q8_0`` ...), for
     #: engines that do not say (llama-server's --cache-type-k, OLLAMA_KV_CACHE_TYPE)
     kv_dtype_overrides: tuple[tuple[str, str], ...] = ()
+    #: Seconds between health probes of an idle upstream that is up (0: no probes).
+    health_interval: float = 1.0
+    #: Longest wait between probes of a down (ejected) upstream.
+    health_backoff_max: float = 2.0
+    #: Seconds one health probe may take.
+    health_timeout: float = 2.0
+    #: 5xx answers in a row that eject an upstream (0: never on status alone).
+    eject_after_5xx: int = 3
+
+
+#: The backoff of a down upstream's probes starts here and doubles.
+BACKOFF_START = 0.25
+#: Weight of the newest request in the measured seconds per request.
+SERVICE_ALPHA = 0.2
+
+
+def failure_reason(exc: BaseException, path: str) -> str:
+    """A short reason an upstream is down, for the status page (no wire text)."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connect timeout"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer on {path} in time"
+    text = str(exc).lower()
+    if "refused" in text or f"[errno {errno.ECONNREFUSED}]" in text:
+        return "connection refused"
+    if isinstance(exc, httpx.ConnectError):
+        return "connect error"
+    return f"{type(exc).__name__} on {path}"
 
 
 class Upstream:
@@ -86,9 +128,31 @@ class Upstream:
         )
         self.precision_read: set[str] = set()  # models whose precision the engine was asked
         self.configured_models = set(options.extra_models)
+        #: The labelled models (at most --max-models of the list, kept while listed).
         self.models: set[str] = set()
+        #: Every name the engine lists (bounded by the model-list read), for routing.
+        self.routable: set[str] = set()
         #: None until the first probe answered or failed.
         self.up: bool | None = None
+        #: Why it is down (shown on the status page), None while up.
+        self.reason: str | None = None
+        self.weight = spec.weight
+        #: monotonic time a relayed request last got an answer under 500 (probes skip).
+        self.last_ok = 0.0
+        #: Not probed back before this monotonic time (ejected: backoff).
+        self.retry_at = 0.0
+        self._down_backoff = BACKOFF_START
+        self._fails_5xx = 0
+        self._ejections = 0  # ejections since a request last answered: the backoff grows
+        #: Measured seconds per request (an average that forgets), for least-loaded.
+        self.service_s: float | None = None
+        #: The engine's own running / waiting requests and KV use (engine_state sets them).
+        self.engine_load: tuple[float | None, float | None, float | None] = (None, None, None)
+        #: Set when the upstream was ejected: its health loop probes it back now.
+        self.wake = asyncio.Event()
+        self._refresh_lock = asyncio.Lock()
+        #: Called when up/down changes (the pools' gauges).
+        self.on_change: list[Any] = []
         #: Set once the first probe answered or failed (requests that come before it wait
         #: for it, briefly: they are then read in the right engine's dialect).
         self.probed = asyncio.Event()
@@ -190,7 +254,16 @@ class Upstream:
         return self.dialect.canonical(model, self.models)
 
     def serves(self, model: str | None) -> bool:
-        return model is not None and self.canonical(model) is not None
+        """Whether the upstream lists `model` (its whole list, not only the labelled)."""
+        if model is None:
+            return False
+        if model in self.configured_models:
+            return True
+        dialect = self.dialect
+        return (
+            dialect.canonical(model, self.routable) is not None
+            or dialect.canonical(model, self.models) is not None
+        )
 
     def set_engine(self, engine: str) -> None:
         if engine != self.engine:
@@ -209,7 +282,8 @@ class Upstream:
         """Read the engine's model list; keeps the old list when the engine is down. The
         engine is (re)detected when the upstream was down (or at start)."""
         try:
-            await self._refresh()
+            async with self._refresh_lock:  # the refresh and the health loop both call it
+                await self._refresh()
         except Exception:
             self._set_up(False)  # an answer that broke a probe: down until one works
             raise
@@ -236,7 +310,8 @@ class Upstream:
             self.kv_shapes[model] = shape
             self._kv_models.pop(model, None)
         self.precision_read &= set(listed.names)  # a model that comes back is read again
-        new = set(listed.names)
+        self.routable = set(listed.names)
+        new = self._labelled(listed.names)
         came_up = not self.up
         if new != self.models:
             self.models = new
@@ -252,17 +327,118 @@ class Upstream:
                 ",".join(sorted(new)) or "-",
             )
 
-    def _set_up(self, up: bool) -> None:
+    def _labelled(self, names: list[str]) -> set[str]:
+        """The names that get their own label: those labelled before and still listed,
+        then new ones in the engine's order, up to --max-models."""
+        listed = set(names)
+        keep = {m for m in self.models if m in listed}
+        for name in names:
+            if len(keep) >= self.options.max_models:
+                break
+            keep.add(name)
+        return keep
+
+    def _set_up(self, up: bool, reason: str | None = None) -> None:
         if not up and self.up is not False:
             log.warning(
                 "upstream %s (%s) is not answering its model list; requests to it "
-                "get 502 until it does (engine %s)",
+                "get 502 until it does (engine %s; %s)",
                 self.name,
                 self.url,
                 self.engine,
+                reason or self.reason or "model list not read",
             )
+        changed = up != self.up
         self.up = up
+        if up:
+            self.reason = None
+            self._down_backoff = BACKOFF_START
+            self._fails_5xx = 0
+        elif reason is not None or self.reason is None:
+            self.reason = reason or "model list not read"
         self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
+        if changed:
+            for hook in self.on_change:
+                hook(self)
+
+    # --- health on the request path, and the idle probe ------------------------------
+
+    def eject(self, kind: str, reason: str) -> None:
+        """Mark the upstream down at once (a refused connection, a failed request); it is
+        probed back after a backoff. `kind` is the bounded label of the counter."""
+        was = self.up
+        self._set_up(False, reason)
+        if was is not False:
+            self.metrics.upstream_ejections_total.labels(self.name, kind).inc()
+            self._ejections += 1
+            longest = self.options.health_backoff_max
+            hold = min(BACKOFF_START * 2 ** min(self._ejections - 1, 16), longest)
+            self._down_backoff = max(self._down_backoff, hold)
+        self.retry_at = time.monotonic() + self._down_backoff
+        self.wake.set()
+
+    def answered(self, status: int) -> None:
+        """A relayed request got its response head: a 5xx streak ejects, anything else
+        counts as traffic that answered (the idle probe is skipped)."""
+        if status >= 500 and self.options.eject_after_5xx:
+            self._fails_5xx += 1
+            if self._fails_5xx >= self.options.eject_after_5xx and self.up:
+                self.eject("http_5xx", f"HTTP {status} on {self._fails_5xx} requests in a row")
+            return
+        self._fails_5xx = 0
+        self._ejections = 0
+        self.last_ok = time.monotonic()
+
+    def observe(self, seconds: float) -> None:
+        """A finished request's seconds from admission to end (least-loaded's rate)."""
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        old = self.service_s
+        self.service_s = seconds if old is None else old + SERVICE_ALPHA * (seconds - old)
+
+    async def check(self) -> str | None:
+        """One cheap health probe: None when the engine answers under 500, else why."""
+        path = self.dialect.health_path
+        timeout = self.options.health_timeout
+        try:
+            async with self.client.stream("GET", path, timeout=timeout) as resp:
+                status = resp.status_code
+        except httpx.HTTPError as exc:
+            return failure_reason(exc, path)
+        return f"HTTP {status} on {path}" if status >= 500 else None
+
+    async def health_step(self) -> float:
+        """One turn of the health loop; returns the seconds until the next."""
+        interval = self.options.health_interval
+        now = time.monotonic()
+        if self.up is None:
+            return BACKOFF_START  # the first probe is the model-list refresh's
+        if self.up:
+            idle = now - self.last_ok
+            if idle < interval:  # real traffic answered just now: no probe needed
+                return interval - idle
+            reason = await self.check()
+            if reason is not None:
+                self.eject("probe", reason)
+                return max(self.retry_at - time.monotonic(), 0.0)
+            return interval
+        if now < self.retry_at:
+            return self.retry_at - now
+        reason = await self.check()
+        if reason is None:
+            try:
+                await self.refresh()  # back: detect the engine again, read its models
+            except Exception:  # noqa: BLE001 - the refresh loop logs its own failures
+                reason = self.reason or "model list not read"
+            else:
+                reason = None if self.up else (self.reason or "model list not read")
+        if reason is not None:
+            if self.reason != reason:
+                self.reason = reason
+            self._down_backoff = min(self._down_backoff * 2, self.options.health_backoff_max)
+            self.retry_at = time.monotonic() + self._down_backoff
+            return self._down_backoff
+        return interval
 
     def next_probe_delay(self, interval: float) -> float:
         """Seconds until the next probe: `interval` while the upstream answers; while it
@@ -280,6 +456,8 @@ class Upstream:
         return {
             "engine": self.engine,
             "up": self.up,
+            "reason": self.reason,
+            "routable": sorted(self.routable),
             "models": sorted(self.models),
             "precision": {m: list(astuple(self.precision.get(m))) for m in sorted(self.models)},
             "kv": {
@@ -304,11 +482,18 @@ class Upstream:
             self.models = models
             self._label_cache.clear()
             self.publish_models()
+        self.routable = set(state.get("routable") or models)
         self.publish_kv()
         up = state.get("up")
         if up is not None:
+            reason = state.get("reason")
+            changed = bool(up) != self.up
             self.up = bool(up)
+            self.reason = reason if isinstance(reason, str) and not up else None
             self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
+            if changed:
+                for hook in self.on_change:
+                    hook(self)
         self.probed.set()
 
     def publish_models(self) -> None:
@@ -326,13 +511,16 @@ class Upstream:
 class Upstreams:
     """All upstreams, routing by model, and their background refresh."""
 
-    def __init__(self, upstreams: list[Upstream]) -> None:
+    def __init__(self, upstreams: list[Upstream], balance: BalanceOptions | None = None) -> None:
         if not upstreams:
             raise ValueError("at least one upstream is needed")
         self.all = upstreams
+        #: Upstreams listing one model form its pool (proxy.core.pool).
+        self.pools = Pools(upstreams, Balancer(balance or BalanceOptions()), upstreams[0].metrics)
         self._tasks: list[asyncio.Task[None]] = []
         #: True once every upstream's first probe is done (or was waited for long enough).
         self.probed = False
+        self._last_states: dict[str, Any] = {}
 
     @property
     def ready(self) -> bool:
@@ -356,6 +544,13 @@ class Upstreams:
                     return u
         return self.all[0]
 
+    def choose(self, model: str | None, body: bytes) -> list[Upstream]:
+        """The upstreams to try for a request, in order: a pool's members as the balancer
+        orders them, else the one upstream serving `model` (the first when none does).
+        Raises PoolDown when every member of the model's pool is down."""
+        ordered = self.pools.choose(model, body)
+        return ordered if ordered is not None else [self.route(model)]
+
     def route_native(self, model: str | None) -> Upstream | None:
         """The upstream for a request on Ollama's own API (``/api/…``): an Ollama upstream
         serving `model`, else the first Ollama upstream (it answers for models it does not
@@ -363,6 +558,9 @@ class Upstreams:
         serve `model`: the client could not use their answer, so the relay says "not
         found" in Ollama's shape rather than pass on the engine's unrelated 404."""
         ollama = [u for u in self.all if u.engine == "ollama"]
+        pooled = self.pools.choose(model, b"", among=ollama) if len(ollama) > 1 else None
+        if pooled:
+            return pooled[0]
         for u in ollama:
             if u.serves(model):
                 return u
@@ -390,6 +588,32 @@ class Upstreams:
                     next_delay=functools.partial(u.next_probe_delay, refresh_interval),
                 )
             )
+            if u.options.health_interval > 0:
+                self.spawn(self._health(u, board))
+
+    async def _health(self, u: Upstream, board: Board | None) -> None:
+        """The upstream's health loop: a probe when idle, probes back when ejected."""
+        failing = False
+        while True:
+            was = (u.up, u.reason)
+            try:
+                delay = await u.health_step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if not failing:
+                    log.exception("health probe of upstream %s failed", u.name)
+                failing = True
+                delay = u.options.health_backoff_max
+            else:
+                failing = False
+            if board is not None and (u.up, u.reason) != was:
+                board.write({"upstreams": {x.name: x.state() for x in self.all}})
+            u.wake.clear()
+            try:
+                await asyncio.wait_for(u.wake.wait(), max(delay, 0.01))
+            except TimeoutError:
+                pass
 
     async def _refresh(self, u: Upstream, board: Board | None) -> None:
         try:
@@ -401,9 +625,17 @@ class Upstreams:
     async def _follow(self, board: Board) -> None:
         doc = board.read_if_changed()
         states = doc.get("upstreams") if doc else None
+        if isinstance(states, dict):
+            self._last_states = states
+        now = time.monotonic()
         for u in self.all:
-            if isinstance(states, dict) and isinstance(states.get(u.name), dict):
-                u.apply(states[u.name])
+            state = self._last_states.get(u.name)
+            if not isinstance(state, dict):
+                continue
+            # an upstream this worker ejected takes the primary's view again once its
+            # backoff is over (the primary probes it for every worker)
+            if states is not None or (u.up is False and now >= u.retry_at and state.get("up")):
+                u.apply(state)
 
     def spawn(self, coro) -> None:
         self._tasks.append(asyncio.create_task(coro))

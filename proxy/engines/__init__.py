@@ -43,6 +43,17 @@ DETECTION_ORDER: tuple[type[OpenAIDialect], ...] = (
     OpenAIDialect,
 )
 
+#: Every engine's model-management paths: a request is checked against all of them, since
+#: the engine behind an upstream may not be detected yet.
+ADMIN_PATHS: frozenset[str] = frozenset(p for e in ENGINES.values() for p in e.admin_paths)
+
+
+def is_admin_path(path: str) -> bool:
+    """Whether `path` is (or lies under) an engine's model-management path."""
+    if path in ADMIN_PATHS:
+        return True
+    return any(path.startswith(p + "/") for p in ADMIN_PATHS)
+
 
 def get_dialect(name: str) -> Dialect:
     """A dialect instance by engine name (``vllm``, ``openai`` ...)."""
@@ -65,6 +76,7 @@ async def detect_engine(client: httpx.AsyncClient) -> str | None:
 
 
 __all__ = [
+    "ADMIN_PATHS",
     "DETECTION_ORDER",
     "ENGINES",
     "Dialect",
@@ -78,4 +90,5 @@ __all__ = [
     "Tap",
     "detect_engine",
     "get_dialect",
+    "is_admin_path",
 ]

@@ -315,7 +315,7 @@ class ModelQuery:
     the models whose precision was read already (read only new ones)."""
 
     client: httpx.AsyncClient
-    max_models: int
+    max_models: int  # names read in detail (precision, KV shape); every name is listed
     known: set[str]
     model_dir: str | None = None
     #: Whether a listed name may become a label value (proxy.measure.labels); names
@@ -372,6 +372,10 @@ class Dialect(Protocol):
     #: The KV cache's element type when the engine does not say and no setting does: its
     #: documented default (llama.cpp and Ollama: f16), or None (unknown).
     kv_default_dtype: ClassVar[str | None]
+    #: A cheap GET answering whether the engine is alive (the idle health probe).
+    health_path: ClassVar[str]
+    #: Model-management paths (and the paths under them), for --admin-api.
+    admin_paths: ClassVar[frozenset[str]]
 
     # --- the request path -------------------------------------------------------------
     def endpoint(self, method: str, path: str) -> str | None:

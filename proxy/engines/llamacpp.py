@@ -141,6 +141,9 @@ class LlamaCppDialect(OpenAIDialect):
     """llama-server: reads its own timings, never injects usage."""
 
     name: ClassVar[str] = "llamacpp"
+    health_path: ClassVar[str] = "/health"  # 503 while the model loads
+    #: Setting LoRA scales and saving, restoring or erasing a slot's cache.
+    admin_paths: ClassVar[frozenset[str]] = frozenset({"/lora-adapters", "/slots"})
     answers_any_model: ClassVar[bool] = True
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"
@@ -182,9 +185,10 @@ class LlamaCppDialect(OpenAIDialect):
         except httpx.HTTPError:
             return None
         out = ModelList([])
-        for e in entries[: query.max_models]:
+        for i, e in enumerate(entries):
             out.names.append(e["id"])
-            if e["id"] not in query.known:
+            # every name routes; only the first max_models are read in detail
+            if e["id"] not in query.known and i < query.max_models:
                 # /props describes the loaded model; with one model it is this one
                 mine = props if len(entries) == 1 else None
                 out.precision[e["id"]] = llamacpp_precision(mine, e)

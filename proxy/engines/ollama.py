@@ -145,6 +145,11 @@ class OllamaDialect(OpenAIDialect):
     """Ollama, native and /v1."""
 
     name: ClassVar[str] = "ollama"
+    health_path: ClassVar[str] = "/api/version"
+    #: Copying, deleting, pulling, creating and pushing models, and uploading blobs.
+    admin_paths: ClassVar[frozenset[str]] = frozenset(
+        {"/api/copy", "/api/delete", "/api/pull", "/api/create", "/api/push", "/api/blobs"}
+    )
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"
     empty_stream_options_is_usage: ClassVar[bool] = False
@@ -179,7 +184,8 @@ class OllamaDialect(OpenAIDialect):
                 if not query.fits(name):
                     continue
                 out.names.append(name)
-                if name not in query.known:
+                # every name routes; only the first max_models are read in detail
+                if name not in query.known and len(out.names) <= query.max_models:
                     # /api/show: the KV shape, and the precision the tag may not give
                     s_status, show = await get_json(
                         query.client, "POST", "/api/show", {"model": name}
@@ -190,8 +196,6 @@ class OllamaDialect(OpenAIDialect):
                         p = ollama_precision(show.get("details"), show.get("model_info"))
                     out.precision[name] = p
                     out.kv[name] = from_gguf(show.get("model_info"))
-                if len(out.names) >= query.max_models:
-                    break
             return out
         except httpx.HTTPError:
             return None

@@ -55,6 +55,12 @@ class OpenAIDialect:
     kv_default_dtype: ClassVar[str | None] = None
     #: Whether ``"stream_options":{}`` means include_usage=true (vLLM) or false (OpenAI).
     empty_stream_options_is_usage: ClassVar[bool] = False
+    #: A cheap GET that says whether the engine answers (the health probe of an idle
+    #: upstream; its body is not read).
+    health_path: ClassVar[str] = "/v1/models"
+    #: Paths (and what is under them) that manage the engine's models rather than use
+    #: them: refused or allowed by --admin-api. A generic server has none known.
+    admin_paths: ClassVar[frozenset[str]] = frozenset()
     endpoints: ClassVar[dict[str, str]] = {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",
@@ -90,12 +96,11 @@ class OpenAIDialect:
             ):
                 mid = item["id"]
                 out.names.append(mid)
-                if mid not in query.known:
+                # every name routes; only the first max_models are read in detail
+                if mid not in query.known and len(out.names) <= query.max_models:
                     root = item.get("root") if isinstance(item.get("root"), str) else None
                     out.precision[mid] = openai_precision(mid, root, query.model_dir)
                     out.kv[mid] = openai_kv_shape(mid, root, query.model_dir)
-                if len(out.names) >= query.max_models:
-                    break
         return out
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:

@@ -66,6 +66,11 @@ POOLING = {
 
 class VLLMDialect(OpenAIDialect):
     name: ClassVar[str] = "vllm"
+    health_path: ClassVar[str] = "/health"
+    #: Runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) changes the model list.
+    admin_paths: ClassVar[frozenset[str]] = frozenset(
+        {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    )
     empty_stream_options_is_usage: ClassVar[bool] = True
     endpoints: ClassVar[dict[str, str]] = {**OpenAIDialect.endpoints, **POOLING}
     whole_endpoints: ClassVar[frozenset[str]] = frozenset(POOLING.values())

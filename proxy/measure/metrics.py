@@ -378,7 +378,8 @@ class Metrics:
         )
         self.upstream_up = Gauge(
             PREFIX + "upstream_up",
-            "1 when the upstream answered its last model-list probe, else 0.",
+            "1 while the upstream is up (its last model-list or health probe answered, and no "
+            "request since was refused or cut), else 0.",
             ("upstream", "engine"),
             registry=r,
             multiprocess_mode="livemostrecent",
@@ -534,6 +535,45 @@ class Metrics:
             ("upstream", "engine"),
             registry=r,
             multiprocess_mode="livemostrecent",
+        )
+        # Fleets: health ejections and pools of upstreams serving one model.
+        self.upstream_ejections_total = Counter(
+            PREFIX + "upstream_ejections",
+            "Times an upstream was marked down at once, by kind: connect (refused or "
+            "unreachable), timeout (no connection in time), protocol (closed without an "
+            "answer), midstream (a response cut), http_5xx (--eject-after-5xx answers in a "
+            "row), probe (the idle health probe failed).",
+            ("upstream", "kind"),
+            registry=r,
+        )
+        self.pool_members = Gauge(
+            PREFIX + "pool_members",
+            "Upstreams listing the pool's model (a pool: two or more upstreams serving one model).",
+            ("pool",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_members_up = Gauge(
+            PREFIX + "pool_members_up",
+            "Members of the pool that are up (not ejected).",
+            ("pool",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_share = Gauge(
+            PREFIX + "pool_share",
+            "Each member's share of the pool's recent requests (an average over about "
+            "the last 64 picks; 0..1).",
+            ("pool", "upstream"),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.pool_retries_total = Counter(
+            PREFIX + "pool_retries",
+            "Requests that could not be sent to one member (no byte reached it) and were "
+            "sent to another member of the pool.",
+            ("pool",),
+            registry=r,
         )
 
 

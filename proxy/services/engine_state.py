@@ -73,7 +73,9 @@ class EngineGauges:
             1 if reading is not None else 0
         )
         if reading is None:
+            self.u.engine_load = (None, None, None)
             return False
+        self.u.engine_load = load_of(reading)
         seen = set()
         for model, values in reading.gauges.items():
             base = self._base(model)
@@ -104,6 +106,19 @@ class EngineGauges:
             if label != "other":
                 self.u.set_kv_dtype(label, dtype)
         return True
+
+
+def load_of(reading: EngineReading) -> tuple[float | None, float | None, float | None]:
+    """The engine's running and waiting requests (summed over its models) and its
+    KV-cache use (the fullest model's), for the balancer; None where it does not say."""
+    values = list(reading.gauges.values())
+
+    def total(key: str) -> float | None:
+        found = [v[key] for v in values if key in v]
+        return sum(found) if found else None
+
+    kv = [v["kv"] for v in values if "kv" in v]
+    return total("running"), total("waiting"), (max(kv) if kv else None)
 
 
 def start(

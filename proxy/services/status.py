@@ -167,6 +167,7 @@ class StatusPage:
                     "name": u.name,
                     "engine": u.engine,
                     "up": u.up,  # None until its first probe answered or failed
+                    "reason": u.reason,  # why it is down (None while up)
                     "models": len(u.models),
                     "requests": reg.total("phasewatch_requests_total", upstream=u.name),
                     "errors": sum(
@@ -189,6 +190,7 @@ class StatusPage:
             "power_sampled": rep.power,
             "gpus": rep.gpus,
             "upstreams": upstreams,
+            "pools": self.upstreams.pools.summary(),
             "bands": as_dict["bands"],
             "rows": rows,
             "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
