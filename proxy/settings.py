@@ -429,6 +429,20 @@ class Settings(BaseSettings):
         "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
+    # Pipelining (proxy.runtime.protocol)
+    max_pipelined_requests: int = Field(
+        16,
+        ge=1,
+        description="Requests a connection may send ahead of the one being answered "
+        "(pipelining); reading waits beyond them.",
+    )
+    max_pipelined_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Bytes a connection's full pipeline may hold unparsed; a connection "
+        "sending more ahead gets a 429 after its earlier answers and is closed.",
+    )
+
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
     def _secret_lists(cls, value: Any, info: ValidationInfo) -> Any:
