@@ -442,6 +442,12 @@ class Settings(BaseSettings):
         description="Bytes a connection's full pipeline may hold unparsed; a connection "
         "sending more ahead gets a 429 after its earlier answers and is closed.",
     )
+    max_stalled_streams: int = Field(
+        64,
+        ge=1,
+        description="Answers, per worker, that may wait on clients that stopped reading "
+        "(each holds about 2 MiB); beyond, the one waiting longest is closed.",
+    )
 
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod

@@ -20,6 +20,9 @@ request. So phasewatch keeps httptools and adds, before any application code run
   room for; with the queue full, reading pauses and what was read is held (at most
   --max-pipelined-bytes, else a 429 in turn and the close). Every refusal (431, 429, and
   uvicorn's own 400) is written after the answers to the requests read before it;
+- a **stalled-stream cap** (``--max-stalled-streams``): a connection whose writes wait on
+  a client that stopped reading holds about two upstream reads of its stream (some
+  2 MiB); past the cap, the one stalled longest is closed (``stalled_stream``);
 - a **header deadline** (``--header-timeout``): from a connection's start, and from the
   first byte of each later request, until its head is complete; past it the client gets
   a 408 (a connection that sent nothing is just closed).
@@ -62,7 +65,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -86,6 +89,8 @@ BORROWED: dict[str, tuple[str, ...]] = {
         "on_body",
         "on_message_complete",
         "on_response_complete",
+        "pause_writing",
+        "resume_writing",
         "send_400_response",
         "_should_upgrade",
         "_unsupported_upgrade_warning",
@@ -180,6 +185,10 @@ class GuardedProtocol(HttpToolsProtocol):
     #: Requests read ahead of the one being answered, and bytes held unparsed beyond them.
     max_pipelined = 16
     max_held = 64 * 1024
+    #: Connections whose writes wait on a client that does not read, per server (each
+    #: holds about two upstream reads of its stream), and how many may.
+    stalled: ClassVar[dict[GuardedProtocol, None]] = {}
+    max_stalled = 64
     #: Called with the reason of each refusal (the metrics counter).
     on_reject: Callable[[str], None] = staticmethod(lambda reason: None)
     refusals = LimitedLog(log)
@@ -220,6 +229,7 @@ class GuardedProtocol(HttpToolsProtocol):
             # uvicorn tells only the last parsed cycle; the one being answered is told too
             running.disconnected = True
             running.message_event.set()
+        self.stalled.pop(self, None)
         # what was read ahead is never answered now: free it with the connection
         self.pipeline.clear()
         self.held = b""
@@ -237,6 +247,32 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.in_head and self.head_timer is None:
             self._arm_head_timer()
         self._feed(data)
+
+    def pause_writing(self) -> None:
+        """The client reads slower than its answer comes (its buffers are full): one
+        more stalled stream. Past --max-stalled-streams, the one stalled longest is
+        closed (its request ends as a hang-up, the engine's work is cancelled)."""
+        super().pause_writing()
+        stalled = self.stalled
+        stalled[self] = None
+        if len(stalled) <= self.max_stalled:
+            return
+        oldest = next(iter(stalled))
+        del stalled[oldest]
+        self.on_reject("stalled_stream")
+        self.refusals.warning(
+            "stalled_stream",
+            "closed a stream to %s: its client stopped reading, and more than %d "
+            "others had too (--max-stalled-streams)",
+            _peer(oldest.client),
+            self.max_stalled,
+        )
+        if oldest.real is not None:
+            oldest.real.abort()
+
+    def resume_writing(self) -> None:
+        self.stalled.pop(self, None)
+        super().resume_writing()
 
     # --- feeding the parser -------------------------------------------------------------
 
@@ -633,6 +669,7 @@ def guarded_protocol(
     on_reject: Callable[[str], None],
     max_pipelined: int = 16,
     max_held: int = 64 * 1024,
+    max_stalled: int = 64,
 ) -> type[GuardedProtocol]:
     """The protocol class for one server, with its limits and its refusal counter."""
     return type(
@@ -643,6 +680,8 @@ def guarded_protocol(
             "header_timeout": header_timeout,
             "max_pipelined": max_pipelined,
             "max_held": max_held,
+            "stalled": {},
+            "max_stalled": max_stalled,
             "on_reject": staticmethod(on_reject),
             "refusals": LimitedLog(log),
         },

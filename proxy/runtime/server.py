@@ -104,6 +104,7 @@ def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
         lambda reason: rejected.labels(reason).inc(),
         max_pipelined=s.max_pipelined_requests,
         max_held=s.max_pipelined_bytes,
+        max_stalled=s.max_stalled_streams,
     )
     return config
 
