@@ -288,12 +288,16 @@ class GuardedProtocol(HttpToolsProtocol):
         (or a trailer section) is counted from its own first byte, whatever else the same
         read holds, and no slice can complete more request heads than the pipeline has
         room for. What the full pipeline has no room for is held, reading paused."""
-        view = memoryview(data)
+        view: bytes | memoryview = data
         pos, end = 0, len(data)
         while pos < end:
             if self.stopped or self.lingering or self.transport.is_closing():
                 return
-            slots = self.max_pipelined - len(self.pipeline) + (0 if self._busy() else 1)
+            running = self.running
+            busy = bool(self.pipeline) or (
+                running is not None and not running.response_complete and not running.disconnected
+            )
+            slots = self.max_pipelined - len(self.pipeline) + (0 if busy else 1)
             if slots <= 0:
                 self._hold(bytes(view[pos:]))
                 return
@@ -309,10 +313,15 @@ class GuardedProtocol(HttpToolsProtocol):
             elif self.body_left is not None:
                 size = min(size, self.body_left) or size
             # else: a chunked body; on_headers_complete refuses a pipeline past its bound
+            if size == end:
+                self._parse(data)  # the whole read at once (the common case)
+                return
+            if view is data:
+                view = memoryview(data)
             self._parse(view[pos : pos + size])
             pos += size
 
-    def _parse(self, piece: memoryview) -> None:
+    def _parse(self, piece: bytes | memoryview) -> None:
         """uvicorn's data_received, for one slice."""
         self._unset_keepalive_if_required()
         try:
@@ -378,11 +387,13 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
+        if not self.raw:
+            self._count(len(url))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
+        if not self.raw:
+            self._count(len(name) + len(value) + 4)
         if not self.in_head:
             # a trailer field: counted like a head, never merged into the request's
             # headers (uvicorn appends it to the list the application reads): dropped
@@ -390,9 +401,8 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def _count(self, size: int) -> None:
-        """Bytes of the open head (or trailer section) that began inside a slice."""
-        if self.raw:
-            return  # its whole slice is counted already
+        """Bytes of the open head (or trailer section) that began inside a slice (one
+        that began with a slice is counted whole, as raw bytes)."""
         self.head_bytes += size
         if self.head_bytes > self.max_head:
             self._refuse_head(trailers=not self.in_head)
