@@ -166,6 +166,21 @@ def test_an_oversized_head_behind_pipelined_requests_gets_its_431_in_its_turn(en
         proxy.stop()
 
 
+def test_a_malformed_request_behind_a_pipelined_one_gets_its_400_after_that_answer(engine):
+    proxy = start_proxy(f"e={engine.url}", args=["--engine", "e=openai"])
+    try:
+        s = connect(proxy.url, timeout=30)
+        s.sendall(chat_request("first") + b"NOT HTTP\r\n\r\n")
+        got = Answers(s).until_closed(4)
+        assert len(got) == 2 and content_of(got[0]) == "first"
+        assert got[1].startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        assert got[1].endswith(b"Invalid HTTP request received.")
+        assert closed_by_peer(s)
+        s.close()
+    finally:
+        proxy.stop()
+
+
 def test_a_pipelined_flood_past_the_bound_is_refused_in_turn_and_closed(engine):
     """200 KB of tiny requests in one write: those read before the pipeline filled are
     answered, then one 429, and the connection is closed."""
