@@ -182,14 +182,18 @@ def test_a_malformed_request_behind_a_pipelined_one_gets_its_400_after_that_answ
 
 
 def test_a_pipelined_flood_past_the_bound_is_refused_in_turn_and_closed(engine):
-    """200 KB of tiny requests in one write: those read before the pipeline filled are
-    answered, then one 429, and the connection is closed."""
-    proxy = start_proxy(f"e={engine.url}", args=["--engine", "e=openai"])
+    """1,000 tiny requests (45 KB) in one write, with room for 1 KiB read ahead of a full
+    pipeline: those read before the pipeline filled are answered, then one 429, and the
+    connection is closed. (A read short enough to fit would be held, not refused: the
+    first read of one loopback write is far longer.)"""
+    proxy = start_proxy(
+        f"e={engine.url}", args=["--engine", "e=openai", "--max-pipelined-bytes", "1024"]
+    )
     try:
         tiny = b"GET /phasewatch/health HTTP/1.1\r\nhost: x\r\n\r\n"
         s = connect(proxy.url, timeout=30)
-        s.sendall(tiny * (200_000 // len(tiny)))
-        got = Answers(s).until_closed(400)
+        s.sendall(tiny * 1000)
+        got = Answers(s).until_closed(1001)
         statuses = [r.split(b"\r\n", 1)[0] for r in got]
         assert statuses[-1] == b"HTTP/1.1 429 Too Many Requests", statuses[-3:]
         assert set(statuses[:-1]) == {b"HTTP/1.1 200 OK"} and len(statuses) > 17
