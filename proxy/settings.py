@@ -522,6 +522,26 @@ class Settings(BaseSettings):
         "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
+    # Pipelining (proxy.runtime.protocol)
+    max_pipelined_requests: int = Field(
+        16,
+        ge=1,
+        description="Requests a connection may send ahead of the one being answered "
+        "(pipelining); reading waits beyond them.",
+    )
+    max_pipelined_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Bytes a connection's full pipeline may hold unparsed; a connection "
+        "sending more ahead gets a 429 after its earlier answers and is closed.",
+    )
+    max_stalled_streams: int = Field(
+        64,
+        ge=1,
+        description="Answers, per worker, that may wait on clients that stopped reading "
+        "(each holds about 2 MiB); beyond, the one waiting longest is closed.",
+    )
+
     # Fleets: pools of upstreams serving one model, health, model management
     balance: Literal["least-loaded", "round-robin", "random"] = Field(
         "least-loaded",

@@ -6,9 +6,23 @@ client all the time it likes to send one (a thousand slow clients hold a thousan
 connections). Its h11 protocol has a head limit, but is several times slower per
 request. So phasewatch keeps httptools and adds, before any application code runs:
 
-- a **head limit** (``--max-head-bytes``): the bytes of each request head are counted as
-  they arrive, before the parser sees them; past the limit the client gets a 431 and the
+- a **head limit** (``--max-head-bytes``), per request head: the bytes of each head are
+  counted from its own first byte, as they reach the parser (a head that begins inside a
+  read field by field, the rest of it as raw bytes), however many pipelined requests one
+  read holds; past the limit the client gets a 431 in that request's turn and the
   connection is closed, having cost at most the limit (plus one socket read);
+- the same limit for a chunked body's **trailer section**, whose fields are dropped:
+  uvicorn would append them to the request's header list, so that the engine received
+  them as headers (``trailers_too_large``: a 431, or only the close when the request is
+  answered already);
+- a **pipelining bound** (``--max-pipelined-requests``, ``--max-pipelined-bytes``): the
+  parser is fed in slices that cannot complete more request heads than the queue has
+  room for; with the queue full, reading pauses and what was read is held (at most
+  --max-pipelined-bytes, else a 429 in turn and the close). Every refusal (431, 429, and
+  uvicorn's own 400) is written after the answers to the requests read before it;
+- a **stalled-stream cap** (``--max-stalled-streams``): a connection whose writes wait on
+  a client that stopped reading holds about two upstream reads of its stream (some
+  2 MiB); past the cap, the one stalled longest is closed (``stalled_stream``);
 - a **header deadline** (``--header-timeout``): from a connection's start, and from the
   first byte of each later request, until its head is complete; past it the client gets
   a 408 (a connection that sent nothing is just closed).
@@ -31,6 +45,18 @@ And two fixes to how a connection ends:
 
 Each refusal counts in ``phasewatch_rejected_total{reason}`` and is said in the log (at
 most one line per reason per 10 s, with how many it folded in).
+
+**Borrowed from uvicorn.** These guards sit inside uvicorn's connection handling, which
+has no public extension point, so this module subclasses ``HttpToolsProtocol`` and uses
+what :data:`BORROWED` lists: its parser callbacks and ``data_received`` pieces (the
+parser, ``_unset_keepalive_if_required``, ``send_400_response``), its per-connection state
+(``cycle``: the last parsed request; ``pipeline``: the queued ones; ``flow``: read
+pausing), the upgrade hooks it is told not to follow (``_should_upgrade``,
+``_unsupported_upgrade_warning``), and a cycle's state (``keep_alive``, ``more_body``,
+``response_started``, ``response_complete``, ``disconnected``, ``message_event``). These
+are private and change between uvicorn releases: ``pyproject.toml`` bounds uvicorn to the
+minor versions the hostile-wire tests pass on, and ``tests/test_protocol_borrowed.py``
+fails loudly when one of them is gone.
 """
 
 from __future__ import annotations
@@ -39,18 +65,72 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from ..core.errors import json_error
 from ..core.limited import LimitedLog
 
 log = logging.getLogger(__name__)
 
+#: What this module uses of uvicorn's private protocol and request cycle (see above).
+BORROWED: dict[str, tuple[str, ...]] = {
+    "HttpToolsProtocol": (
+        "connection_made",
+        "connection_lost",
+        "data_received",
+        "eof_received",
+        "on_message_begin",
+        "on_url",
+        "on_header",
+        "on_headers_complete",
+        "on_body",
+        "on_message_complete",
+        "on_response_complete",
+        "pause_writing",
+        "resume_writing",
+        "send_400_response",
+        "_should_upgrade",
+        "_unsupported_upgrade_warning",
+        "_unset_keepalive_if_required",
+    ),
+    "protocol state": (
+        "parser",
+        "cycle",
+        "pipeline",
+        "flow",
+        "transport",
+        "scope",
+        "headers",
+        "client",
+        "loop",
+        "logger",
+        "server_state",
+    ),
+    "RequestResponseCycle": (
+        "keep_alive",
+        "more_body",
+        "response_started",
+        "response_complete",
+        "disconnected",
+        "message_event",
+    ),
+    "FlowControl": ("read_paused",),
+}
+
 #: After a client's FIN, when to look for its reset (seconds after the probe), then
 #: every second until its answer starts.
 _PEER_CHECKS = (0.002, 0.01, 0.05, 0.2, 1.0)
+
+#: Fewer bytes than the shortest request (``GET / HTTP/1.1`` and an empty line is 18):
+#: a slice of 16 * n bytes completes at most n request heads.
+_SHORTEST = 16
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: the connection is refused, parse nothing more."""
 
 
 def _answer(status: int, reason: bytes, message: str, kind: str) -> bytes:
@@ -69,7 +149,8 @@ def _answer(status: int, reason: bytes, message: str, kind: str) -> bytes:
 class _Transport:
     """The connection's transport as uvicorn sees it: every call goes straight to the
     real one, except ``close``, which becomes a lingering close while the client is
-    still sending a body nobody will read."""
+    still sending a body nobody will read, and ``resume_reading``, which waits while
+    bytes read ahead of a full pipeline are held."""
 
     def __init__(self, real: asyncio.Transport, protocol: GuardedProtocol) -> None:
         self._real = real
@@ -78,12 +159,15 @@ class _Transport:
         self.writelines = real.writelines
         self.get_extra_info = real.get_extra_info
         self.pause_reading = real.pause_reading
-        self.resume_reading = real.resume_reading
         self.set_protocol = real.set_protocol
         self.abort = real.abort
 
     def close(self) -> None:
         self._protocol.close_connection()
+
+    def resume_reading(self) -> None:
+        if not self._protocol.held:
+            self._real.resume_reading()
 
     def is_closing(self) -> bool:
         return self._protocol.lingering or self._real.is_closing()
@@ -98,6 +182,13 @@ class GuardedProtocol(HttpToolsProtocol):
 
     max_head = 64 * 1024
     header_timeout = 10.0
+    #: Requests read ahead of the one being answered, and bytes held unparsed beyond them.
+    max_pipelined = 16
+    max_held = 64 * 1024
+    #: Connections whose writes wait on a client that does not read, per server (each
+    #: holds about two upstream reads of its stream), and how many may.
+    stalled: ClassVar[dict[GuardedProtocol, None]] = {}
+    max_stalled = 64
     #: Called with the reason of each refusal (the metrics counter).
     on_reject: Callable[[str], None] = staticmethod(lambda reason: None)
     refusals = LimitedLog(log)
@@ -113,6 +204,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self.peer_timer: asyncio.TimerHandle | None = None
         self.peer_checks = 0
         self.eof_seen = False
+        self.in_trailers = False  # after a chunk header: maybe the trailer section
+        self.raw = False  # this slice's bytes are already counted for the open head
+        self.body_left: int | None = None  # of the parser's message, when it has a length
+        self.held = b""  # read, not yet parsed: the pipeline is full
+        self.stopped = False  # refused or upgraded: nothing more is parsed
+        self.pending: bytes | None = None  # a refusal, written once the queued answers are out
+        self.running: RequestResponseCycle | None = None  # the cycle being answered
 
     # --- the connection -----------------------------------------------------------------
 
@@ -126,28 +224,132 @@ class GuardedProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self.head_timer = self.linger_timer = self.peer_timer = None
+        running = self.running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            # uvicorn tells only the last parsed cycle; the one being answered is told too
+            running.disconnected = True
+            running.message_event.set()
+        self.stalled.pop(self, None)
+        # what was read ahead is never answered now: free it with the connection
+        self.pipeline.clear()
+        self.held = b""
+        self.pending = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering:
-            return  # the answer is out; what the client still sends is dropped
-        if self.in_head:
-            if self.head_timer is None:
-                self._arm_head_timer()
-            room = self.max_head - self.head_bytes
-            if len(data) > room:
-                if room > 0:
-                    self.head_bytes += room
-                    super().data_received(data[:room])
-                    if self.lingering or self.transport.is_closing():
-                        return
-                if self.in_head:  # the head did not end within the limit
-                    self._refuse_head()
+        if self.lingering or self.stopped:
+            return  # the answer is out, or the connection refused: what arrives is dropped
+        if self.held:
+            # reading is paused while bytes are held; a loop that still delivers some
+            # keeps within the same bound
+            self._hold(self.held + data)
+            return
+        if self.in_head and self.head_timer is None:
+            self._arm_head_timer()
+        self._feed(data)
+
+    def pause_writing(self) -> None:
+        """The client reads slower than its answer comes (its buffers are full): one
+        more stalled stream. Past --max-stalled-streams, the one stalled longest is
+        closed (its request ends as a hang-up, the engine's work is cancelled)."""
+        super().pause_writing()
+        stalled = self.stalled
+        stalled[self] = None
+        if len(stalled) <= self.max_stalled:
+            return
+        oldest = next(iter(stalled))
+        del stalled[oldest]
+        self.on_reject("stalled_stream")
+        self.refusals.warning(
+            "stalled_stream",
+            "closed a stream to %s: its client stopped reading, and more than %d "
+            "others had too (--max-stalled-streams)",
+            _peer(oldest.client),
+            self.max_stalled,
+        )
+        if oldest.real is not None:
+            oldest.real.abort()
+
+    def resume_writing(self) -> None:
+        self.stalled.pop(self, None)
+        super().resume_writing()
+
+    # --- feeding the parser -------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        """An answer is being written or requests are queued behind one."""
+        running = self.running
+        return bool(self.pipeline) or (
+            running is not None and not running.response_complete and not running.disconnected
+        )
+
+    def _feed(self, data: bytes) -> None:
+        """Give `data` to the parser in slices that keep the limits exact: a request head
+        (or a trailer section) is counted from its own first byte, whatever else the same
+        read holds, and no slice can complete more request heads than the pipeline has
+        room for. What the full pipeline has no room for is held, reading paused."""
+        view: bytes | memoryview = data
+        pos, end = 0, len(data)
+        while pos < end:
+            if self.stopped or self.lingering or self.transport.is_closing():
+                return
+            running = self.running
+            busy = bool(self.pipeline) or (
+                running is not None and not running.response_complete and not running.disconnected
+            )
+            slots = self.max_pipelined - len(self.pipeline) + (0 if busy else 1)
+            if slots <= 0:
+                self._hold(bytes(view[pos:]))
+                return
+            size = end - pos
+            if self.in_head or self.in_trailers:
+                room = self.max_head - self.head_bytes
+                if room <= 0:
+                    self._refuse_head(trailers=not self.in_head)
                     return
-                data = data[room:]
-            else:
-                self.head_bytes += len(data)
-        super().data_received(data)
+                size = min(size, room, _SHORTEST * slots)
+                self.raw = True  # the open head's share of this slice is counted here
+                self.head_bytes += size
+            elif self.body_left is not None:
+                size = min(size, self.body_left) or size
+            # else: a chunked body; on_headers_complete refuses a pipeline past its bound
+            if size == end:
+                self._parse(data)  # the whole read at once (the common case)
+                return
+            if view is data:
+                view = memoryview(data)
+            self._parse(view[pos : pos + size])
+            pos += size
+
+    def _parse(self, piece: bytes | memoryview) -> None:
+        """uvicorn's data_received, for one slice."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(piece)
+        except httptools.HttpParserUpgrade:
+            self.stopped = True  # nothing after an upgrade request is HTTP (see below)
+        except httptools.HttpParserError:
+            if self.stopped:
+                return  # refused from a callback: answered already
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+
+    def _hold(self, rest: bytes) -> None:
+        """The pipeline is full: keep what was read, parse it as answers go out."""
+        if len(rest) > self.max_held:
+            self._refuse_pipeline(f"{len(rest)} bytes read ahead of a full pipeline")
+            return
+        self.held = rest
+        assert self.real is not None
+        self.real.pause_reading()
+
+    def _resume_held(self) -> None:
+        held, self.held = self.held, b""
+        self._feed(held)
+        if not self.held and not self.stopped and not self.flow.read_paused:
+            assert self.real is not None
+            self.real.resume_reading()
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         """The client sent FIN: a hang-up, or a half-close after its request."""
@@ -177,21 +379,115 @@ class GuardedProtocol(HttpToolsProtocol):
 
     # --- parser callbacks ---------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if not self.raw:
+            self.head_bytes = 0  # a head that began inside a slice: counted field by field
+        self.in_trailers = False
+        self.body_left = None
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self.raw:
+            self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.raw:
+            self._count(len(name) + len(value) + 4)
+        if not self.in_head:
+            # a trailer field: counted like a head, never merged into the request's
+            # headers (uvicorn appends it to the list the application reads): dropped
+            return
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        """Bytes of the open head (or trailer section) that began inside a slice (one
+        that began with a slice is counted whole, as raw bytes)."""
+        self.head_bytes += size
+        if self.head_bytes > self.max_head:
+            self._refuse_head(trailers=not self.in_head)
+            raise _Refused
+
     def on_headers_complete(self) -> None:
         self.in_head = False
+        self.raw = False
         self.head_bytes = 0
         if self.head_timer is not None:
             self.head_timer.cancel()
             self.head_timer = None
+        before = self.cycle
         super().on_headers_complete()
-        if self.parser.should_upgrade() and self.cycle:
+        cycle = self.cycle
+        if cycle is before:
+            return
+        self.body_left = _content_length(self.headers)
+        if self.parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:
             # this connection can carry no further request
-            self.cycle.keep_alive = False
+            cycle.keep_alive = False
+        if not (self.pipeline and self.pipeline[0][0] is cycle):
+            self.running = cycle  # started at once
+        elif len(self.pipeline) > self.max_pipelined:
+            self.pipeline.popleft()  # never started
+            self._refuse_pipeline(f"more than {self.max_pipelined} requests read ahead")
+            raise _Refused
+
+    def on_body(self, body: bytes) -> None:
+        self.in_trailers = False  # a chunk with data: not the last one
+        if self.body_left is not None:
+            self.body_left -= len(body)
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        """After a chunk's size line: if it was the last (size 0), a trailer section of
+        any length may follow; it is counted against the head limit from here."""
+        self.in_trailers = True
+        self.raw = False
+        self.head_bytes = 0
 
     def on_message_complete(self) -> None:
+        self.in_trailers = False
+        self.raw = False
+        self.head_bytes = 0
         super().on_message_complete()
         self.in_head = True
+
+    def on_response_complete(self) -> None:
+        following = self.pipeline[-1][0] if self.pipeline else None
+        super().on_response_complete()
+        if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
+            self.running = following  # uvicorn started the next queued request
+        if self.transport.is_closing() or self.lingering:
+            return
+        if self.pending is not None:
+            if not self._busy():  # every request read before the refused one is answered
+                answer, self.pending = self.pending, None
+                self.transport.write(answer)
+                self._linger()
+            return
+        if self.held and len(self.pipeline) < self.max_pipelined:
+            self._resume_held()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for a request the parser rejects, after the answers to the
+        requests read before it (written at once, it would cut into one of them)."""
+        self.stopped = True
+        if not self._busy():
+            super().send_400_response(msg)
+            return
+        body = msg.encode("ascii")
+        self._answer_in_turn(
+            b"".join(
+                [
+                    b"HTTP/1.1 400 Bad Request\r\n",
+                    *(n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers),
+                    b"content-type: text/plain; charset=utf-8\r\n",
+                    b"content-length: %d\r\n" % len(body),
+                    b"connection: close\r\n\r\n",
+                    body,
+                ]
+            )
+        )
 
     def _should_upgrade(self) -> bool:
         """No protocol switch: an upgrade request is an HTTP request like any other (the
@@ -235,30 +531,79 @@ class GuardedProtocol(HttpToolsProtocol):
         )
         self._linger()
 
-    def _refuse_head(self) -> None:
-        self.on_reject("head_too_large")
+    def _refuse_head(self, trailers: bool = False) -> None:
+        reason = "trailers_too_large" if trailers else "head_too_large"
+        self.on_reject(reason)
         self.refusals.warning(
-            "head_too_large",
-            "refused a request head over %d bytes from %s",
+            reason,
+            "refused a request %s over %d bytes from %s",
+            "trailer section" if trailers else "head",
             self.max_head,
             _peer(self.client),
         )
-        if self.cycle is not None and not self.cycle.response_complete:
-            # a pipelined head during an answer: no 431 can be written now; the
-            # connection ends with that answer
-            self.cycle.keep_alive = False
-            self.lingering = True
-            assert self.real is not None
-            self.real.pause_reading()
-            return
-        self.transport.write(
+        what = "request trailers" if trailers else "request head"
+        self._refuse(
             _answer(
                 431,
                 b"Request Header Fields Too Large",
-                f"request head over {self.max_head} bytes",
+                f"{what} over {self.max_head} bytes",
                 "request_header_too_large",
-            )
+            ),
+            self.cycle if trailers else None,
         )
+
+    def _refuse_pipeline(self, why: str) -> None:
+        self.on_reject("pipeline_full")
+        self.refusals.warning(
+            "pipeline_full",
+            "refused a connection from %s: %s (--max-pipelined-requests %d, "
+            "--max-pipelined-bytes %d)",
+            _peer(self.client),
+            why,
+            self.max_pipelined,
+            self.max_held,
+        )
+        self._refuse(
+            _answer(
+                429,
+                b"Too Many Requests",
+                f"more than {self.max_pipelined} pipelined requests on one connection",
+                "too_many_pipelined_requests",
+            ),
+            None,
+        )
+
+    def _refuse(self, answer: bytes, message: RequestResponseCycle | None) -> None:
+        """Refuse the connection: nothing more is parsed or held; the answer goes out in
+        the refused request's turn, and the connection closes after it. `message` is
+        the cycle of the request whose trailer section is refused (already created)."""
+        self.stopped = True
+        self.held = b""
+        if message is not None:
+            queued = [entry for entry in self.pipeline if entry[0] is message]
+            for entry in queued:
+                self.pipeline.remove(entry)  # never started: it is the refused request
+            if not queued and message.response_complete:
+                self._linger()  # answered already (a 401 before its body): only closed
+                return
+            if not queued and message is self.running:
+                if message.response_started:
+                    assert self.real is not None
+                    self.real.close()  # its answer is under way: it cannot be followed
+                    return
+                # its application waits for the rest of the body: it is told the client
+                # left, and its answer is this one
+                message.disconnected = True
+                message.message_event.set()
+        self._answer_in_turn(answer)
+
+    def _answer_in_turn(self, answer: bytes) -> None:
+        if self._busy():
+            self.pending = answer
+            assert self.real is not None
+            self.real.resume_reading()  # what arrives is dropped; a hang-up is seen
+            return
+        self.transport.write(answer)
         self._linger()
 
     def close_connection(self) -> None:
@@ -314,8 +659,27 @@ def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "unknown"
 
 
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The body's length, when the head gives one (the parser has checked it)."""
+    length = None
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            try:
+                length = int(value)
+            except ValueError:
+                return None
+    return length
+
+
 def guarded_protocol(
-    max_head: int, header_timeout: float, on_reject: Callable[[str], None]
+    max_head: int,
+    header_timeout: float,
+    on_reject: Callable[[str], None],
+    max_pipelined: int = 16,
+    max_held: int = 64 * 1024,
+    max_stalled: int = 64,
 ) -> type[GuardedProtocol]:
     """The protocol class for one server, with its limits and its refusal counter."""
     return type(
@@ -324,6 +688,10 @@ def guarded_protocol(
         {
             "max_head": max_head,
             "header_timeout": header_timeout,
+            "max_pipelined": max_pipelined,
+            "max_held": max_held,
+            "stalled": {},
+            "max_stalled": max_stalled,
             "on_reject": staticmethod(on_reject),
             "refusals": LimitedLog(log),
         },

@@ -99,7 +99,12 @@ def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
     s = app.settings
     rejected = app.metrics.rejected_total
     config.http = guarded_protocol(
-        s.max_head_bytes, s.header_timeout, lambda reason: rejected.labels(reason).inc()
+        s.max_head_bytes,
+        s.header_timeout,
+        lambda reason: rejected.labels(reason).inc(),
+        max_pipelined=s.max_pipelined_requests,
+        max_held=s.max_pipelined_bytes,
+        max_stalled=s.max_stalled_streams,
     )
     return config
 

@@ -21,11 +21,15 @@ from a shared board), and only it listens on the separate metrics address
 (--metrics-host/--metrics-port) when one is set. A restarted worker 0 is primary again.
 
 Signals: the first SIGTERM/SIGINT is passed on to every worker (each drains its streams);
-a second one is passed on too (the workers then exit at once).
+a second one is passed on too (the workers then exit at once). A parent killed outright
+(SIGKILL, a crash) passes nothing on: each worker asks the kernel for a SIGTERM when its
+parent dies (Linux's ``PR_SET_PDEATHSIG``) and also watches its parent's pid once a
+second (elsewhere, and as a fallback), so no orphan worker keeps serving the port.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.process
@@ -33,8 +37,10 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -49,10 +55,40 @@ from .server import run as run_server
 log = logging.getLogger(__name__)
 
 
+#: prctl(2) option: the signal this process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _follow_parent(parent: int) -> None:
+    """Exit (SIGTERM: a drain, then out) when the supervisor `parent` is gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still holds
+    if os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        log.warning("the supervisor (pid %d) is gone: this worker stops", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="phasewatch-parent-watch", daemon=True).start()
+
+
 def _worker(
-    given: dict[str, Any], index: int, sock: socket.socket, msock: socket.socket | None
+    given: dict[str, Any],
+    index: int,
+    sock: socket.socket,
+    msock: socket.socket | None,
+    parent: int | None = None,
 ) -> None:
     """Entry point of one worker process (spawned: a fresh interpreter)."""
+    if parent is not None:
+        _follow_parent(parent)
     settings = Settings(**given)
     configure_logging(settings.log_level, settings.log_format, worker=index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns ^C into SIGTERM
@@ -77,7 +113,7 @@ def run(
     def start(index: int) -> None:
         p = ctx.Process(
             target=_worker,
-            args=(given, index, sock, msock),
+            args=(given, index, sock, msock, os.getpid()),
             name=f"phasewatch-worker-{index}",
             daemon=False,
         )
