@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .servers import start_proxy, start_sim
+from .support.servers import start_proxy, start_sim
 
 HERE = Path(__file__).resolve().parent
 

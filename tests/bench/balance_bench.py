@@ -17,7 +17,7 @@ the kill to phasewatch marking the replica down (``phasewatch_upstream_up`` 0).
 It asserts nothing: a benchmark, not a test.
 
     python tests/bench/balance_bench.py            # about a minute
-    python tests/bench/balance_bench.py --smoke    # seconds; tests/test_fleet_bench_smoke.py
+    python tests/bench/balance_bench.py --smoke    # seconds; tests/e2e/test_fleet_bench_smoke.py
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.servers import Server, start_proxy, start_sim  # noqa: E402
+from tests.support.servers import Server, start_proxy, start_sim  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

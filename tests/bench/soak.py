@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.servers import start_proxy, start_sim
+from tests.support.servers import start_proxy, start_sim
 
 MODELS = (
     "meta-llama/Llama-3.1-8B-Instruct",

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 
-from ..servers import start_proxy
+from ..support.servers import start_proxy
 from . import engines as E
 from .wire import capture, payloads, prom, total, wait_for
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..servers import start_proxy
+from ..support.servers import start_proxy
 from . import engines as E
 
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..servers import metric_samples, sample, start_proxy, wait_for
+from ..support.servers import metric_samples, sample, start_proxy, wait_for
 from . import engines as E
 
 pytestmark = pytest.mark.real_engine

@@ -11,8 +11,8 @@ import secrets
 import openai
 import pytest
 
-from ..otlp_receiver import Receiver
-from ..servers import start_proxy
+from ..support.otlp_receiver import Receiver
+from ..support.servers import start_proxy
 from . import engines as E
 from .engines import VLLM_MODEL
 

@@ -1,0 +1,234 @@
+"""The package's shape, checked: no import cycles, layers that import only downward, the
+simulator kept apart, and a relay loop that fits on a screen.
+
+Every import counts, including those inside functions (lazy imports hide cycles); imports
+under ``if TYPE_CHECKING:`` count for the layers but not for cycles (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from ..support.servers import ROOT
+
+PACKAGE = ROOT / "proxy"
+
+#: A part may import from parts of a lower layer, and from itself.
+LAYERS = {
+    "proxy": 0,  # the package root: the version only
+    "measure": 1,
+    "transport": 1,
+    "engines": 2,
+    "core": 3,
+    "services": 4,
+    "settings": 5,
+    "api": 5,
+    "app": 6,
+    "runtime": 7,
+    "tools": 8,
+    "__main__": 9,  # python -m proxy
+}
+#: The simulator stands apart: it imports only itself; only the tools import it.
+SIM = "sim"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def part(module: str) -> str:
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "proxy"
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports() -> list[tuple[str, str, bool]]:
+    """(importer, imported, type_only) for every import of a proxy module by another."""
+    mods = modules()
+    edges = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        typing_only = _type_checking_lines(tree)
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")
+                    base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    targets.append(sub if sub in mods else target)
+            for t in targets:
+                if t == "proxy" or t.startswith("proxy."):
+                    while t not in mods and "." in t:
+                        t = t.rsplit(".", 1)[0]
+                    if t != name:
+                        edges.append((name, t, node.lineno in typing_only))
+    return edges
+
+
+def test_every_module_belongs_to_a_known_part():
+    unknown = {part(m) for m in modules()} - set(LAYERS) - {SIM}
+    assert not unknown, f"add these to LAYERS (and to the layout in README.md): {unknown}"
+
+
+def test_layers_import_only_downward_and_the_simulator_stands_apart():
+    wrong = []
+    for src, dst, _ in imports():
+        a, b = part(src), part(dst)
+        if a == b:
+            continue
+        if SIM in (a, b):
+            if not (b == SIM and a == "tools") and not (a == SIM and b == "proxy"):
+                wrong.append(f"{src} -> {dst}")
+        elif LAYERS[a] <= LAYERS[b] and b != "proxy":
+            wrong.append(f"{src} (layer {LAYERS[a]}) -> {dst} (layer {LAYERS[b]})")
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
+
+
+def test_core_and_engines_never_import_tools_services_or_the_simulator():
+    for src, dst, _ in imports():
+        if part(src) in ("core", "engines"):
+            assert part(dst) not in ("tools", "services", SIM, "runtime", "app", "api"), (src, dst)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {m: set() for m in modules()}
+    for src, dst, type_only in imports():
+        if not type_only:
+            graph[src].add(dst)
+    # Tarjan's strongly connected components: any with two or more modules is a cycle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _plant(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """Point the checks at a fake package made of `files` (path -> source)."""
+    fake = tmp_path / "proxy"
+    (fake).mkdir()
+    (fake / "__init__.py").write_text("")
+    for rel, text in files.items():
+        path = fake / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text(text)
+    me = __import__(__name__, fromlist=["x"])
+    monkeypatch.setattr(me, "PACKAGE", fake)
+    monkeypatch.setattr(me, "ROOT", tmp_path)
+
+
+def _fails(check, needle: str) -> None:
+    try:
+        check()
+    except AssertionError as exc:
+        assert needle in str(exc), str(exc)
+    else:
+        raise AssertionError(f"{check.__name__} did not see the planted fault")
+
+
+def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):
+    """The cycle check can fail: two modules importing each other are caught."""
+    _plant(
+        tmp_path,
+        monkeypatch,
+        {"core/a.py": "from ..core import b\n", "core/b.py": "from ..core import a\n"},
+    )
+    edges = {(s, d) for s, d, _ in imports()}
+    assert ("proxy.core.a", "proxy.core.b") in edges and ("proxy.core.b", "proxy.core.a") in edges
+    _fails(test_no_import_cycles, "proxy.core.a")
+    test_layers_import_only_downward_and_the_simulator_stands_apart()  # same part: allowed
+
+
+def test_the_checker_sees_a_layer_violation_without_a_cycle(tmp_path, monkeypatch):
+    """The layer check can fail on its own: one upward import (the core reaching into the
+    tools, a lazy import inside a function) with no cycle behind it is caught."""
+    _plant(
+        tmp_path,
+        monkeypatch,
+        {
+            "core/a.py": "def f():\n    from ..tools import b\n    return b\n",
+            "tools/b.py": "X = 1\n",
+        },
+    )
+    test_no_import_cycles()  # no cycle here
+    _fails(test_layers_import_only_downward_and_the_simulator_stands_apart, "proxy.core.a")
+    _fails(test_core_and_engines_never_import_tools_services_or_the_simulator, "proxy.tools.b")
+
+
+def test_the_checker_sees_the_simulator_imported_by_the_relay(tmp_path, monkeypatch):
+    _plant(tmp_path, monkeypatch, {"core/a.py": "import proxy.sim.x\n", "sim/x.py": ""})
+    _fails(test_layers_import_only_downward_and_the_simulator_stands_apart, "proxy.sim.x")
+
+
+def test_the_relay_loop_fits_on_a_screen():
+    from proxy.core.relay import Relay
+
+    lines = inspect.getsource(Relay._stream).splitlines()
+    assert len(lines) <= 20, f"Relay._stream is {len(lines)} lines"
+
+
+def test_no_document_outside_the_repository_is_cited():
+    """Docstrings, help texts and comments explain themselves."""
+    import re
+
+    pattern = re.compile(r"SPEC §|\bSPEC\b|seeds'|issue \d|\.\./shared")
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in PACKAGE.rglob("*")
+        if p.suffix in (".py", ".html")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, found

@@ -1,0 +1,224 @@
+"""Health that is true within seconds: an idle engine that dies is seen down by the idle
+probe (not at the next model-list refresh, here 300 s away), a refused request marks its
+upstream down at once, a dead engine that returns is seen up, and the reason is on
+readiness and the status page. The times are reported, never asserted against a clock:
+each wait is for a condition, with a timeout far below the refresh interval."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
+
+#: Far below --model-refresh (300 s): only the health probe can meet it.
+SEEN_WITHIN = 20.0
+
+
+def ready_status(proxy) -> int:
+    return httpx.get(proxy.url + "/phasewatch/ready", timeout=10).status_code
+
+
+def up_gauge(proxy, name: str) -> float:
+    return sample(metric_samples(proxy.url), "phasewatch_upstream_up", upstream=name)
+
+
+def summary_upstream(proxy, name: str) -> dict:
+    got = httpx.get(proxy.url + "/phasewatch/api/summary", timeout=10).json()["upstreams"]
+    return next(u for u in got if u["name"] == name)
+
+
+def test_an_idle_engine_that_dies_is_seen_down_and_back_up_within_seconds():
+    port = free_port()
+    sim = start_sim("vllm", speed=8.0, port=port)
+    proxy = start_proxy(
+        f"sim=http://127.0.0.1:{port}", args=["--model-refresh", "300", "--engine-scrape", "0"]
+    )
+    try:
+        assert ready_status(proxy) == 200 and up_gauge(proxy, "sim") == 1
+        sim.stop()
+        t_kill = time.monotonic()
+        wait_for(
+            lambda: ready_status(proxy) == 503 and up_gauge(proxy, "sim") == 0,
+            timeout=SEEN_WITHIN,
+            what="readiness 503 and upstream_up 0 after the engine died",
+        )
+        print(f"death seen after {time.monotonic() - t_kill:.2f} s")
+        down = summary_upstream(proxy, "sim")
+        assert down["up"] is False and down["reason"] == "connection refused"
+        page = httpx.get(proxy.url + "/phasewatch/", headers={"accept": "text/html"}).text
+        assert (
+            "connection refused" in page
+        )  # the card shows it (tests/e2e/test_first_hour_status.py)
+
+        sim = start_sim("vllm", speed=8.0, port=port)
+        t_back = time.monotonic()
+        wait_for(
+            lambda: ready_status(proxy) == 200 and up_gauge(proxy, "sim") == 1,
+            timeout=SEEN_WITHIN,
+            what="readiness 200 and upstream_up 1 after the engine came back",
+        )
+        print(f"return seen after {time.monotonic() - t_back:.2f} s")
+        assert summary_upstream(proxy, "sim")["reason"] is None
+    finally:
+        proxy.stop()
+        sim.stop()
+
+
+def test_a_refused_request_marks_its_upstream_down_at_once():
+    """No probe at all (--health-interval 0): the failed request itself tells."""
+    port = free_port()
+    sim = start_sim("vllm", speed=8.0, port=port)
+    proxy = start_proxy(
+        f"sim=http://127.0.0.1:{port}",
+        args=["--model-refresh", "300", "--engine-scrape", "0", "--health-interval", "0"],
+    )
+    try:
+        assert ready_status(proxy) == 200
+        sim.stop()
+        r = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            json={
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+        assert r.status_code == 502
+        # at once: the very next reads, no waiting
+        assert ready_status(proxy) == 503
+        samples = metric_samples(proxy.url)
+        assert sample(samples, "phasewatch_upstream_up", upstream="sim") == 0
+        assert sample(samples, "phasewatch_upstream_ejections_total", kind="connect") == 1
+        assert summary_upstream(proxy, "sim")["reason"] == "connection refused"
+    finally:
+        proxy.stop()
+        sim.stop()
+
+
+class CountingEngine:
+    """A generic OpenAI-compatible engine counting its GET /v1/models (the probe of a
+    generic engine) and answering chat completions; `fail` makes it answer 500."""
+
+    def __init__(self) -> None:
+        self.lists = 0
+        self.fail = False
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, status: int, obj: dict) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    outer.lists += 1
+                    if outer.fail:
+                        self._answer(500, {"error": "broken"})
+                    else:
+                        self._answer(200, {"object": "list", "data": [{"id": "m"}]})
+                else:
+                    self._answer(404, {"error": "no"})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                if outer.fail:
+                    self._answer(500, {"error": "broken"})
+                    return
+                self._answer(
+                    200,
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "ok"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    },
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_probes_skip_while_traffic_answers_and_a_5xx_probe_says_why():
+    eng = CountingEngine()
+    proxy = start_proxy(
+        f"gen={eng.url}",
+        args=["--model-refresh", "300", "--engine-scrape", "0", "--health-interval", "0.5"],
+    )
+    try:
+        start = eng.lists
+        wait_for(lambda: eng.lists >= start + 3, timeout=SEEN_WITHIN, what="idle probes")
+        # real traffic that answers: a probe only where a gap between answers exceeded
+        # the interval (the shared machine may stall the client)
+        before = eng.lists
+        done = []
+        for _ in range(30):
+            r = httpx.post(
+                proxy.url + "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "q"}]},
+            )
+            assert r.status_code == 200
+            done.append(time.monotonic())
+            time.sleep(0.05)
+        gaps = sum(1 for a, b in itertools.pairwise(done) if b - a > 0.5)
+        assert eng.lists - before <= 1 + gaps, (eng.lists - before, gaps)
+
+        eng.fail = True
+        wait_for(lambda: ready_status(proxy) == 503, timeout=SEEN_WITHIN, what="the 500s seen")
+        assert summary_upstream(proxy, "gen")["reason"] == "HTTP 500 on /v1/models"
+        eng.fail = False
+        wait_for(lambda: ready_status(proxy) == 200, timeout=SEEN_WITHIN, what="seen up again")
+    finally:
+        proxy.stop()
+        eng.close()
+
+
+def test_every_worker_sees_death_and_return_within_seconds():
+    """Under --workers 2 the primary probes and the other worker follows its board."""
+    port = free_port()
+    sim = start_sim("vllm", speed=8.0, port=port)
+    proxy = start_proxy(
+        f"sim=http://127.0.0.1:{port}",
+        args=["--workers", "2", "--model-refresh", "300", "--engine-scrape", "0"],
+    )
+    try:
+        sim.stop()
+        # several answers in a row: whichever worker takes each one agrees
+        wait_for(
+            lambda: all(ready_status(proxy) == 503 for _ in range(6)),
+            timeout=SEEN_WITHIN,
+            what="every worker's readiness 503",
+        )
+        sim = start_sim("vllm", speed=8.0, port=port)
+        wait_for(
+            lambda: all(ready_status(proxy) == 200 for _ in range(6)),
+            timeout=SEEN_WITHIN,
+            what="every worker's readiness 200",
+        )
+    finally:
+        proxy.stop()
+        sim.stop()
