@@ -363,6 +363,18 @@ class EngineReading:
     kv_dtype: dict[str, str] = field(default_factory=dict)
 
 
+class Tokenizer(Protocol):
+    """An engine's own tokenizer, reached over its API (``phasewatch bench`` makes prompts
+    of exact token lengths with it). It answers for one model."""
+
+    #: The most tokens one request may hold, where the engine says (else None).
+    max_model_len: int | None
+
+    async def count(self, text: str) -> int:
+        """The tokens of a one-message chat prompt of `text`: the chat template's own
+        where the engine applies it; raises when the engine stops answering as it did."""
+
+
 class Dialect(Protocol):
     """One engine as the proxy's core sees it."""
 
@@ -407,6 +419,18 @@ class Dialect(Protocol):
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         """The engine's own state (None when it does not answer or has none)."""
+
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> Tokenizer | None:
+        """The engine's tokenizer for `model` behind `client` (probed: None when the engine
+        has none, or what answers is not this engine: prompt lengths are then estimated)."""
+
+    def listed_context(self, entry: dict) -> int | None:
+        """The context length (tokens) a ``/v1/models`` entry states, where this engine
+        states one there."""
+
+    async def served_file(self, client: httpx.AsyncClient) -> str | None:
+        """The file the engine serves its one model from, where it says (its name tells
+        the precision); None otherwise."""
 
 
 def canonical_name(model: str, listed: set[str]) -> str | None:

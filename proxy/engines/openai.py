@@ -32,6 +32,7 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
+    Tokenizer,
     canonical_name,
     error_message,
     loads,
@@ -100,6 +101,15 @@ class OpenAIDialect:
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         return None  # a generic OpenAI-compatible server exports no known gauges
+
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> Tokenizer | None:
+        return None  # OpenAI's API has no tokenizer endpoint
+
+    def listed_context(self, entry: dict) -> int | None:
+        return None
+
+    async def served_file(self, client: httpx.AsyncClient) -> str | None:
+        return None
 
     # --- the request path ---------------------------------------------------------------
 
