@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from ..measure.buckets import GAP_BUCKETS
 from ..measure.kvcache import KVShape
 from ..measure.labels import plain
-from ..measure.metrics import GAP_BUCKETS
 from ..measure.precision import Precision
 from ..measure.timeline import EngineTimings, Marks, Usage
 from .framing import MAX_EVENT_BYTES, Framer, Raw
