@@ -384,6 +384,10 @@ class Dialect(Protocol):
     #: The KV cache's element type when the engine does not say and no setting does: its
     #: documented default (llama.cpp and Ollama: f16), or None (unknown).
     kv_default_dtype: ClassVar[str | None]
+    #: Its own ``/metrics`` samples of requests running and waiting, and of tokens
+    #: generated (a counter): how a client sees load that is not its own (the bench).
+    busy_gauges: ClassVar[tuple[str, ...]]
+    generated_tokens: ClassVar[tuple[str, ...]]
 
     # --- the request path -------------------------------------------------------------
     def endpoint(self, method: str, path: str) -> str | None:

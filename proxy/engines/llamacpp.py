@@ -148,6 +148,11 @@ class LlamaCppDialect(OpenAIDialect):
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"
     empty_stream_options_is_usage: ClassVar[bool] = False
+    busy_gauges: ClassVar[tuple[str, ...]] = (
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+    )
+    generated_tokens: ClassVar[tuple[str, ...]] = ("llamacpp:tokens_predicted_total",)
     endpoints: ClassVar[dict[str, str]] = {**ENDPOINTS, **WHOLE}
     whole_endpoints: ClassVar[frozenset[str]] = frozenset(WHOLE.values())
 

@@ -54,6 +54,8 @@ class OpenAIDialect:
     name: ClassVar[str] = "openai"
     answers_any_model: ClassVar[bool] = False
     kv_default_dtype: ClassVar[str | None] = None
+    busy_gauges: ClassVar[tuple[str, ...]] = ()
+    generated_tokens: ClassVar[tuple[str, ...]] = ()
     #: Whether ``"stream_options":{}`` means include_usage=true (vLLM) or false (OpenAI).
     empty_stream_options_is_usage: ClassVar[bool] = False
     endpoints: ClassVar[dict[str, str]] = {

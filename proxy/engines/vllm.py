@@ -68,6 +68,11 @@ POOLING = {
 class VLLMDialect(OpenAIDialect):
     name: ClassVar[str] = "vllm"
     empty_stream_options_is_usage: ClassVar[bool] = True
+    busy_gauges: ClassVar[tuple[str, ...]] = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+    )
+    generated_tokens: ClassVar[tuple[str, ...]] = ("vllm:generation_tokens_total",)
     endpoints: ClassVar[dict[str, str]] = {**OpenAIDialect.endpoints, **POOLING}
     whole_endpoints: ClassVar[frozenset[str]] = frozenset(POOLING.values())
 
