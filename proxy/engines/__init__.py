@@ -3,7 +3,8 @@
 ``openai`` (any OpenAI-compatible server), ``vllm``, ``ollama`` and ``llamacpp``
 (llama-server). Adding an engine means adding one module with a dialect class (see
 :class:`~proxy.engines.base.Dialect`) and naming it in :data:`ENGINES` and, if it can be
-recognised, in :data:`DETECTION_ORDER`.
+recognised, in :data:`DETECTION_ORDER`. The bench asks the registry, not an engine by
+name: :func:`find_tokenizer`, :func:`listed_context`, :func:`served_file`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 An engine module knows everything about one engine: its wire format (which endpoints
 generate, how to ask for usage and strip it again, how to tap its streams and read
 counts, timings and errors), how to recognise it, how to list its models and read their
-precision, and how to read its own state (running requests, KV cache). The core calls
-it through :class:`Dialect` and never asks which engine it is.
+precision, how to read its own state (running requests, KV cache), and how a client
+reaches its tokenizer (the bench). The core calls it through :class:`Dialect` and never
+asks which engine it is.
 
 A *tap* watches one response body as it passes through the relay. It finds event
 boundaries on bytes, marks the events that carry generated output (first/last/gaps),
