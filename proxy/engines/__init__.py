@@ -3,7 +3,8 @@
 ``openai`` (any OpenAI-compatible server), ``vllm``, ``ollama`` and ``llamacpp``
 (llama-server). Adding an engine means adding one module with a dialect class (see
 :class:`~proxy.engines.base.Dialect`) and naming it in :data:`ENGINES` and, if it can be
-recognised, in :data:`DETECTION_ORDER`.
+recognised, in :data:`DETECTION_ORDER`. The bench asks the registry, not an engine by
+name: :func:`find_tokenizer`, :func:`listed_context`, :func:`served_file`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
+    Tokenizer,
 )
 from .llamacpp import LlamaCppDialect
 from .ollama import OllamaDialect
@@ -75,6 +77,37 @@ async def detect_engine(client: httpx.AsyncClient) -> str | None:
     return None
 
 
+async def find_tokenizer(client: httpx.AsyncClient, model: str) -> tuple[str, Tokenizer] | None:
+    """The first engine, in :data:`ENGINES` order, whose tokenizer answers behind `client`
+    for `model`, with that tokenizer (each engine probes its own endpoint, so a proxy that
+    passes the engine's tokenizer through is no obstacle); None when none does."""
+    for name, engine in ENGINES.items():
+        tokenizer = await engine().tokenizer(client, model)
+        if tokenizer is not None:
+            return name, tokenizer
+    return None
+
+
+def listed_context(entry: dict) -> int | None:
+    """The context length a ``/v1/models`` entry states, as the first engine (in
+    :data:`ENGINES` order) that states one there reads it."""
+    for engine in ENGINES.values():
+        value = engine().listed_context(entry)
+        if value is not None:
+            return value
+    return None
+
+
+async def served_file(client: httpx.AsyncClient) -> str | None:
+    """The file the engine behind `client` serves its one model from, as the first engine
+    (in :data:`ENGINES` order) that names one says."""
+    for engine in ENGINES.values():
+        path = await engine().served_file(client)
+        if path is not None:
+            return path
+    return None
+
+
 __all__ = [
     "ADMIN_PATHS",
     "DETECTION_ORDER",
@@ -88,7 +121,11 @@ __all__ = [
     "Outcome",
     "Prepared",
     "Tap",
+    "Tokenizer",
     "detect_engine",
+    "find_tokenizer",
     "get_dialect",
     "is_admin_path",
+    "listed_context",
+    "served_file",
 ]

@@ -3,8 +3,9 @@
 An engine module knows everything about one engine: its wire format (which endpoints
 generate, how to ask for usage and strip it again, how to tap its streams and read
 counts, timings and errors), how to recognise it, how to list its models and read their
-precision, and how to read its own state (running requests, KV cache). The core calls
-it through :class:`Dialect` and never asks which engine it is.
+precision, how to read its own state (running requests, KV cache), and how a client
+reaches its tokenizer (the bench). The core calls it through :class:`Dialect` and never
+asks which engine it is.
 
 A *tap* watches one response body as it passes through the relay. It finds event
 boundaries on bytes, marks the events that carry generated output (first/last/gaps),
@@ -22,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from ..measure.buckets import GAP_BUCKETS
 from ..measure.kvcache import KVShape
 from ..measure.labels import plain
-from ..measure.metrics import GAP_BUCKETS
 from ..measure.precision import Precision
 from ..measure.timeline import EngineTimings, Marks, Usage
 from .framing import MAX_EVENT_BYTES, Framer, Raw
@@ -363,6 +364,18 @@ class EngineReading:
     kv_dtype: dict[str, str] = field(default_factory=dict)
 
 
+class Tokenizer(Protocol):
+    """An engine's own tokenizer, reached over its API (``phasewatch bench`` makes prompts
+    of exact token lengths with it). It answers for one model."""
+
+    #: The most tokens one request may hold, where the engine says (else None).
+    max_model_len: int | None
+
+    async def count(self, text: str) -> int:
+        """The tokens of a one-message chat prompt of `text`: the chat template's own
+        where the engine applies it; raises when the engine stops answering as it did."""
+
+
 class Dialect(Protocol):
     """One engine as the proxy's core sees it."""
 
@@ -376,6 +389,10 @@ class Dialect(Protocol):
     health_path: ClassVar[str]
     #: Model-management paths (and the paths under them), for --admin-api.
     admin_paths: ClassVar[frozenset[str]]
+    #: Its own ``/metrics`` samples of requests running and waiting, and of tokens
+    #: generated (a counter): how a client sees load that is not its own (the bench).
+    busy_gauges: ClassVar[tuple[str, ...]]
+    generated_tokens: ClassVar[tuple[str, ...]]
 
     # --- the request path -------------------------------------------------------------
     def endpoint(self, method: str, path: str) -> str | None:
@@ -411,6 +428,18 @@ class Dialect(Protocol):
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         """The engine's own state (None when it does not answer or has none)."""
+
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> Tokenizer | None:
+        """The engine's tokenizer for `model` behind `client` (probed: None when the engine
+        has none, or what answers is not this engine: prompt lengths are then estimated)."""
+
+    def listed_context(self, entry: dict) -> int | None:
+        """The context length (tokens) a ``/v1/models`` entry states, where this engine
+        states one there."""
+
+    async def served_file(self, client: httpx.AsyncClient) -> str | None:
+        """The file the engine serves its one model from, where it says (its name tells
+        the precision); None otherwise."""
 
 
 def canonical_name(model: str, listed: set[str]) -> str | None:

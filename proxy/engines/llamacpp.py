@@ -26,7 +26,10 @@ weight. The KV-cache shape comes from the GGUF file's metadata where ``/props``
 the cache's element type (``--cache-type-k``) is not on any endpoint. Its own state
 comes from ``/slots`` (slots processing, tokens held over the slots' context); only
 where ``/slots`` is off (``--no-slots``) from ``/metrics``, because every scrape of that
-resets the server's throughput gauges for whoever else scrapes it.
+resets the server's throughput gauges for whoever else scrapes it. Its tokenizer is
+``POST /tokenize`` (``content``, BOS with ``add_special``) of the prompt
+``POST /apply-template`` makes of the messages, where the server can apply its template;
+a slot's context (``n_ctx``) comes from ``/props``.
 """
 
 from __future__ import annotations
@@ -148,6 +151,11 @@ class LlamaCppDialect(OpenAIDialect):
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"
     empty_stream_options_is_usage: ClassVar[bool] = False
+    busy_gauges: ClassVar[tuple[str, ...]] = (
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+    )
+    generated_tokens: ClassVar[tuple[str, ...]] = ("llamacpp:tokens_predicted_total",)
     endpoints: ClassVar[dict[str, str]] = {**ENDPOINTS, **WHOLE}
     whole_endpoints: ClassVar[frozenset[str]] = frozenset(WHOLE.values())
 
@@ -207,6 +215,39 @@ class LlamaCppDialect(OpenAIDialect):
         gauges = parse_prometheus(body.decode("utf-8", "replace"), GAUGES, only)
         return EngineReading(gauges) if gauges else None
 
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> LlamaCppTokenizer | None:
+        try:
+            resp = await client.post("/tokenize", json={"content": "hello world"})
+            data = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            data = None
+        if not (isinstance(data, dict) and isinstance(data.get("tokens"), list)):
+            return None
+        tok = LlamaCppTokenizer(client)
+        try:  # the context a slot has (prompts beyond it are refused)
+            props = (await client.get("/props")).json()
+            n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx") or props.get(
+                "n_ctx"
+            )
+            if isinstance(n_ctx, int) and n_ctx > 0:
+                tok.max_model_len = n_ctx
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        return tok
+
+    def listed_context(self, entry: dict) -> int | None:
+        meta = entry.get("meta")
+        value = meta.get("n_ctx") if isinstance(meta, dict) else None
+        return value if isinstance(value, int) and value > 0 else None
+
+    async def served_file(self, client: httpx.AsyncClient) -> str | None:
+        try:  # the GGUF file's name carries the precision
+            props = (await client.get("/props")).json()
+            path = props.get("model_path")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return path if isinstance(path, str) else None
+
     # --- the request path ---------------------------------------------------------------
 
     def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared:
@@ -252,6 +293,27 @@ class LlamaCppDialect(OpenAIDialect):
         if isinstance(timings_obj, dict):
             read_timings(timings_obj, out)
         return settle(tap, out, "its last event")
+
+
+class LlamaCppTokenizer:
+    """llama-server's ``/tokenize`` of the templated prompt (the one model it serves)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self.max_model_len: int | None = None
+
+    async def count(self, text: str) -> int:
+        prompt = text
+        try:  # the chat template's own tokens, where the server can apply it
+            r = await self.client.post(
+                "/apply-template", json={"messages": [{"role": "user", "content": text}]}
+            )
+            if r.status_code == 200 and isinstance(r.json().get("prompt"), str):
+                prompt = r.json()["prompt"]
+        except (httpx.HTTPError, ValueError):
+            pass
+        resp = await self.client.post("/tokenize", json={"content": prompt, "add_special": True})
+        return len(resp.json()["tokens"])
 
 
 def read_timings(obj: dict, out: Outcome) -> None:

@@ -24,7 +24,8 @@ Recognised by ``GET /api/version``. Models come from ``/api/tags``, their precis
 shape from ``/api/show``'s ``model_info`` (GGUF keys; the cache's element type is the
 server's ``OLLAMA_KV_CACHE_TYPE``, which no API shows); a model asked
 for without a tag means ``:latest``. Its own state comes from ``/api/ps``: the loaded
-models, their size in VRAM and when they unload.
+models, their size in VRAM and when they unload. It has no tokenizer endpoint (the bench
+estimates prompt lengths from usage).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
+    Tokenizer,
     error_message,
     loads,
     read_response,
@@ -203,6 +205,9 @@ class OllamaDialect(OpenAIDialect):
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         status, body = await read_bounded(client, "GET", "/api/ps")
         return EngineReading(ollama_ps(json.loads(body))) if status == 200 else None
+
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> Tokenizer | None:
+        return None  # no tokenizer endpoint, native or /v1
 
     # --- the request path ---------------------------------------------------------------
 

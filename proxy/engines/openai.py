@@ -32,6 +32,7 @@ from .base import (
     Outcome,
     Prepared,
     Tap,
+    Tokenizer,
     canonical_name,
     error_message,
     loads,
@@ -53,6 +54,8 @@ class OpenAIDialect:
     name: ClassVar[str] = "openai"
     answers_any_model: ClassVar[bool] = False
     kv_default_dtype: ClassVar[str | None] = None
+    busy_gauges: ClassVar[tuple[str, ...]] = ()
+    generated_tokens: ClassVar[tuple[str, ...]] = ()
     #: Whether ``"stream_options":{}`` means include_usage=true (vLLM) or false (OpenAI).
     empty_stream_options_is_usage: ClassVar[bool] = False
     #: A cheap GET that says whether the engine answers (the health probe of an idle
@@ -105,6 +108,15 @@ class OpenAIDialect:
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         return None  # a generic OpenAI-compatible server exports no known gauges
+
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> Tokenizer | None:
+        return None  # OpenAI's API has no tokenizer endpoint
+
+    def listed_context(self, entry: dict) -> int | None:
+        return None
+
+    async def served_file(self, client: httpx.AsyncClient) -> str | None:
+        return None
 
     # --- the request path ---------------------------------------------------------------
 

@@ -14,7 +14,8 @@ its own preemption and prefix-cache counters and TTFT / end-to-end / time-per-ou
 histograms, re-exported beside phasewatch's as they are.
 
 Besides generation it serves whole-body pooling endpoints: embeddings, rerank, score,
-classify, pooling.
+classify, pooling. Its tokenizer is ``POST /tokenize`` with chat messages: it applies the
+model's chat template and answers the ``count`` and the model's ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class VLLMDialect(OpenAIDialect):
         {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     )
     empty_stream_options_is_usage: ClassVar[bool] = True
+    busy_gauges: ClassVar[tuple[str, ...]] = (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+    )
+    generated_tokens: ClassVar[tuple[str, ...]] = ("vllm:generation_tokens_total",)
     endpoints: ClassVar[dict[str, str]] = {**OpenAIDialect.endpoints, **POOLING}
     whole_endpoints: ClassVar[frozenset[str]] = frozenset(POOLING.values())
 
@@ -90,6 +96,35 @@ class VLLMDialect(OpenAIDialect):
         if status != 200:
             return None
         return vllm_reading(body.decode("utf-8", "replace"), models)
+
+    async def tokenizer(self, client: httpx.AsyncClient, model: str) -> VLLMTokenizer | None:
+        try:
+            resp = await client.post("/tokenize", json=_chat(model, "hello world"))
+            data = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("count"), int):
+            return VLLMTokenizer(client, model, data.get("max_model_len"))
+        return None
+
+    def listed_context(self, entry: dict) -> int | None:
+        value = entry.get("max_model_len")
+        return value if isinstance(value, int) and value > 0 else None
+
+
+def _chat(model: str, text: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}]}
+
+
+class VLLMTokenizer:
+    """vLLM's ``POST /tokenize`` of a one-message chat (the template applied)."""
+
+    def __init__(self, client: httpx.AsyncClient, model: str, max_model_len: int | None) -> None:
+        self.client, self.model, self.max_model_len = client, model, max_model_len
+
+    async def count(self, text: str) -> int:
+        resp = await self.client.post("/tokenize", json=_chat(self.model, text))
+        return resp.json()["count"]
 
 
 def vllm_reading(text: str, models: set[str]) -> EngineReading:

@@ -159,7 +159,10 @@ def test_report_from_live_metrics_matches_bench(benched):
             "share_decode"
         ] == pytest.approx(1)
         assert (
-            r["decode_watts"] is None and r["idle_watts"] is None and r["joules_per_token"] is None
+            r["decode_watts"] is None
+            and r["idle_watts"] is None
+            and r["joules_per_token_at_decode"] is None
+            and r["joules_per_token_all_in"] is None
         )
     assert 2.5 <= rows["int4"]["decode_speedup"] <= 3.5
     assert 1.1 <= rows["int4"]["prefill_speedup"] <= 1.5

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from proxy.tools.bench import spread, stats, table, warnings
-from proxy.tools.bench_compare import diff, render
+from proxy.tools.bench.compare import diff, render
 
 from ..support.servers import ROOT
 

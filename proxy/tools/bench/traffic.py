@@ -8,7 +8,8 @@ Three signals, from the ``/metrics`` page of the URL benched:
   ``phasewatch_requests_total`` of the model's upstream grows by the bench's own requests
   and nothing else (compared cumulatively: the proxy counts a request when it ends, a
   little after the bench has read it, which can only hide, never invent, a request);
-- **tokens generated that the bench did not ask for**: straight at an engine, vLLM's
+- **tokens generated that the bench did not ask for**: straight at an engine (each
+  engine module names its counter, ``generated_tokens``), vLLM's
   ``vllm:generation_tokens_total`` or llama-server's ``llamacpp:tokens_predicted_total``
   beyond the ``max_tokens`` of every request the bench sent;
 - **busy beyond the bench's own requests**: the proxy's ``in_flight_requests`` and
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ...engines import ENGINES
+
 #: Seconds between polls of the busy gauges during a run: half of phasewatch's default
 #: --engine-scrape (its engine gauges change no faster), and rare enough that serving
 #: and reading the page does not disturb what is measured (runs shorter than this are
@@ -46,13 +49,10 @@ FRESH_S = 1.0
 _PW_REQUESTS = "phasewatch_requests_total"
 _PW_LIVE = ("phasewatch_in_flight_requests", "phasewatch_queued_requests")
 _PW_ENGINE = ("phasewatch_engine_requests_running", "phasewatch_engine_requests_waiting")
-_ENGINE_BUSY = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "llamacpp:requests_processing",
-    "llamacpp:requests_deferred",
-)
-_ENGINE_TOKENS = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
+#: Straight at an engine: its own busy gauges and generated-tokens counter, as each engine
+#: of the registry names them.
+_ENGINE_BUSY = tuple(name for engine in ENGINES.values() for name in engine.busy_gauges)
+_ENGINE_TOKENS = tuple(name for engine in ENGINES.values() for name in engine.generated_tokens)
 _WANTED = (
     _PW_REQUESTS,
     *_PW_LIVE,

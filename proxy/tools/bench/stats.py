@@ -1,5 +1,5 @@
 """The figures of a scenario's runs: median, min and max, their spread, and how the
-bench writes them (shared by :mod:`.bench` and :mod:`.bench_compare`)."""
+bench writes them (shared by the bench and :mod:`.compare`)."""
 
 from __future__ import annotations
 

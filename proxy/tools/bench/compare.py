@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .bench_stats import legacy_stats, num, size_label
+from .stats import legacy_stats, num, size_label
 
 HIGHER_IS_BETTER = ("decode tok/s", "at once")
 
