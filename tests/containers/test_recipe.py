@@ -19,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..support.servers import start_sim
 from .podman import CrashLoop, free_port, poll
 
 pytestmark = pytest.mark.container
@@ -133,3 +134,75 @@ def test_a_crash_at_start_is_reported_not_restarted_away(podman, image, project)
         podman.wait_healthy(name, timeout=60)
     assert "--power-dcgm-url" in str(info.value), str(info.value)
     assert podman.inspect(name)["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
+
+
+def test_the_real_engine_override_reaches_an_engine_on_the_host(podman, image, project):
+    """deploy/compose.real-engine.yml as its header gives it for podman: an engine already
+    running on the host (a simulated llama-server listening on every address), reached
+    from the proxy's container as host.containers.internal; the simulator and its load
+    generator stay off, and no simulated watts are sampled."""
+    sim = start_sim("llamacpp", speed=8.0, extra=["--host", "0.0.0.0"])
+    try:
+        port = free_port()
+        podman.compose(
+            project,
+            "up",
+            "-d",
+            "--no-build",
+            files=("docker-compose.yml", "deploy/compose.real-engine.yml"),
+            env={
+                "PHASEWATCH_IMAGE": image,
+                "BIND_ADDRESS": "127.0.0.1",
+                "PROXY_PORT": str(port),
+                "HOST_GATEWAY": "127.0.0.1",  # podman 4 refuses host-gateway (the header)
+                "PHASEWATCH_UPSTREAM": "host=http://host.containers.internal:"
+                + sim.url.rsplit(":", 1)[1],
+            },
+        )
+        names = podman.out(
+            "ps",
+            "-a",
+            "--filter",
+            f"label=io.podman.compose.project={project}",
+            "--format",
+            "{{.Names}}",
+        ).split()
+        assert not any(n.endswith(("_simulator_1", "_loadgen_1")) for n in names), names
+        name = podman.container(project, "phasewatch")
+        podman.wait_healthy(name)
+        proxy = f"http://127.0.0.1:{port}"
+
+        def answered():
+            # (the proxy may start before it has looked at the engine: keep asking)
+            r = httpx.post(
+                proxy + "/completion",
+                json={"prompt": "hello from the host", "n_predict": 8, "stream": True},
+                timeout=30,
+            )
+            return r.status_code == 200 and b'"stop":true' in r.content
+
+        poll("a stream through the proxy to the host's engine", answered, 90, interval=2)
+        seen: dict = {}
+
+        def agrees():
+            text = httpx.get(proxy + "/metrics", timeout=10).text
+            tokens = sum(
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "phasewatch_tokens_total"
+                and s.labels.get("phase") == "decode"
+                and s.labels.get("upstream") == "host"
+            )
+            truth = sum(t["completion_tokens"] for t in sim.truth() if not t.get("aborted"))
+            seen.update(tokens=tokens, truth=truth)
+            return text if tokens and tokens == truth else None
+
+        try:
+            text = poll("the proxy's decode tokens equal the engine's truth", agrees, 30)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {seen}") from None
+        for family in ("phasewatch_gpu_energy_joules_total{", 'source="dcgm"'):
+            assert family not in text, f"{family} in /metrics: the simulator's watts leaked in"
+    finally:
+        sim.stop()
