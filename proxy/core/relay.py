@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import httpx
 
-from ..engines import Tap, get_dialect, is_admin_path
+from ..engines import MODEL_FIELDS, Tap, is_admin_path, native_api
 from ..engines.framing import MAX_EVENT_BYTES
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
@@ -42,13 +42,6 @@ from .pool import PoolDown
 from .upstreams import Upstream, Upstreams, failure_reason
 
 log = logging.getLogger(__name__)
-
-#: Ollama's own API: requests there are routed to Ollama upstreams only.
-OLLAMA_NATIVE = "/api/"
-
-
-#: Ollama's dialect, for the errors phasewatch answers on Ollama's API itself.
-_OLLAMA = get_dialect("ollama")
 
 #: Largest non-streamed measured response kept for reading its usage.
 _MAX_KEPT_BODY = 16 * 1024 * 1024
@@ -201,15 +194,17 @@ class Relay:
                 await catalog.send_union(send, self.upstreams, path)
                 return
             model = _peek_model(body) if method == "POST" else catalog.model_in_path(path)
-            if path.startswith(OLLAMA_NATIVE) and method in ("POST", "DELETE"):
-                native = self.upstreams.route_native(model if method == "POST" else None)
-                if native is None:  # only engines without Ollama's API serve it
+            api = native_api(path) if method in ("POST", "DELETE") else None
+            if api is not None:  # an engine's own API: only that engine's upstreams
+                prefix, speaker = api
+                native = self.upstreams.route_native(model if method == "POST" else None, prefix)
+                if native is None:  # only engines without that API serve it
                     await send_error(
                         send,
                         404,
                         f"model '{model}' not found",
                         "not_found",
-                        shape=lambda st, msg, kind: _OLLAMA.error_body(st, msg, kind, path),
+                        shape=lambda st, msg, kind: speaker.error_body(st, msg, kind, path),
                     )
                     return
                 upstream = native
@@ -787,6 +782,8 @@ def _peek_model(body: bytes) -> str | None:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    # "name": Ollama's older alias of "model"
-    model = obj.get("model", obj.get("name")) if isinstance(obj, dict) else None
+    if not isinstance(obj, dict):
+        return None
+    # the first of the engines' model fields present counts (Ollama's older "name")
+    model = next((obj[k] for k in MODEL_FIELDS if k in obj), None)
     return model if isinstance(model, str) else None
