@@ -280,6 +280,17 @@ def test_the_relay_loop_fits_on_a_screen():
     assert "async for chunk in resp.aiter_raw()" in source and "feed(" in source, source
 
 
+def test_the_data_path_is_rooms_of_one_concern():
+    """No module of the data path grows past a screenful of screens: one that does has
+    taken a second concern (the relay was split by concern for that reason)."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (PACKAGE / "core").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 650
+    }
+    assert not long, long
+
+
 def test_no_document_outside_the_repository_is_cited():
     """Docstrings, help texts and comments explain themselves."""
     import re
