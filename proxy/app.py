@@ -25,6 +25,8 @@ from .core.errors import send_error
 from .core.host import Host
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
+from .core.refusals import Refusal, Refusals
+from .core.reply import Reply
 from .measure.exposition import exposition_app
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder
@@ -118,7 +120,7 @@ class ProxyApp:
         )
         # rendered on a worker thread: a big registry must not stall the event loop
         self.exposition = exposition_app(self.metrics.exposition)
-        self._refusals = LimitedLog(log)
+        self._refusals = Refusals(self.metrics, LimitedLog(log))
         #: /metrics on the proxy port, unless it has its own address.
         self.serve_metrics = settings.metrics_port is None and settings.metrics_host is None
 
@@ -195,9 +197,7 @@ class ProxyApp:
         return True
 
     async def _refuse(self, send: Send, reason: str, status: int, message: str, kind: str) -> None:
-        self.metrics.rejected_total.labels(reason).inc()
-        self._refusals.warning(reason, "refused a request (%s): %s", reason, message)
-        await send_error(send, status, message, kind)
+        await self._refusals.refuse(Reply(send), Refusal(status, message, kind, reason))
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless

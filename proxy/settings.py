@@ -33,7 +33,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .core.balance import BalanceOptions
 from .core.upstreams import UpstreamOptions, UpstreamSpec
-from .engines import ENGINES
+from .engines import ENGINES, engine_names
 from .measure.kvcache import KV_DTYPE_BYTES, kv_dtype
 from .measure.precision import PRECISIONS, normalise
 from .services.power import PowerOptions
@@ -263,7 +263,7 @@ class Settings(BaseSettings):
     )
     engine: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Engine dialect override per upstream: name=vllm|openai|ollama|llamacpp "
+        description=f"Engine dialect override per upstream: name={engine_names()} "
         "(default: detected).",
     )
     max_concurrency: int = Field(

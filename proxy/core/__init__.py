@@ -1,7 +1,13 @@
 """The data path: access check, routing, admission gate, relay, the exchange's record.
 
-Imports only downward (engines, transport, measure); never tools, services or the
-simulator.
+One step of a request's life per module, in the order it lives them: ``relay`` (the
+ASGI app walking it through), ``budget`` (its body), ``routing`` (its upstream or pool),
+``refusals`` (an answer of the proxy's own instead), ``admission`` (its place at the
+gate), ``upstream_call`` (sent, failures mapped, retried while unsent), ``respond`` (the
+relay loop), ``reply`` (the final send, the client watched); ``exchange`` is what the
+recorder reads of it. Engines are reached only through their Dialect (no engine is
+named here). Imports only downward (engines, transport, measure); never tools, services
+or the simulator.
 """
 
 from __future__ import annotations

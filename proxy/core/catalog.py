@@ -1,12 +1,14 @@
 """Model listings through a proxy with several upstreams: the union of their models.
 
 With one upstream every path is passed through untouched. With several, a client asking
-``GET /v1/models`` (or Ollama's ``GET /api/tags`` / ``/api/ps``) must see every model it
-can reach through the proxy, so the proxy asks each upstream and merges the lists:
-OpenAI-style ``data`` entries as each engine wrote them, and Ollama-style ``models``
-entries from the Ollama upstreams only: an Ollama client speaks Ollama's own API, which
-the other engines do not serve (:meth:`~proxy.core.upstreams.Upstreams.route_native`
-answers such a request with Ollama's own "not found").
+a model list (OpenAI's ``GET /v1/models``, or an engine's own such as Ollama's
+``GET /api/tags``) must see every model it can reach through the proxy, so the proxy asks
+each upstream whose engine serves that list and merges the answers as the engine's
+:class:`~proxy.engines.base.Listing` says: entries as each engine wrote them, a model
+named twice kept once. A list on an engine's own API is asked of that engine's upstreams
+only: its clients speak that API, which the other engines do not serve
+(:meth:`~proxy.core.upstreams.Upstreams.route_native` answers such a request with the
+engine's own "not found").
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from ..engines import LISTINGS
 from ..engines.probe import get_json
 from .asgi import Send
 
 if TYPE_CHECKING:
     from .upstreams import Upstream, Upstreams
 
-UNION_PATHS = frozenset({"/v1/models", "/models", "/api/tags", "/api/ps"})
+UNION_PATHS = frozenset(LISTINGS)
 
 
 def model_in_path(path: str) -> str | None:
@@ -45,37 +48,26 @@ async def _get(u: Upstream, path: str) -> object:
 
 async def union(upstreams: Upstreams, path: str) -> bytes | None:
     """The merged listing for `path`, or None when no upstream answered."""
+    listing = LISTINGS[path]
     ups = upstreams.all
-    if path in ("/v1/models", "/models"):
-        answers = await asyncio.gather(*(_get(u, "/v1/models") for u in ups))
-        if all(a is None for a in answers):
+    asked = [u for u in ups if path in u.dialect.model_lists]
+    answers = await asyncio.gather(*(_get(u, listing.ask) for u in asked))
+    if listing.native:  # none of its engine's upstreams: an empty list
+        if asked and all(a is None for a in answers) and not any(u.up for u in ups):
             return None
-        data: list = []
-        seen: set = set()
-        for a in answers:
-            items = a.get("data") if isinstance(a, dict) else None
-            for item in items or []:
-                key = item.get("id") if isinstance(item, dict) else None
-                if key not in seen:
-                    seen.add(key)
-                    data.append(item)
-        return json.dumps(
-            {"object": "list", "data": data}, ensure_ascii=False, separators=(",", ":")
-        ).encode()
-    # Ollama's /api/tags and /api/ps
-    ollama = [u for u in ups if u.engine == "ollama"]
-    answers = await asyncio.gather(*(_get(u, path) for u in ollama))
-    if ollama and all(a is None for a in answers) and not any(u.up for u in ups):
+    elif all(a is None for a in answers):
         return None
-    models: list = []
-    seen = set()
+    merged: list = []
+    seen: set = set()
     for a in answers:
-        for item in (a.get("models") if isinstance(a, dict) else None) or []:
-            key = item.get("name") if isinstance(item, dict) else None
+        for item in (a.get(listing.items) if isinstance(a, dict) else None) or []:
+            key = item.get(listing.key) if isinstance(item, dict) else None
             if key not in seen:
                 seen.add(key)
-                models.append(item)
-    return json.dumps({"models": models}, ensure_ascii=False, separators=(",", ":")).encode()
+                merged.append(item)
+    return json.dumps(
+        {**dict(listing.head), listing.items: merged}, ensure_ascii=False, separators=(",", ":")
+    ).encode()
 
 
 async def send_union(send: Send, upstreams: Upstreams, path: str) -> None:

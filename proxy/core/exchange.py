@@ -39,6 +39,9 @@ class Exchange:
     trace_id: str | None = None
     trace: Any = None
     trace_headers: list[tuple[bytes, bytes]] | None = None
+    #: Errors that did not fail the request (events too large to measure, a body in a
+    #: coding phasewatch cannot decode): the recorder counts them with the others.
+    side_errors: list[str] = field(default_factory=list)
 
     @property
     def upstream_name(self) -> str:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ..engines import Dialect, ModelQuery, detect_engine, get_dialect
+from ..engines import GENERIC, Dialect, ModelQuery, detect_engine, get_dialect
 from ..measure.kvcache import KVModel, KVShape
 from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
@@ -120,7 +120,7 @@ class Upstream:
         #: The engine's name: the override, else what detection found, else "unknown".
         self.engine = spec.engine or UNKNOWN
         #: Until detected, requests are read as a generic OpenAI-compatible server's.
-        self.dialect: Dialect = get_dialect(spec.engine or "openai")
+        self.dialect: Dialect = get_dialect(spec.engine or GENERIC)
         # a precision table per upstream: one model name can be served at different
         # precisions by different engines (the side-by-side comparison the tool is for)
         self.precision = PrecisionTable(
@@ -551,22 +551,23 @@ class Upstreams:
         ordered = self.pools.choose(model, body)
         return ordered if ordered is not None else [self.route(model)]
 
-    def route_native(self, model: str | None) -> Upstream | None:
-        """The upstream for a request on Ollama's own API (``/api/…``): an Ollama upstream
-        serving `model`, else the first Ollama upstream (it answers for models it does not
-        have: pulls, its own "not found"). None when only engines without Ollama's API
-        serve `model`: the client could not use their answer, so the relay says "not
-        found" in Ollama's shape rather than pass on the engine's unrelated 404."""
-        ollama = [u for u in self.all if u.engine == "ollama"]
-        pooled = self.pools.choose(model, b"", among=ollama) if len(ollama) > 1 else None
+    def route_native(self, model: str | None, prefix: str) -> Upstream | None:
+        """The upstream for a request on an engine's own API (Ollama's ``/api/…``, its
+        path `prefix`): an upstream of that engine serving `model`, else the first
+        upstream of that engine (it answers for models it does not have: pulls, its own
+        "not found"). None when only engines without that API serve `model`: the client
+        could not use their answer, so the relay says "not found" in that API's shape
+        rather than pass on the engine's unrelated 404."""
+        native = [u for u in self.all if u.dialect.native_prefix == prefix]
+        pooled = self.pools.choose(model, b"", among=native) if len(native) > 1 else None
         if pooled:
             return pooled[0]
-        for u in ollama:
+        for u in native:
             if u.serves(model):
                 return u
         if any(u.serves(model) for u in self.all):
             return None
-        return ollama[0] if ollama else self.route(model)
+        return native[0] if native else self.route(model)
 
     def start(self, refresh_interval: float, host: Host | None = None) -> None:
         """Detect each engine and read its models now, then every `refresh_interval`,

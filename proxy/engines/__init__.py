@@ -1,9 +1,22 @@
 """Engines: one module per engine, each holding everything about it.
 
 ``openai`` (any OpenAI-compatible server), ``vllm``, ``ollama`` and ``llamacpp``
-(llama-server). Adding an engine means adding one module with a dialect class (see
-:class:`~proxy.engines.base.Dialect`) and naming it in :data:`ENGINES` and, if it can be
-recognised, in :data:`DETECTION_ORDER`. The bench asks the registry, not an engine by
+(llama-server). The core (and everything above it) reaches an engine only through the
+:class:`~proxy.engines.base.Dialect` protocol and this registry, never by its name: what
+is particular to an engine (its measured endpoints and how their answers read, its own
+API's path prefix and error shape, how its model lists merge, its health and
+model-management paths, how it is recognised, its own gauges) is a member of its dialect.
+
+Adding an engine is one module here plus one line in :data:`ENGINES` (and one in
+:data:`DETECTION_ORDER` if it can be recognised). SGLang, say: ``sglang.py`` with
+``class SGLangDialect(OpenAIDialect)``, ``name = "sglang"``, ``health_path = "/health"``,
+``endpoints`` adding ``"/generate": "sglang_generate"`` to OpenAI's, a ``prepare`` / ``tap``
+/ ``outcome`` for that native stream (``data: ... [DONE]`` SSE, the counts in
+``meta_info``), ``detect`` on ``GET /get_model_info``, and ``read_state`` reading the
+``sglang:num_running_reqs`` / ``sglang:num_queue_reqs`` / ``sglang:token_usage`` gauges of
+its ``/metrics`` (the shared Prometheus parser in :mod:`proxy.engines.prometheus`); then
+``"sglang": SGLangDialect`` in :data:`ENGINES`. The ``--engine`` flag, admin paths, model
+listings and routing pick it up from here. The bench asks the registry, not an engine by
 name: :func:`find_tokenizer`, :func:`listed_context`, :func:`served_file`.
 """
 
@@ -16,6 +29,7 @@ from .base import (
     EngineHistogram,
     EngineReading,
     EngineState,
+    Listing,
     ModelList,
     ModelQuery,
     Outcome,
@@ -29,16 +43,19 @@ from .openai import OpenAIDialect
 from .probe import Prober
 from .vllm import VLLMDialect
 
-ENGINES: dict[str, type[OpenAIDialect]] = {
+ENGINES: dict[str, type[Dialect]] = {
     "vllm": VLLMDialect,
     "openai": OpenAIDialect,
     "ollama": OllamaDialect,
     "llamacpp": LlamaCppDialect,
 }
 
+#: The engine an upstream is read as until its engine is known (detected or named).
+GENERIC: str = OpenAIDialect.name
+
 #: The order engines are tried in: the most specific signs first, the generic OpenAI
 #: server (anything listing /v1/models) last.
-DETECTION_ORDER: tuple[type[OpenAIDialect], ...] = (
+DETECTION_ORDER: tuple[type[Dialect], ...] = (
     OllamaDialect,
     LlamaCppDialect,
     VLLMDialect,
@@ -48,6 +65,41 @@ DETECTION_ORDER: tuple[type[OpenAIDialect], ...] = (
 #: Every engine's model-management paths: a request is checked against all of them, since
 #: the engine behind an upstream may not be detected yet.
 ADMIN_PATHS: frozenset[str] = frozenset(p for e in ENGINES.values() for p in e.admin_paths)
+
+#: Every engine's model-list endpoints (path -> how answers merge across upstreams).
+LISTINGS: dict[str, Listing] = {p: li for e in ENGINES.values() for p, li in e.model_lists.items()}
+
+#: The request fields any engine names the model in, in the order they count.
+MODEL_FIELDS: tuple[str, ...] = tuple(
+    dict.fromkeys(f for e in ENGINES.values() for f in e.model_fields)
+)
+
+
+def _native_apis() -> tuple[tuple[str, Dialect], ...]:
+    """The engines' own APIs: (path prefix, a dialect that speaks it), the first
+    registered engine of each prefix."""
+    apis: dict[str, Dialect] = {}
+    for engine in ENGINES.values():
+        if engine.native_prefix and engine.native_prefix not in apis:
+            apis[engine.native_prefix] = engine()
+    return tuple(apis.items())
+
+
+_NATIVE = _native_apis()
+
+
+def engine_names(sep: str = "|") -> str:
+    """The registered engines' names, in registry order (the --engine help text)."""
+    return sep.join(ENGINES)
+
+
+def native_api(path: str) -> tuple[str, Dialect] | None:
+    """The engine API `path` lies in, other than OpenAI's: (its prefix, a dialect that
+    speaks it), or None."""
+    for prefix, dialect in _NATIVE:
+        if path.startswith(prefix):
+            return prefix, dialect
+    return None
 
 
 def is_admin_path(path: str) -> bool:
@@ -112,10 +164,14 @@ __all__ = [
     "ADMIN_PATHS",
     "DETECTION_ORDER",
     "ENGINES",
+    "GENERIC",
+    "LISTINGS",
+    "MODEL_FIELDS",
     "Dialect",
     "EngineHistogram",
     "EngineReading",
     "EngineState",
+    "Listing",
     "ModelList",
     "ModelQuery",
     "Outcome",
@@ -123,9 +179,11 @@ __all__ = [
     "Tap",
     "Tokenizer",
     "detect_engine",
+    "engine_names",
     "find_tokenizer",
     "get_dialect",
     "is_admin_path",
     "listed_context",
+    "native_api",
     "served_file",
 ]

@@ -33,6 +33,8 @@ from .framing import MAX_EVENT_BYTES, Framer, Raw
 if TYPE_CHECKING:
     import httpx
 
+    from .probe import Prober
+
 
 @dataclass(slots=True)
 class Prepared:
@@ -376,8 +378,25 @@ class Tokenizer(Protocol):
         where the engine applies it; raises when the engine stops answering as it did."""
 
 
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A model-list endpoint whose answers merge across upstreams: with several, a client
+    asking it must see every model it can reach through the proxy. Each upstream whose
+    engine serves the same path is asked `ask`; the `items` lists of their answers are
+    merged (a model named twice, by its `key` field, kept once) under the `head` fields."""
+
+    ask: str  # the path each upstream is asked
+    items: str  # the answer's list of models: OpenAI ``data``, Ollama ``models``
+    key: str  # the field of an item that names its model
+    head: tuple[tuple[str, object], ...] = ()  # fields written before the list
+    #: On the engine's own API (``native_prefix``): only its upstreams are asked, and an
+    #: empty merge stands as the answer unless no upstream at all is up.
+    native: bool = False
+
+
 class Dialect(Protocol):
-    """One engine as the proxy's core sees it."""
+    """One engine as the proxy's core sees it: everything the core needs to know of an
+    engine is a member here, so the core never asks which engine it is."""
 
     name: ClassVar[str]
     #: llama-server answers any model name with the one model it serves.
@@ -393,6 +412,27 @@ class Dialect(Protocol):
     #: generated (a counter): how a client sees load that is not its own (the bench).
     busy_gauges: ClassVar[tuple[str, ...]]
     generated_tokens: ClassVar[tuple[str, ...]]
+    #: The measured endpoints, path -> bounded endpoint label (generations, and the
+    #: whole-body requests such as embeddings).
+    endpoints: ClassVar[dict[str, str]]
+    #: The labels of `endpoints` whose answer is one whole body (embeddings, rerank ...):
+    #: counted, timed and their prompt tokens read, never tapped as a stream.
+    whole_endpoints: ClassVar[frozenset[str]]
+    #: The path prefix of the engine's own API beside the OpenAI one (Ollama's ``/api/``):
+    #: requests that act there (POST, DELETE) go only to upstreams of an engine with the
+    #: same prefix, and the proxy's own errors there take :meth:`error_body`'s shape for
+    #: that path. None: the engine has none.
+    native_prefix: ClassVar[str | None]
+    #: Model-list endpoints (path -> how their answers merge) across upstreams.
+    model_lists: ClassVar[dict[str, Listing]]
+    #: The request body's fields that name the model, the first present one counting
+    #: (routing peeks at them before the upstream, and so the dialect, is known).
+    model_fields: ClassVar[tuple[str, ...]]
+
+    # --- recognising it -----------------------------------------------------------------
+    @staticmethod
+    async def detect(probe: Prober) -> bool:
+        """Whether the engine behind `probe` is this one (tried in DETECTION_ORDER)."""
 
     # --- the request path -------------------------------------------------------------
     def endpoint(self, method: str, path: str) -> str | None:

@@ -50,6 +50,7 @@ from ..measure.timeline import EngineTimings, Marks, Usage
 from .base import (
     EngineReading,
     EngineState,
+    Listing,
     ModelList,
     ModelQuery,
     Outcome,
@@ -157,6 +158,16 @@ class OllamaDialect(OpenAIDialect):
     empty_stream_options_is_usage: ClassVar[bool] = False
     endpoints: ClassVar[dict[str, str]] = {**NATIVE, **OPENAI, **EMBED}
     whole_endpoints: ClassVar[frozenset[str]] = frozenset(EMBED.values())
+    #: Ollama's own API: its clients are answered by Ollama upstreams only.
+    native_prefix: ClassVar[str | None] = "/api/"
+    #: Its own model lists beside OpenAI's, merged by name over the Ollama upstreams.
+    model_lists: ClassVar[dict[str, Listing]] = {
+        **OpenAIDialect.model_lists,
+        "/api/tags": Listing("/api/tags", "models", "name", native=True),
+        "/api/ps": Listing("/api/ps", "models", "name", native=True),
+    }
+    #: "name": Ollama's older alias of "model".
+    model_fields: ClassVar[tuple[str, ...]] = ("model", "name")
 
     # --- recognising it, its models and their precision, its state ----------------------
 

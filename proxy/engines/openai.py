@@ -27,6 +27,7 @@ from ..measure.sanity import Values
 from ..measure.timeline import Marks
 from .base import (
     EngineReading,
+    Listing,
     ModelList,
     ModelQuery,
     Outcome,
@@ -72,6 +73,15 @@ class OpenAIDialect:
     #: Measured endpoints whose answer is one whole body (no tokens generated): counted,
     #: timed and their prompt tokens read, never tapped as a stream.
     whole_endpoints: ClassVar[frozenset[str]] = frozenset({"embeddings"})
+    #: A generic server has no API of its own beside OpenAI's.
+    native_prefix: ClassVar[str | None] = None
+    #: OpenAI's model list (``/models``: the same list, as clients with a ``/v1`` base
+    #: URL of their own ask it), merged by model id.
+    model_lists: ClassVar[dict[str, Listing]] = {
+        path: Listing("/v1/models", "data", "id", (("object", "list"),))
+        for path in ("/v1/models", "/models")
+    }
+    model_fields: ClassVar[tuple[str, ...]] = ("model",)
 
     # --- recognising it, its models and their precision (off the request path) ---------
 

@@ -37,6 +37,8 @@ class Finished(Protocol):
     error_message: str | None
     abort_phase: str | None
     marks: Marks
+    #: Error kinds that did not fail the request (counted beside error_kind).
+    side_errors: list[str]
 
     @property
     def upstream_name(self) -> str: ...
@@ -161,8 +163,12 @@ class Recorder:
             return
         if f.queue_proxy is not None:
             m.queue_seconds.labels(*base, "proxy").observe(f.queue_proxy)
+        # every error kind is counted here: the one that failed the request, and those
+        # that did not
         if ex.error_kind:
             m.errors_total.labels(*base, ex.error_kind).inc()
+        for kind in ex.side_errors:
+            m.errors_total.labels(*base, kind).inc()
         if ex.outcome == "aborted":
             m.aborts_total.labels(*base, ex.abort_phase or "unknown").inc()
 

@@ -55,7 +55,7 @@ pausing), the upgrade hooks it is told not to follow (``_should_upgrade``,
 ``_unsupported_upgrade_warning``), and a cycle's state (``keep_alive``, ``more_body``,
 ``response_started``, ``response_complete``, ``disconnected``, ``message_event``). These
 are private and change between uvicorn releases: ``pyproject.toml`` bounds uvicorn to the
-minor versions the hostile-wire tests pass on, and ``tests/test_protocol_borrowed.py``
+minor versions the hostile-wire tests pass on, and ``tests/e2e/test_protocol_borrowed.py``
 fails loudly when one of them is gone.
 """
 

@@ -91,6 +91,7 @@ class Done:
     streamed: bool = True
     gaps: tuple[list[int], float] | None = None
     kv: None = None
+    side_errors: list[str] = field(default_factory=list)
 
 
 class Lines(logging.Handler):

@@ -1,0 +1,100 @@
+"""The answer to one client, and the client watched while it waits for it.
+
+A client that hangs up cancels its exchange at once (which closes the upstream connection,
+so the engine stops generating), unless its answer is already complete: the last message
+of an answer goes out through :meth:`Reply.end` or :meth:`Reply.error`, which mark it
+finished first, so a client that leaves after that has had its whole answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+from .asgi import Receive, Send
+from .errors import ErrorShape, send_error
+from .headers import Headers
+
+
+class Reply:
+    """What goes back to one client: its ASGI `send`, the headers every error of the
+    proxy's own carries (`echo`: x-request-id with --echo-request-id), whether the last
+    message went, and whether the client left before it."""
+
+    __slots__ = ("_task", "_watcher", "disconnected", "echo", "finished", "send")
+
+    def __init__(self, send: Send, echo: Headers | None = None) -> None:
+        self.send = send
+        self.echo: Headers = echo or []
+        self.finished = False
+        self.disconnected = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def end(self, body: bytes = b"") -> None:
+        """The answer's last body message (the final send)."""
+        self.finished = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def error(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        headers: Headers | None = None,
+        shape: ErrorShape | None = None,
+    ) -> None:
+        """The whole answer is an error of the proxy's own (OpenAI's shape unless `shape`
+        gives the engine's for the path); `headers`, then the echo, go with it."""
+        self.finished = True
+        await send_error(self.send, status, message, kind, [*(headers or ()), *self.echo], shape)
+
+    def watching(self, receive: Receive) -> _Watching:
+        """Watch the client for the block's duration: when it hangs up before the answer
+        is finished, the current task is cancelled; that cancellation ends the block
+        quietly and leaves `disconnected` set."""
+        return _Watching(self, receive)
+
+    def unwatch(self) -> None:
+        """Stop watching (from here on, a client that leaves cancels nothing)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not self.finished:
+                    self.disconnected = True
+                    assert self._task is not None
+                    self._task.cancel()
+                return
+
+
+class _Watching:
+    __slots__ = ("receive", "reply")
+
+    def __init__(self, reply: Reply, receive: Receive) -> None:
+        self.reply, self.receive = reply, receive
+
+    async def __aenter__(self) -> Reply:
+        reply = self.reply
+        reply._task = asyncio.current_task()
+        assert reply._task is not None
+        reply._watcher = asyncio.create_task(reply._watch(self.receive))
+        return reply
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        reply = self.reply
+        reply.unwatch()
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and reply.disconnected:
+            assert reply._task is not None
+            reply._task.uncancel()
+            return True  # the client left: not an error of ours
+        return False

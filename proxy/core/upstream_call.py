@@ -1,0 +1,151 @@
+"""The upstream call: one request sent to its upstream, and its failures mapped.
+
+The request goes straight to the upstream's transport with exactly the client's
+end-to-end headers (httpx's client would add its defaults and keep cookies). A failure
+becomes an :class:`~proxy.core.errors.UpstreamFailure` with the status the client gets
+(502 unreachable or broken, 503 no free connection, 504 no answer in time), and ejects
+the upstream where it says the engine went away. One that left no byte of the request
+at the engine (``unsent``) lets the request go to the next member of its pool instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from ..measure.timeline import Marks
+from .access import Access
+from .asgi import Scope
+from .errors import UpstreamFailure, describe
+from .headers import Headers, request_headers
+from .limited import LimitedLog
+from .routing import Route
+from .upstreams import Upstream, failure_reason
+
+#: Called before a request that could not be sent goes to the next member of its pool
+#: (the measured path moves its admission there); it may raise the failure again.
+Moving = Callable[[Upstream, UpstreamFailure], Awaitable[None]]
+
+
+class UpstreamCall:
+    """Sends requests upstream (see the module's docstring)."""
+
+    def __init__(self, access: Access, said: LimitedLog) -> None:
+        self.access = access
+        self.said = said
+
+    async def open_route(
+        self,
+        route: Route,
+        scope: Scope,
+        body: bytes,
+        marks: Marks | None = None,
+        extra: Headers | None = None,
+        moving: Moving | None = None,
+    ) -> httpx.Response:
+        """Send the request to the route's upstream, then to the next member of its pool
+        while it could not be sent; a request that was sent is never sent again. The
+        route's upstream is, when this returns or raises, the last one tried."""
+        while True:
+            try:
+                return await self.open(route.upstream, scope, body, marks, extra)
+            except UpstreamFailure as exc:
+                if not exc.unsent or not route.chain:
+                    raise
+                failed, nxt = route.upstream, route.chain.pop(0)
+                self.said.warning(
+                    "retry",
+                    "upstream %s: a request could not be sent (%s); sent to %s of its pool instead",
+                    failed.name,
+                    exc.kind,
+                    nxt.name,
+                )
+                route.upstream = nxt
+                if moving is not None:
+                    await moving(nxt, exc)
+
+    async def open(
+        self,
+        upstream: Upstream,
+        scope: Scope,
+        body: bytes,
+        marks: Marks | None = None,
+        extra: Headers | None = None,
+    ) -> httpx.Response:
+        """Send the request upstream and return the response with its body unread;
+        `extra` headers (the trace context, with --otel) replace the client's of the
+        same name."""
+        qs = scope.get("query_string", b"")
+        target = scope.get("raw_path") or scope["path"].encode()
+        headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
+        if extra:
+            names = {k for k, _ in extra}
+            headers = [h for h in headers if h[0] not in names] + extra
+        where = f"upstream {upstream.name} ({upstream.url})"
+        try:
+            req = httpx.Request(
+                scope["method"],
+                upstream_url(upstream.url, target, qs),
+                headers=headers,
+                content=body,
+                extensions=upstream.request_extensions,
+            )
+        except httpx.InvalidURL as exc:
+            raise UpstreamFailure(400, "bad_request", f"bad request target: {exc}") from None
+        if marks is not None:
+            marks.t_sent = time.monotonic()
+        try:
+            resp = await upstream.transport.handle_async_request(req)
+        except httpx.ConnectTimeout as exc:
+            upstream.eject("timeout", failure_reason(exc, ""))
+            raise UpstreamFailure(
+                504,
+                "timeout",
+                f"{where} did not accept a connection in time: {describe(exc)}",
+                unsent=True,
+            ) from None
+        except httpx.ConnectError as exc:
+            upstream.eject("connect", failure_reason(exc, ""))
+            raise UpstreamFailure(
+                502, "connect", f"{where} is unreachable: {describe(exc)}", unsent=True
+            ) from None
+        except httpx.PoolTimeout as exc:
+            raise UpstreamFailure(
+                503, "pool", f"no free connection to {where}: {describe(exc)}", unsent=True
+            ) from None
+        except httpx.RemoteProtocolError as exc:  # sent, and the engine closed: no retry
+            upstream.eject("protocol", "closed the connection without an answer")
+            raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
+        except httpx.TimeoutException as exc:
+            raise UpstreamFailure(
+                504, "timeout", f"{where} did not answer in time: {describe(exc)}"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
+        if resp.status_code == 101:  # the connection now speaks another protocol
+            await resp.aclose()
+            raise UpstreamFailure(
+                502, "protocol", f"{where} switched protocols (101), which is not relayed"
+            )
+        upstream.answered(resp.status_code)
+        return resp
+
+
+#: Parsed upstream URLs by (base, target, query): parsing one is over half the cost of
+#: building a request, and a proxy sees the same few targets again and again.
+_URLS: dict[tuple[str, bytes, bytes], httpx.URL] = {}
+_MAX_URLS = 1024
+
+
+def upstream_url(base: str, target: bytes, qs: bytes) -> httpx.URL:
+    key = (base, target, qs)
+    url = _URLS.get(key)
+    if url is None:
+        text = base + target.decode("latin-1") + ("?" + qs.decode("latin-1") if qs else "")
+        url = httpx.URL(text)
+        if len(_URLS) >= _MAX_URLS:
+            _URLS.clear()  # bounded: a client making up targets only loses the cache
+        _URLS[key] = url
+    return url
