@@ -9,8 +9,8 @@ every query filters on the same variables.
     python grafana/build_dashboards.py          # rewrite grafana/dashboards/*.json
     python grafana/build_dashboards.py --check  # exit 1 if the files are out of date
 
-Every metric named here is defined in proxy/metrics.py or is a recording rule in
-deploy/prometheus/rules/phasewatch-recording.yml; tests/test_observability.py checks
+Every metric named here is defined in proxy/measure/metrics.py or is a recording rule in
+deploy/prometheus/rules/phasewatch-recording.yml; tests/e2e/test_observability.py checks
 that, and runs every query against a real Prometheus fed by phasewatch.
 """
 
@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+# the repository root, for the engine registry (proxy.engines) the panels are built from
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:
     from dashboards_src import overview, power, precision

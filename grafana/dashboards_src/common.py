@@ -19,6 +19,8 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import heatmap as hm
 from grafana_foundation_sdk.models import prometheus as pm
 
+from proxy.engines import GENERATION_ENDPOINTS
+
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'upstream=~"$upstream", model=~"$model", precision=~"$precision"'
 UP = 'upstream=~"$upstream"'
@@ -27,8 +29,9 @@ TOKS = "suffix: tok/s"
 GREEN, YELLOW, ORANGE, RED, BLUE = "green", "yellow", "orange", "red", "blue"
 
 #: Endpoints that generate (the rest are whole-body requests: embeddings, rerank, ...).
-GENERATION = 'endpoint=~"chat|completions|ollama_chat|ollama_generate|llamacpp_completion"'
-NOT_GENERATION = 'endpoint!~"chat|completions|ollama_chat|ollama_generate|llamacpp_completion"'
+#: Taken from the engine registry, so a new engine's generations join the panels.
+GENERATION = f'endpoint=~"{"|".join(GENERATION_ENDPOINTS)}"'
+NOT_GENERATION = f'endpoint!~"{"|".join(GENERATION_ENDPOINTS)}"'
 
 #: Any panel builder of the SDK (they share no base class but Builder[Panel]).
 PanelBuilder = timeseries.Panel | stat.Panel | bargauge.Panel | heatmap.Panel | table.Panel

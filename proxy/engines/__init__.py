@@ -75,6 +75,18 @@ MODEL_FIELDS: tuple[str, ...] = tuple(
 )
 
 
+#: The endpoint labels of generations (the measured endpoints that are not whole bodies),
+#: every engine's: the dashboards select generation panels by them.
+GENERATION_ENDPOINTS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        label
+        for e in ENGINES.values()
+        for label in e.endpoints.values()
+        if label not in e.whole_endpoints
+    )
+)
+
+
 def _native_apis() -> tuple[tuple[str, Dialect], ...]:
     """The engines' own APIs: (path prefix, a dialect that speaks it), the first
     registered engine of each prefix."""
@@ -164,6 +176,7 @@ __all__ = [
     "ADMIN_PATHS",
     "DETECTION_ORDER",
     "ENGINES",
+    "GENERATION_ENDPOINTS",
     "GENERIC",
     "LISTINGS",
     "MODEL_FIELDS",
