@@ -8,7 +8,7 @@
     python deploy/k8s/generate.py          # rewrite them
     python deploy/k8s/generate.py --check  # exit 1 if they are out of date
 
-tests/test_obs_deploy.py checks that the committed manifests match.
+tests/checks/test_obs_deploy.py checks that the committed manifests match.
 """
 
 from __future__ import annotations
