@@ -104,16 +104,10 @@ class ProxyApp:
         self.relay = Relay(
             self.upstreams,
             self.recorder,
-            inject_usage=settings.inject_usage,
-            max_body_bytes=settings.max_body_bytes,
+            settings.relay_options(),
             access=self.access,
             clients=Clients(settings.client_header, settings.clients),
             trace_hook=self.tracing.begin if self.tracing and self.tracing.traces else None,
-            echo_request_id=settings.echo_request_id,
-            max_body_memory=settings.max_body_memory,
-            max_event_bytes=settings.max_event_bytes,
-            body_timeout=settings.body_timeout,
-            admin_api=settings.admin_api_mode,
         )
         self.api = build_api(
             relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access

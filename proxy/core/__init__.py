@@ -1,13 +1,13 @@
 """The data path: access check, routing, admission gate, relay, the exchange's record.
 
 One step of a request's life per module, in the order it lives them: ``relay`` (the
-ASGI app walking it through), ``budget`` (its body), ``routing`` (its upstream or pool),
-``refusals`` (an answer of the proxy's own instead), ``admission`` (its place at the
-gate), ``upstream_call`` (sent, failures mapped, retried while unsent), ``respond`` (the
-relay loop), ``reply`` (the final send, the client watched); ``exchange`` is what the
-recorder reads of it. Engines are reached only through their Dialect (no engine is
-named here). Imports only downward (engines, transport, measure); never tools, services
-or the simulator.
+ASGI app walking it through, told its options at start-up in ``relay_options``),
+``budget`` (its body), ``routing`` (its upstream or pool), ``refusals`` (an answer of the
+proxy's own instead), ``admission`` (its place at the gate), ``upstream_call`` (sent,
+failures mapped, retried while unsent), ``respond`` (the relay loop), ``reply`` (the
+final send, the client watched); ``exchange`` is what the recorder reads of it. Engines
+are reached only through their Dialect (no engine is named here). Imports only downward
+(engines, transport, measure); never tools, services or the simulator.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .access import Access
 from .exchange import Exchange
 from .gate import AdmissionGate, QueueFull, QueueTimeout
 from .relay import Relay
+from .relay_options import RelayOptions
 from .upstreams import OTHER, UNKNOWN, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "QueueFull",
     "QueueTimeout",
     "Relay",
+    "RelayOptions",
     "Upstream",
     "UpstreamOptions",
     "UpstreamSpec",

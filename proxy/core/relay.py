@@ -22,7 +22,6 @@ from collections.abc import Callable
 import httpx
 
 from ..engines import Prepared
-from ..engines.framing import MAX_EVENT_BYTES
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
@@ -37,6 +36,7 @@ from .gate import QueueFull, QueueTimeout
 from .headers import IDENTITY, Headers, request_id, response_headers
 from .limited import LimitedLog
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
+from .relay_options import RelayOptions
 from .reply import Reply
 from .respond import Responder
 from .routing import Route, Router
@@ -76,40 +76,28 @@ class Relay:
         self,
         upstreams: Upstreams,
         recorder: Recorder,
+        options: RelayOptions | None = None,
         *,
-        inject_usage: bool,
-        max_body_bytes: int,
         access: Access | None = None,
         clients: Clients | None = None,
         trace_hook: TraceHook | None = None,
-        echo_request_id: bool = False,
-        max_body_memory: int | None = None,
-        max_event_bytes: int = MAX_EVENT_BYTES,
-        body_timeout: float = 30.0,
-        admin_api: str = "allow",
     ) -> None:
         self.upstreams = upstreams
         self.recorder = recorder
-        self.inject_usage = inject_usage
-        self.max_body_bytes = max_body_bytes
+        self.options = options = options or RelayOptions()
         self.access = access or Access([], {})
         self.clients = clients or Clients()
         self.trace_hook = trace_hook
-        #: Return the request id in an x-request-id response header (measured requests).
-        self.echo_request_id = echo_request_id
         #: Request bodies held at once, over every request of this process.
-        self.bodies = BodyBudget(max_body_memory or 4 * max_body_bytes)
-        self.max_event_bytes = max_event_bytes
-        #: Seconds a request body may stall (no byte arriving) before a 408.
-        self.body_timeout = body_timeout
+        self.bodies = BodyBudget(options.max_body_memory or 4 * options.max_body_bytes)
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
         # the steps of a request's life; their lines all come from this module's logger
         said = LimitedLog(log)
-        self.router = Router(upstreams, admin_api)
+        self.router = Router(upstreams, options.admin_api)
         self.refusals = Refusals(recorder.metrics, said)
         self.call = UpstreamCall(self.access, said)
-        self.responder = Responder(log, said, max_event_bytes, echo_request_id)
+        self.responder = Responder(log, said, options)
 
     def busy(self) -> int:
         """Generation requests in flight or queued, over all upstreams."""
@@ -129,7 +117,10 @@ class Relay:
                 receive,
                 send,
                 await held.read(
-                    receive, self.max_body_bytes, _declared_length(headers), self.body_timeout
+                    receive,
+                    self.options.max_body_bytes,
+                    _declared_length(headers),
+                    self.options.body_timeout,
                 ),
                 key_client,
             )
@@ -144,14 +135,14 @@ class Relay:
         if isinstance(exc, TooLarge):
             return Refusal(
                 413,
-                f"request body over {self.max_body_bytes} bytes",
+                f"request body over {self.options.max_body_bytes} bytes",
                 "request_too_large",
                 "body_too_large",
             )
         if isinstance(exc, Stalled):
             return Refusal(
                 408,
-                f"no byte of the request body arrived for {self.body_timeout:g}s",
+                f"no byte of the request body arrived for {self.options.body_timeout:g}s",
                 "request_timeout",
                 "body_timeout",
             )
@@ -183,7 +174,7 @@ class Relay:
         dialect = route.upstream.dialect
         endpoint = dialect.endpoint(method, path)
         # a dialect may also decline (an Ollama model load is not a generation)
-        prepared = dialect.prepare(endpoint, body, self.inject_usage) if endpoint else None
+        prepared = dialect.prepare(endpoint, body, self.options.inject_usage) if endpoint else None
         if prepared is None:
             await self._passthrough(scope, receive, send, route, body)
             return
@@ -318,7 +309,7 @@ class Relay:
 
     def _echo(self, ex: Exchange) -> Headers:
         """The x-request-id response header, with --echo-request-id."""
-        if not self.echo_request_id:
+        if not self.options.echo_request_id:
             return []
         return [(b"x-request-id", ex.request_id.encode("latin-1"))]
 

@@ -23,6 +23,7 @@ from .errors import describe
 from .exchange import Exchange
 from .headers import Headers, response_headers, without
 from .limited import LimitedLog
+from .relay_options import RelayOptions
 from .reply import Reply
 
 #: Largest non-streamed measured response kept for reading its usage.
@@ -32,13 +33,11 @@ MAX_KEPT_BODY = 16 * 1024 * 1024
 class Responder:
     """Relays measured responses (see the module's docstring)."""
 
-    def __init__(
-        self, log: logging.Logger, said: LimitedLog, max_event_bytes: int, echo_request_id: bool
-    ) -> None:
+    def __init__(self, log: logging.Logger, said: LimitedLog, options: RelayOptions) -> None:
         self.log = log
         self.said = said
-        self.max_event_bytes = max_event_bytes
-        self.echo_request_id = echo_request_id
+        self.max_event_bytes = options.max_event_bytes
+        self.echo_request_id = options.echo_request_id
 
     async def respond(self, reply: Reply, resp: httpx.Response, ex: Exchange) -> None:
         """Forward the response head, then its body (tapped when it is a stream)."""

@@ -96,15 +96,15 @@ def announce(proxy: socket.socket, metrics: socket.socket | None = None) -> None
 def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
     """Run `config`'s connections under the guarded protocol (proxy.runtime.protocol):
     the head limit and header deadline hold before any application code runs."""
-    s = app.settings
+    limits = app.settings.server_limits()
     rejected = app.metrics.rejected_total
     config.http = guarded_protocol(
-        s.max_head_bytes,
-        s.header_timeout,
+        limits.max_head_bytes,
+        limits.header_timeout,
         lambda reason: rejected.labels(reason).inc(),
-        max_pipelined=s.max_pipelined_requests,
-        max_held=s.max_pipelined_bytes,
-        max_stalled=s.max_stalled_streams,
+        max_pipelined=limits.max_pipelined_requests,
+        max_held=limits.max_pipelined_bytes,
+        max_stalled=limits.max_stalled_streams,
     )
     return config
 

@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 
-from proxy.core import Relay, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from proxy.transport import ClientOptions
@@ -45,8 +45,8 @@ def fleet(*handlers, max_concurrency: int = 0, max_queue: int = 256, **relay_arg
         ups.append(u)
     upstreams = Upstreams(ups)
     upstreams.probed = True
-    relay = Relay(upstreams, Recorder(metrics, access_lines=False), inject_usage=True,
-                  max_body_bytes=1 << 20, **relay_args)  # fmt: skip
+    options = RelayOptions(inject_usage=True, max_body_bytes=1 << 20, **relay_args)
+    relay = Relay(upstreams, Recorder(metrics, access_lines=False), options)
     return relay, metrics, ups
 
 

@@ -9,7 +9,7 @@ import json
 
 import httpx
 
-from proxy.core import Relay, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from proxy.transport import ClientOptions
@@ -22,8 +22,8 @@ def relay_with(handler, engine: str = "vllm") -> tuple[Relay, Metrics]:
     upstream.models = {"m"}
     upstreams = Upstreams([upstream])
     upstreams.probed = True
-    relay = Relay(upstreams, Recorder(metrics, access_lines=False), inject_usage=True,
-                  max_body_bytes=1 << 20)  # fmt: skip
+    options = RelayOptions(inject_usage=True, max_body_bytes=1 << 20)
+    relay = Relay(upstreams, Recorder(metrics, access_lines=False), options)
     return relay, metrics
 
 

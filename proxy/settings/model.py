@@ -1,23 +1,11 @@
-"""Proxy settings: one model, filled from flags and ``PHASEWATCH_*`` variables, parsed once
-into the typed objects the rest of the proxy takes.
-
-The command line (proxy.tools.cli) builds its flags from these fields, so a setting exists
-once, with one description, used for both ``--help`` and the README's table. Lists arrive
-as strings (``name=value`` pairs, URLs); they are checked and split here, once, into
-:class:`~proxy.core.upstreams.UpstreamSpec`, :class:`~proxy.core.upstreams.UpstreamOptions`
-and :class:`~proxy.services.power.PowerOptions`; nothing downstream splits a string again.
-An empty variable (``PHASEWATCH_POWER_DCGM_URL=``) counts as unset.
-"""
+"""The settings model: every option of ``phasewatch serve`` once (its flag, variable, default
+and description), validated, then parsed once into the typed sections its consumers take
+(:meth:`Settings.upstream_options`, :meth:`~Settings.relay_options`,
+:meth:`~Settings.server_limits`, :meth:`~Settings.power_options`, ...)."""
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
 import os
-import re
-from collections.abc import Mapping
-from dataclasses import replace
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -31,206 +19,23 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .core.balance import BalanceOptions
-from .core.upstreams import UpstreamOptions, UpstreamSpec
-from .engines import ENGINES, engine_names
-from .measure.kvcache import KV_DTYPE_BYTES, kv_dtype
-from .measure.precision import PRECISIONS, normalise
-from .services.power import PowerOptions
-from .transport import ClientOptions, TLSOptions
-
-
-def _split_list(value: Any) -> Any:
-    """Accept a JSON list, or a comma/space separated string (friendlier in env files)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            return json.loads(text)
-        return [part for part in text.replace(",", " ").split() if part]
-    return value
-
-
-#: The trailing path segment of an OpenAI base URL (``http://host:8000/v1``): phasewatch
-#: forwards the client's whole path, ``/v1`` included, so an upstream is the engine's base.
-_OPENAI_SUFFIX = "/v1"
-
-
-def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
-    """``[name=]URL`` -> (name or None, normalised base URL, a note for the log or None).
-
-    A base path is kept (``http://gateway/tenant-a``: requests go to
-    ``/tenant-a/v1/chat/completions``); a trailing ``/v1``, the habit from OpenAI base
-    URLs, is dropped with a note, since clients send ``/v1/…`` themselves. Raises
-    ValueError."""
-    name = None
-    url = spec.strip()
-    if "=" in url and not url.split("=", 1)[0].startswith(("http:", "https:")):
-        name, url = url.split("=", 1)
-        name = name.strip()
-        if not name or not all(c.isalnum() or c in "-_." for c in name):
-            raise ValueError(f"upstream name {name!r} must be letters, digits, '-', '_' or '.'")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(
-            f"upstream {spec!r} is not an http(s)://host[:port][/base-path] URL "
-            "(e.g. http://127.0.0.1:8000)"
-        )
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError as exc:
-        raise ValueError(f"upstream {spec!r} has a bad port") from exc
-    if parts.query or parts.fragment:
-        raise ValueError(f"upstream {spec!r} must not carry a query or fragment")
-    url = url.rstrip("/")
-    endpoint = _endpoint_part(parts.path)
-    if endpoint:
-        base = url[: len(url) - len(parts.path.rstrip("/"))] + parts.path.rstrip("/").removesuffix(
-            endpoint
-        )
-        raise ValueError(
-            f"upstream {url} is an endpoint URL (it ends in {endpoint}): give the engine's "
-            f"base URL, {base} (phasewatch appends each client's whole path to it: every "
-            "request would get the engine's 404)"
-        )
-    note = None
-    if parts.path.rstrip("/").endswith(_OPENAI_SUFFIX):
-        base = url.removesuffix(_OPENAI_SUFFIX)
-        note = (
-            f"upstream {url} ends in {_OPENAI_SUFFIX}: relaying to {base} instead "
-            f"(phasewatch forwards the client's whole path, {_OPENAI_SUFFIX} included: "
-            f"give the engine's base URL, and clients keep {_OPENAI_SUFFIX} in theirs)"
-        )
-        url = base
-    return name, url, note
-
-
-#: Paths of the engines' endpoints: an upstream URL ending in one is an endpoint, not a base.
-_ENDPOINTS = (
-    "/chat/completions",
-    "/completions",
-    "/embeddings",
-    "/responses",
-    "/api/chat",
-    "/api/generate",
-    "/api/embed",
-    "/api/embeddings",
-    "/completion",
+from ..core.upstreams import UpstreamSpec
+from ..engines import engine_names
+from ..measure.kvcache import KV_DTYPE_BYTES, kv_dtype
+from . import views
+from .checks import (
+    CLIENT_NAME_RE,
+    ENV_ALIASES,
+    ENV_PREFIX,
+    access_near_misses,
+    check_precision,
+    named_keys,
+    parse_upstream,
+    split_list,
+    split_named_key,
+    unknown_variables,
 )
-
-
-def _endpoint_part(path: str) -> str:
-    """The endpoint part of an upstream URL's path (``/v1/chat/completions``, any ``/v1/…``,
-    Ollama's ``/api/chat``), or "" for a base path."""
-    path = path.rstrip("/")
-    segments = path.split("/")
-    if "v1" in segments[:-1]:
-        return "/" + "/".join(segments[segments.index("v1") :])
-    for end in _ENDPOINTS:
-        if path.endswith(end):
-            return end
-    return ""
-
-
-ENV_PREFIX = "PHASEWATCH_"
-#: Variables of phasewatch's other commands (the simulator's ``PHASEWATCH_SIM_*``), of its
-#: compose file and of its test tier: not settings of ``serve``, yet no misspelling either.
-OTHER_VARIABLES = frozenset(
-    {
-        "PHASEWATCH_REAL_ENGINES",
-        "PHASEWATCH_ENGINES_DIR",
-        "PHASEWATCH_ENGINES_MANIFEST",
-        "PHASEWATCH_ENGINES_PYTHON",
-        "PHASEWATCH_ARTIFACTS",
-        "PHASEWATCH_CONTAINERS",
-        "PHASEWATCH_CONTAINERS_CACHE",
-        "PHASEWATCH_DEBIAN_MIRROR",
-        "PHASEWATCH_IMAGE",
-    }
-)
-OTHER_PREFIXES = ("PHASEWATCH_SIM_",)
-
-
-def unknown_variables(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
-    """One note per ``PHASEWATCH_*`` variable that names no setting (a misspelling such
-    as ``PHASEWATCH_UPSTREM`` would otherwise be ignored in silence), naming the nearest
-    known one. Only names are quoted, never values."""
-    notes = []
-    for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
-            continue
-        if name.startswith(OTHER_PREFIXES):
-            continue
-        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]}?" if near else "phasewatch serve --help lists the settings"
-        notes.append(
-            f"environment variable {name} is not a phasewatch setting and is ignored ({hint})"
-        )
-    return notes
-
-
-#: Settings whose absence opens the proxy (or hands the client's credentials to the
-#: engine): a near-miss of one refuses to start instead of being ignored with a warning.
-ACCESS_SETTINGS = ("PHASEWATCH_API_KEY", "PHASEWATCH_UPSTREAM_KEY")
-
-#: Second spellings of settings (``--upstream-ca-file`` beside ``--upstream-key-file``):
-#: variable -> field; the flags are added by the command line.
-ENV_ALIASES = {
-    "PHASEWATCH_UPSTREAM_CA_FILE": "upstream_ca",
-    "PHASEWATCH_UPSTREAM_CERT_FILE": "upstream_cert",
-}
-
-
-def access_near_misses(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
-    """``PHASEWATCH_*`` variables that name no setting yet look like an access-control
-    one (``PHASEWATCH_APIKEY``, ``PHASEWATCH_API_KEYS``): one message each (names only)."""
-    out = []
-    for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
-            continue
-        if name.startswith(OTHER_PREFIXES):
-            continue
-        # the nearest setting is one of them, or the name speaks of a key and is close
-        near = [
-            n
-            for n in difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-            if n in ACCESS_SETTINGS
-        ]
-        if not near and ("KEY" in name or "TOKEN" in name):
-            near = difflib.get_close_matches(name, ACCESS_SETTINGS, n=1, cutoff=0.8)
-        if near:
-            out.append(
-                f"environment variable {name} is not a phasewatch setting, and looks like "
-                f"{near[0]}: refusing to start rather than run without access control "
-                f"(rename it to {near[0]}, or unset it)"
-            )
-    return out
-
-
-def check_precision(item: str) -> None:
-    """``model=precision`` must name a precision or scheme the vocabulary knows: an
-    unknown word would label every request of that model ``unknown`` in silence."""
-    model, _, value = item.partition("=")
-    if value.strip().lower() == "unknown" or normalise(value).precision != "unknown":
-        return
-    raise ValueError(
-        f"{value!r} (for model {model!r}) is not a precision phasewatch knows: give one of "
-        f"{', '.join(p for p in PRECISIONS if p != 'unknown')}, or a scheme such as Q4_K_M, "
-        "Q8_0, F16, AWQ, GPTQ, FP8, W8A8, W4A16, NVFP4, MXFP4"
-    )
-
-
-#: A client name: what a named key or --clients may give as the `client` label.
-CLIENT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def split_named_key(text: str) -> tuple[str | None, str]:
-    """``NAME=KEY`` -> (NAME, KEY); a bare key -> (None, KEY). A key is read as named only
-    when what comes before its first ``=`` is a client name and something follows it, so
-    base64 keys ending in ``=`` stay bare."""
-    name, sep, key = text.partition("=")
-    if sep and key and not key.startswith("=") and CLIENT_NAME_RE.fullmatch(name):
-        return name, key
-    return None, text
+from .upstreams import upstream_specs
 
 
 class Settings(BaseSettings):
@@ -611,7 +416,7 @@ class Settings(BaseSettings):
     @field_validator("api_key", "upstream_key", mode="before")
     @classmethod
     def _secret_lists(cls, value: Any, info: ValidationInfo) -> Any:
-        items = _split_list(value)
+        items = split_list(value)
         if info.field_name == "api_key" and isinstance(value, str) and not items:
             raise ValueError("an empty key would leave the proxy open: give a key")
         return items
@@ -656,8 +461,8 @@ class Settings(BaseSettings):
     @classmethod
     def _clients_list(cls, value: Any) -> Any:
         if isinstance(value, list):  # --clients a,b,c on the command line too
-            return [name for item in value for name in _split_list(str(item))]
-        return _split_list(value)
+            return [name for item in value for name in split_list(str(item))]
+        return split_list(value)
 
     @field_validator("clients")
     @classmethod
@@ -684,7 +489,7 @@ class Settings(BaseSettings):
     )
     @classmethod
     def _lists(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_list(value)
 
     @field_validator("upstream")
     @classmethod
@@ -730,7 +535,7 @@ class Settings(BaseSettings):
     @field_validator("power_gpu", mode="before")
     @classmethod
     def _power_gpu_list(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_list(value)
 
     @field_validator("power_gpu")
     @classmethod
@@ -764,86 +569,22 @@ class Settings(BaseSettings):
                 f"({self.max_body_bytes}): no body of the largest size could be accepted"
             )
         for var, text in os.environ.items():  # ignored when empty, yet meant as a key
-            if var.upper() == "PHASEWATCH_API_KEY" and not _split_list(text):
+            if var.upper() == "PHASEWATCH_API_KEY" and not split_list(text):
                 raise ValueError(
                     "PHASEWATCH_API_KEY is set but holds no key: an empty key would leave "
                     "the proxy open (unset it, or give a key)"
                 )
-        keys = dict(k.get_secret_value().split("=", 1) for k in self.upstream_key)
         known = frozenset(ENV_PREFIX + f.upper() for f in type(self).model_fields) | set(
             ENV_ALIASES
         )
         misses = access_near_misses(os.environ, known)
         if misses:
             raise ValueError("; ".join(misses))
-        engines = dict(item.split("=", 1) for item in self.engine if "=" in item)
-        bare = [item for item in self.engine if "=" not in item]
-        specs = []
-        notes = []
-        for spec in self.upstream:
-            name, url, note = parse_upstream(spec)
-            if note:
-                notes.append(note)
-            if name is None:
-                parts = urlsplit(url)
-                name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
-            specs.append(UpstreamSpec(name, url, engine=engines.get(name), api_key=keys.get(name)))
-        if bare:
-            if len(bare) > 1 or len(specs) != 1:
-                raise ValueError(
-                    f"--engine {bare[0]} (without NAME=) is for a single upstream; with "
-                    f"{len(specs)} upstreams, give NAME={bare[0]} for each"
-                    + (f" (upstreams: {', '.join(s.name for s in specs)})" if specs else "")
-                )
-            engines[specs[0].name] = bare[0]
-            specs[0] = replace(specs[0], engine=bare[0])
-        names = {s.name for s in specs}
-        specs = self._with_tls(specs, names)
-        specs = self._with_weights(specs, names)
-        for name, engine in engines.items():
-            if engine not in ENGINES:
-                raise ValueError(
-                    f"--engine: {engine!r} is not an engine phasewatch knows "
-                    f"({', '.join(sorted(ENGINES))})"
-                )
-            if specs and name not in names:
-                raise ValueError(
-                    f"--engine: no upstream is named {name!r} (upstreams: "
-                    f"{', '.join(sorted(names))})"
-                )
-        for name in keys:
-            if specs and name not in names:
-                raise ValueError(
-                    f"--upstream-key: no upstream is named {name!r} (upstreams: "
-                    f"{', '.join(sorted(names))})"
-                )
-        if self.client_header and not self.clients:
-            raise ValueError(
-                "--client-header needs --clients a,b,c: the client label takes only those "
-                "names (anything else is 'other'), so a client cannot grow the series"
-            )
-        self._named_keys = {}
-        for item in self.api_key:
-            name, key = split_named_key(item.get_secret_value())
-            if name is not None:
-                self._named_keys[key] = name
-        clash = sorted(set(self.clients) & set(self._named_keys.values()))
-        if clash:
-            # a bare-key holder sending --client-header NAME would be counted as the holder
-            # of the named key: a client name belongs to a key or to --clients, never both
-            raise ValueError(
-                f"--clients: {clash[0]!r} is also the name of a named --api-key "
-                f"({clash[0]}=KEY): a request with a bare key could claim that client "
-                "through --client-header; give the --clients entry another name"
-            )
+        specs, notes = upstream_specs(self)
+        self._named_keys = named_keys(
+            self.api_key, self.clients, self.client_header, self.admin_api
+        )
         self._upstreams = tuple(specs)
-        if self.admin_api == "keyed" and not any(
-            split_named_key(k.get_secret_value())[0] is None for k in self.api_key
-        ):
-            raise ValueError(
-                "--admin-api keyed needs a proxy key that names no client (--api-key KEY): "
-                "only such a key may call the engines' model-management endpoints"
-            )
         self._notices = notes + unknown_variables(os.environ, known)
         self._precision = dict(item.split("=", 1) for item in self.precision)
         self._power_gpu = {
@@ -852,76 +593,12 @@ class Settings(BaseSettings):
         }
         return self
 
-    def _files(self, flag: str, values: list[str], names: set[str]) -> dict[str | None, str]:
-        """``[name=]FILE`` values by upstream name (None: every upstream)."""
-        out: dict[str | None, str] = {}
-        for item in values:
-            name, sep, path = item.partition("=")
-            key: str | None = name if sep and name in names else None
-            path = path if key is not None else item
-            if key in out:
-                raise ValueError(f"{flag}: given twice for {key or 'every upstream'}")
-            if not os.path.isfile(path):
-                raise ValueError(f"{flag}: {path!r} is not a readable file")
-            out[key] = path
-        return out
-
-    def _with_tls(self, specs: list[UpstreamSpec], names: set[str]) -> list[UpstreamSpec]:
-        """Each upstream's TLS options (its own file, else the one for every upstream)."""
-        ca = self._files("--upstream-ca", self.upstream_ca, names)
-        cert = self._files("--upstream-cert", self.upstream_cert, names)
-        key = self._files("--upstream-key-file", self.upstream_key_file, names)
-        for name in self.upstream_insecure:
-            if name != "*" and specs and name not in names:
-                raise ValueError(
-                    f"--upstream-insecure: no upstream is named {name!r} (upstreams: "
-                    f"{', '.join(sorted(names))})"
-                )
-        out = []
-        for spec in specs:
-            tls = TLSOptions(
-                ca=ca.get(spec.name, ca.get(None)),
-                cert=cert.get(spec.name, cert.get(None)),
-                key=key.get(spec.name, key.get(None)),
-                insecure="*" in self.upstream_insecure or spec.name in self.upstream_insecure,
-            )
-            if tls.key and not tls.cert:
-                raise ValueError(
-                    f"--upstream-key-file: upstream {spec.name} has no --upstream-cert"
-                )
-            if tls != TLSOptions():
-                tls.context()  # a bad file stops start-up here, with its reason
-                spec = replace(spec, tls=tls)
-            out.append(spec)
-        return out
-
-    def _with_weights(self, specs: list[UpstreamSpec], names: set[str]) -> list[UpstreamSpec]:
-        weights: dict[str, float] = {}
-        for item in self.upstream_weight:
-            name, _, text = item.partition("=")
-            try:
-                weight = float(text)
-            except ValueError:
-                weight = math.nan
-            if not name or not math.isfinite(weight) or weight <= 0:
-                raise ValueError(f"--upstream-weight: {item[:80]!r} is not name=W with W > 0")
-            if specs and name not in names:
-                raise ValueError(
-                    f"--upstream-weight: no upstream is named {name!r} (upstreams: "
-                    f"{', '.join(sorted(names))})"
-                )
-            weights[name] = weight
-        return [replace(s, weight=weights[s.name]) if s.name in weights else s for s in specs]
-
     @property
     def admin_api_mode(self) -> str:
         """allow, deny or keyed: auto is deny when a proxy key names a client, else allow."""
         if self.admin_api != "auto":
             return self.admin_api
         return "deny" if self._named_keys else "allow"
-
-    def balance_options(self) -> BalanceOptions:
-        return BalanceOptions(self.balance, self.affinity)
 
     @property
     def notices(self) -> list[str]:
@@ -932,41 +609,6 @@ class Settings(BaseSettings):
     def upstreams(self) -> tuple[UpstreamSpec, ...]:
         """Every upstream, named (unnamed ones by host:port), with its engine and key."""
         return self._upstreams
-
-    def upstream_options(self) -> UpstreamOptions:
-        """What every upstream shares."""
-        return UpstreamOptions(
-            client=ClientOptions(
-                kind=self.upstream_client,
-                connect_timeout=self.connect_timeout,
-                read_timeout=self.read_timeout,
-                write_timeout=self.write_timeout,
-                max_connections=self.upstream_max_connections,
-                pool_timeout=self.upstream_pool_timeout,
-                keepalive_expiry=self.upstream_keepalive,
-                max_head_bytes=self.upstream_max_head_bytes,
-            ),
-            max_concurrency=self.max_concurrency,
-            max_queue=self.max_queue,
-            queue_timeout=self.queue_timeout,
-            max_models=self.max_models,
-            extra_models=frozenset(self.models),
-            precision_overrides=tuple(self._precision.items()),
-            model_dir=self.model_dir,
-            kv_dtype_overrides=tuple(
-                (name, kv_dtype(dtype) or dtype)
-                for name, _, dtype in (item.partition("=") for item in self.kv_cache_dtype)
-            ),
-            health_interval=self.health_interval,
-            health_backoff_max=self.health_backoff_max,
-            health_timeout=self.health_timeout,
-            eject_after_5xx=self.eject_after_5xx,
-        )
-
-    def power_options(self) -> PowerOptions:
-        return PowerOptions(
-            self.power_source, self.power_dcgm_url, self.power_interval, dict(self._power_gpu)
-        )
 
     @property
     def api_keys(self) -> list[str]:
@@ -981,3 +623,20 @@ class Settings(BaseSettings):
     @property
     def upstream_keys(self) -> dict[str, str]:
         return {s.name: s.api_key for s in self._upstreams if s.api_key}
+
+    # --- the sections (proxy.settings.views), each one object for its consumer ------------
+
+    def relay_options(self) -> views.RelayOptions:
+        return views.relay_options(self)
+
+    def server_limits(self) -> views.ServerLimits:
+        return views.server_limits(self)
+
+    def balance_options(self) -> views.BalanceOptions:
+        return views.balance_options(self)
+
+    def upstream_options(self) -> views.UpstreamOptions:
+        return views.upstream_options(self)
+
+    def power_options(self) -> views.PowerOptions:
+        return views.power_options(self)

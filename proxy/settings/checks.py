@@ -1,0 +1,260 @@
+"""What a setting's value may be, checked once at start-up: upstream URLs (a base, not an
+endpoint), ``PHASEWATCH_*`` names and their near-misses (a near-miss of an access-control
+setting refuses to start), precision words, named keys, and the files a setting names."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import SecretStr
+
+from ..measure.precision import PRECISIONS, normalise
+
+
+def split_list(value: Any) -> Any:
+    """Accept a JSON list, or a comma/space separated string (friendlier in env files)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part for part in text.replace(",", " ").split() if part]
+    return value
+
+
+#: The trailing path segment of an OpenAI base URL (``http://host:8000/v1``): phasewatch
+#: forwards the client's whole path, ``/v1`` included, so an upstream is the engine's base.
+_OPENAI_SUFFIX = "/v1"
+
+
+def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
+    """``[name=]URL`` -> (name or None, normalised base URL, a note for the log or None).
+
+    A base path is kept (``http://gateway/tenant-a``: requests go to
+    ``/tenant-a/v1/chat/completions``); a trailing ``/v1``, the habit from OpenAI base
+    URLs, is dropped with a note, since clients send ``/v1/…`` themselves. Raises
+    ValueError."""
+    name = None
+    url = spec.strip()
+    if "=" in url and not url.split("=", 1)[0].startswith(("http:", "https:")):
+        name, url = url.split("=", 1)
+        name = name.strip()
+        if not name or not all(c.isalnum() or c in "-_." for c in name):
+            raise ValueError(f"upstream name {name!r} must be letters, digits, '-', '_' or '.'")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"upstream {spec!r} is not an http(s)://host[:port][/base-path] URL "
+            "(e.g. http://127.0.0.1:8000)"
+        )
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"upstream {spec!r} has a bad port") from exc
+    if parts.query or parts.fragment:
+        raise ValueError(f"upstream {spec!r} must not carry a query or fragment")
+    url = url.rstrip("/")
+    endpoint = endpoint_part(parts.path)
+    if endpoint:
+        base = url[: len(url) - len(parts.path.rstrip("/"))] + parts.path.rstrip("/").removesuffix(
+            endpoint
+        )
+        raise ValueError(
+            f"upstream {url} is an endpoint URL (it ends in {endpoint}): give the engine's "
+            f"base URL, {base} (phasewatch appends each client's whole path to it: every "
+            "request would get the engine's 404)"
+        )
+    note = None
+    if parts.path.rstrip("/").endswith(_OPENAI_SUFFIX):
+        base = url.removesuffix(_OPENAI_SUFFIX)
+        note = (
+            f"upstream {url} ends in {_OPENAI_SUFFIX}: relaying to {base} instead "
+            f"(phasewatch forwards the client's whole path, {_OPENAI_SUFFIX} included: "
+            f"give the engine's base URL, and clients keep {_OPENAI_SUFFIX} in theirs)"
+        )
+        url = base
+    return name, url, note
+
+
+#: Paths of the engines' endpoints: an upstream URL ending in one is an endpoint, not a base.
+_ENDPOINTS = (
+    "/chat/completions",
+    "/completions",
+    "/embeddings",
+    "/responses",
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+    "/completion",
+)
+
+
+def endpoint_part(path: str) -> str:
+    """The endpoint part of an upstream URL's path (``/v1/chat/completions``, any ``/v1/…``,
+    Ollama's ``/api/chat``), or "" for a base path."""
+    path = path.rstrip("/")
+    segments = path.split("/")
+    if "v1" in segments[:-1]:
+        return "/" + "/".join(segments[segments.index("v1") :])
+    for end in _ENDPOINTS:
+        if path.endswith(end):
+            return end
+    return ""
+
+
+ENV_PREFIX = "PHASEWATCH_"
+#: Variables of phasewatch's other commands (the simulator's ``PHASEWATCH_SIM_*``), of its
+#: compose file and of its test tier: not settings of ``serve``, yet no misspelling either.
+OTHER_VARIABLES = frozenset(
+    {
+        "PHASEWATCH_REAL_ENGINES",
+        "PHASEWATCH_ENGINES_DIR",
+        "PHASEWATCH_ENGINES_MANIFEST",
+        "PHASEWATCH_ENGINES_PYTHON",
+        "PHASEWATCH_ARTIFACTS",
+        "PHASEWATCH_CONTAINERS",
+        "PHASEWATCH_CONTAINERS_CACHE",
+        "PHASEWATCH_DEBIAN_MIRROR",
+        "PHASEWATCH_IMAGE",
+    }
+)
+OTHER_PREFIXES = ("PHASEWATCH_SIM_",)
+
+
+def unknown_variables(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
+    """One note per ``PHASEWATCH_*`` variable that names no setting (a misspelling such
+    as ``PHASEWATCH_UPSTREM`` would otherwise be ignored in silence), naming the nearest
+    known one. Only names are quoted, never values."""
+    notes = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
+            continue
+        if name.startswith(OTHER_PREFIXES):
+            continue
+        near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}?" if near else "phasewatch serve --help lists the settings"
+        notes.append(
+            f"environment variable {name} is not a phasewatch setting and is ignored ({hint})"
+        )
+    return notes
+
+
+#: Settings whose absence opens the proxy (or hands the client's credentials to the
+#: engine): a near-miss of one refuses to start instead of being ignored with a warning.
+ACCESS_SETTINGS = ("PHASEWATCH_API_KEY", "PHASEWATCH_UPSTREAM_KEY")
+
+#: Second spellings of settings (``--upstream-ca-file`` beside ``--upstream-key-file``):
+#: variable -> field; the flags are added by the command line.
+ENV_ALIASES = {
+    "PHASEWATCH_UPSTREAM_CA_FILE": "upstream_ca",
+    "PHASEWATCH_UPSTREAM_CERT_FILE": "upstream_cert",
+}
+
+
+def access_near_misses(environ: Mapping[str, str], known: frozenset[str]) -> list[str]:
+    """``PHASEWATCH_*`` variables that name no setting yet look like an access-control
+    one (``PHASEWATCH_APIKEY``, ``PHASEWATCH_API_KEYS``): one message each (names only)."""
+    out = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_VARIABLES:
+            continue
+        if name.startswith(OTHER_PREFIXES):
+            continue
+        # the nearest setting is one of them, or the name speaks of a key and is close
+        near = [
+            n
+            for n in difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            if n in ACCESS_SETTINGS
+        ]
+        if not near and ("KEY" in name or "TOKEN" in name):
+            near = difflib.get_close_matches(name, ACCESS_SETTINGS, n=1, cutoff=0.8)
+        if near:
+            out.append(
+                f"environment variable {name} is not a phasewatch setting, and looks like "
+                f"{near[0]}: refusing to start rather than run without access control "
+                f"(rename it to {near[0]}, or unset it)"
+            )
+    return out
+
+
+def check_precision(item: str) -> None:
+    """``model=precision`` must name a precision or scheme the vocabulary knows: an
+    unknown word would label every request of that model ``unknown`` in silence."""
+    model, _, value = item.partition("=")
+    if value.strip().lower() == "unknown" or normalise(value).precision != "unknown":
+        return
+    raise ValueError(
+        f"{value!r} (for model {model!r}) is not a precision phasewatch knows: give one of "
+        f"{', '.join(p for p in PRECISIONS if p != 'unknown')}, or a scheme such as Q4_K_M, "
+        "Q8_0, F16, AWQ, GPTQ, FP8, W8A8, W4A16, NVFP4, MXFP4"
+    )
+
+
+#: A client name: what a named key or --clients may give as the `client` label.
+CLIENT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def split_named_key(text: str) -> tuple[str | None, str]:
+    """``NAME=KEY`` -> (NAME, KEY); a bare key -> (None, KEY). A key is read as named only
+    when what comes before its first ``=`` is a client name and something follows it, so
+    base64 keys ending in ``=`` stay bare."""
+    name, sep, key = text.partition("=")
+    if sep and key and not key.startswith("=") and CLIENT_NAME_RE.fullmatch(name):
+        return name, key
+    return None, text
+
+
+def readable_files(flag: str, values: list[str], names: set[str]) -> dict[str | None, str]:
+    """``[name=]FILE`` values by upstream name (None: every upstream), each a readable file
+    (checked at start-up, so a typo stops the proxy with its reason, not a request later)."""
+    out: dict[str | None, str] = {}
+    for item in values:
+        name, sep, path = item.partition("=")
+        key: str | None = name if sep and name in names else None
+        path = path if key is not None else item
+        if key in out:
+            raise ValueError(f"{flag}: given twice for {key or 'every upstream'}")
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ValueError(f"{flag}: {path!r} is not a readable file")
+        out[key] = path
+    return out
+
+
+def named_keys(
+    api_key: list[SecretStr], clients: list[str], client_header: str | None, admin_api: str
+) -> dict[str, str]:
+    """The named proxy keys (key -> client name), once the access settings are seen to hold
+    together: a client name belongs to a named key or to --clients, never both."""
+    if client_header and not clients:
+        raise ValueError(
+            "--client-header needs --clients a,b,c: the client label takes only those "
+            "names (anything else is 'other'), so a client cannot grow the series"
+        )
+    named: dict[str, str] = {}
+    for item in api_key:
+        name, key = split_named_key(item.get_secret_value())
+        if name is not None:
+            named[key] = name
+    clash = sorted(set(clients) & set(named.values()))
+    if clash:
+        # a bare-key holder sending --client-header NAME would be counted as the holder
+        # of the named key: a client name belongs to a key or to --clients, never both
+        raise ValueError(
+            f"--clients: {clash[0]!r} is also the name of a named --api-key "
+            f"({clash[0]}=KEY): a request with a bare key could claim that client "
+            "through --client-header; give the --clients entry another name"
+        )
+    if admin_api == "keyed" and not any(
+        split_named_key(k.get_secret_value())[0] is None for k in api_key
+    ):
+        raise ValueError(
+            "--admin-api keyed needs a proxy key that names no client (--api-key KEY): "
+            "only such a key may call the engines' model-management endpoints"
+        )
+    return named

@@ -1,0 +1,92 @@
+"""The settings' sections: the typed objects each consumer takes, built once from the
+flat settings (:class:`~proxy.settings.model.Settings` hands them out). A consumer gets its
+whole section as one object: the relay its :class:`RelayOptions`, the server its
+:class:`ServerLimits`, every upstream the :class:`UpstreamOptions`, the power service its
+:class:`PowerOptions`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..core.balance import BalanceOptions
+from ..core.relay_options import RelayOptions
+from ..core.upstreams import UpstreamOptions
+from ..measure.kvcache import kv_dtype
+from ..services.power import PowerOptions
+from ..transport import ClientOptions
+
+if TYPE_CHECKING:
+    from .model import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What the server protocol guards every connection with (proxy.runtime.protocol)."""
+
+    max_head_bytes: int
+    header_timeout: float
+    max_pipelined_requests: int
+    max_pipelined_bytes: int
+    max_stalled_streams: int
+
+
+def relay_options(s: Settings) -> RelayOptions:
+    return RelayOptions(
+        inject_usage=s.inject_usage,
+        max_body_bytes=s.max_body_bytes,
+        max_body_memory=s.max_body_memory,
+        body_timeout=s.body_timeout,
+        max_event_bytes=s.max_event_bytes,
+        echo_request_id=s.echo_request_id,
+        admin_api=s.admin_api_mode,
+    )
+
+
+def server_limits(s: Settings) -> ServerLimits:
+    return ServerLimits(
+        max_head_bytes=s.max_head_bytes,
+        header_timeout=s.header_timeout,
+        max_pipelined_requests=s.max_pipelined_requests,
+        max_pipelined_bytes=s.max_pipelined_bytes,
+        max_stalled_streams=s.max_stalled_streams,
+    )
+
+
+def balance_options(s: Settings) -> BalanceOptions:
+    return BalanceOptions(s.balance, s.affinity)
+
+
+def upstream_options(s: Settings) -> UpstreamOptions:
+    """What every upstream shares."""
+    return UpstreamOptions(
+        client=ClientOptions(
+            kind=s.upstream_client,
+            connect_timeout=s.connect_timeout,
+            read_timeout=s.read_timeout,
+            write_timeout=s.write_timeout,
+            max_connections=s.upstream_max_connections,
+            pool_timeout=s.upstream_pool_timeout,
+            keepalive_expiry=s.upstream_keepalive,
+            max_head_bytes=s.upstream_max_head_bytes,
+        ),
+        max_concurrency=s.max_concurrency,
+        max_queue=s.max_queue,
+        queue_timeout=s.queue_timeout,
+        max_models=s.max_models,
+        extra_models=frozenset(s.models),
+        precision_overrides=tuple(s._precision.items()),
+        model_dir=s.model_dir,
+        kv_dtype_overrides=tuple(
+            (name, kv_dtype(dtype) or dtype)
+            for name, _, dtype in (item.partition("=") for item in s.kv_cache_dtype)
+        ),
+        health_interval=s.health_interval,
+        health_backoff_max=s.health_backoff_max,
+        health_timeout=s.health_timeout,
+        eject_after_5xx=s.eject_after_5xx,
+    )
+
+
+def power_options(s: Settings) -> PowerOptions:
+    return PowerOptions(s.power_source, s.power_dcgm_url, s.power_interval, dict(s._power_gpu))
