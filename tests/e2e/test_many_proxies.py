@@ -494,8 +494,10 @@ def test_recording_rules_sum_tokens_over_replicas_as_the_engines_count_them(flee
     ratio = _ratio(fleet, f"sum({rule})", engines)
     print(f"\ndecode tokens/s, rule over both replicas / engines' own counters: {ratio:.3f}")
     assert 0.85 < ratio < 1.15, ratio
-    # the rule is the sum of the replicas' own rates (compared at the rule's evaluation
-    # time: a 5 min rate over a minute of data moves every second)
+    # the rule is the sum of the replicas' own rates, not one replica's (a third or two
+    # thirds) nor twice it: compared at the rule's evaluation time (a 5 min rate over a
+    # minute of data moves every second), within 20 %, since a scrape still being ingested
+    # when the rule ran is in the query's view of that instant and not in the rule's
     for selector, raw in (
         (rule, 'phasewatch_tokens_total{phase="decode"}'),
         ("phasewatch:requests:rate5m", "phasewatch_requests_total"),
@@ -503,7 +505,7 @@ def test_recording_rules_sum_tokens_over_replicas_as_the_engines_count_them(flee
         at, total = _recorded(fleet, selector)
         parts = fleet.query(f"sum by (instance) (rate({raw}[5m]))", at=at)
         assert len(parts) == 2, parts
-        assert total == pytest.approx(sum(float(s["value"][1]) for s in parts), rel=0.02)
+        assert total == pytest.approx(sum(float(s["value"][1]) for s in parts), rel=0.2)
 
 
 def test_replica_shares_follow_what_the_client_sent_where(fleet):
@@ -516,9 +518,12 @@ def test_replica_shares_follow_what_the_client_sent_where(fleet):
     at = fleet.hosts.at
     sent = {h: n - fleet.warmup[h] for h, n in fleet.sent.items()}  # while it scraped
     print(f"\nshares {shares}, sent {sent}")
+    # within 0.12 of what was sent (2:1): the panel's 5 min rates see the scrapes, not the
+    # requests, so a busy machine's late scrape moves them; an even split (0.5) or one
+    # replica's share for both would be outside it
     for h, n in sent.items():
         want = n / sum(sent.values())
-        assert shares[at(h)] == pytest.approx(want, abs=0.08), shares
+        assert shares[at(h)] == pytest.approx(want, abs=0.12), shares
 
 
 def test_gpu_energy_both_replicas_report_is_counted_once(fleet):
