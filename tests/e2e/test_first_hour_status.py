@@ -6,18 +6,16 @@ summary gives one, chart ticks that never read alike, and no point cut off at an
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ..support.browser import Browser
+from ..support.openai_engine import OpenAIEngine
 from ..support.servers import free_port, start_proxy, start_sim, wait_for
 
 LONG = [
@@ -33,46 +31,9 @@ SIM_MODELS = (
 )
 
 
-class _Lister(BaseHTTPRequestHandler):
-    """An engine that lists seventeen long-named models and answers every chat with 'ok'."""
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, doc: dict) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send({"object": "list", "data": [{"id": n, "object": "model"} for n in LONG]})
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
-        self._send(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "model": req["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-            }
-        )
-
-
 @pytest.fixture(scope="module")
 def busy_proxy():
-    lister = ThreadingHTTPServer(("127.0.0.1", 0), _Lister)
-    threading.Thread(target=lister.serve_forever, daemon=True).start()
+    lister = OpenAIEngine(list(LONG), prompt_tokens=5)
     model_dir = tempfile.mkdtemp(prefix="pw-models-")
     sim = start_sim("vllm", speed=10.0, deterministic=False, extra=["--model-dir", model_dir])
     dead = f"http://127.0.0.1:{free_port()}"
@@ -80,9 +41,7 @@ def busy_proxy():
     args += ["--power-dcgm-url", sim.url + "/metrics"]
     for i, m in enumerate(SIM_MODELS):
         args += ["--power-gpu", f"{i}={m}"]
-    proxy = start_proxy(
-        f"sim={sim.url}", f"big=http://127.0.0.1:{lister.server_port}", f"dead={dead}", args=args
-    )
+    proxy = start_proxy(f"sim={sim.url}", f"big={lister.url}", f"dead={dead}", args=args)
     try:
         with httpx.Client(base_url=proxy.url, timeout=120) as c:
             for n in LONG[:3]:
@@ -111,7 +70,7 @@ def busy_proxy():
     finally:
         proxy.stop()
         sim.stop()
-        lister.shutdown()
+        lister.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ import concurrent.futures as cf
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
+from ..support.openai_engine import OpenAIEngine
 from ..support.servers import (
     ROOT,
     free_port,
@@ -287,65 +286,9 @@ def test_admin_api_keyed_needs_a_key_that_names_no_client():
     assert run.returncode != 0 and "--admin-api keyed needs" in run.stdout + run.stderr
 
 
-class ListingEngine:
-    """A generic OpenAI-compatible engine listing many copies before its real model (as
-    Ollama lists the newest first), and answering chat for the real one."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.posts: list[str] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def _answer(self, status: int, obj: dict) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/v1/models":
-                    self._answer(200, {"object": "list", "data": [{"id": n} for n in names]})
-                else:
-                    self._answer(404, {"error": "no"})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
-                outer.posts.append(body.get("model"))
-                self._answer(
-                    200,
-                    {
-                        "id": "x",
-                        "object": "chat.completion",
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": "ok"},
-                                "finish_reason": "stop",
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                    },
-                )
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.mark.parametrize("copies", [64, 500])
 def test_a_flood_of_listed_models_does_not_displace_the_real_one(copies):
-    eng = ListingEngine([f"copy-{i}" for i in range(copies)] + ["real-model"])
+    eng = OpenAIEngine([f"copy-{i}" for i in range(copies)] + ["real-model"])
     sim = start_sim("vllm", speed=8.0)
     proxy = start_proxy(f"sim={sim.url}", f"eng={eng.url}", args=["--engine-scrape", "0"])
     try:

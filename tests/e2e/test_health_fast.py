@@ -7,13 +7,11 @@ each wait is for a condition, with a timeout far below the refresh interval."""
 from __future__ import annotations
 
 import itertools
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+from ..support.openai_engine import OpenAIEngine
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 
 #: Far below --model-refresh (300 s): only the health probe can meet it.
@@ -100,71 +98,8 @@ def test_a_refused_request_marks_its_upstream_down_at_once():
         sim.stop()
 
 
-class CountingEngine:
-    """A generic OpenAI-compatible engine counting its GET /v1/models (the probe of a
-    generic engine) and answering chat completions; `fail` makes it answer 500."""
-
-    def __init__(self) -> None:
-        self.lists = 0
-        self.fail = False
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def _answer(self, status: int, obj: dict) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                if self.path == "/v1/models":
-                    outer.lists += 1
-                    if outer.fail:
-                        self._answer(500, {"error": "broken"})
-                    else:
-                        self._answer(200, {"object": "list", "data": [{"id": "m"}]})
-                else:
-                    self._answer(404, {"error": "no"})
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                if outer.fail:
-                    self._answer(500, {"error": "broken"})
-                    return
-                self._answer(
-                    200,
-                    {
-                        "id": "x",
-                        "object": "chat.completion",
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": "ok"},
-                                "finish_reason": "stop",
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                    },
-                )
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_probes_skip_while_traffic_answers_and_a_5xx_probe_says_why():
-    eng = CountingEngine()
+    eng = OpenAIEngine(["m"])
     proxy = start_proxy(
         f"gen={eng.url}",
         args=["--model-refresh", "300", "--engine-scrape", "0", "--health-interval", "0.5"],
