@@ -43,3 +43,27 @@ def test_scaling_curve_smoke():
         # one column per worker count, each with a figure
         assert re.search(re.escape(f"| {row} |") + r"[^|\n]*\d[^|\n]*\|[^|\n]*\d", out), (row, out)
     assert re.search(r"scaling c8: pw:lean [\d,]+ events/s \(1\.00×, \S+ µs/event\)", out), out
+
+
+def test_tap_bench_smoke():
+    """The in-process tap benchmark runs beside a revision and prints its ratios."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "tests/bench/tap_bench.py",
+            "--baseline",
+            "HEAD",
+            "--rounds",
+            "1",
+            "--events",
+            "2000",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = [line for line in res.stdout.splitlines() if "event(s) per read" in line]
+    assert len(lines) == 6, res.stdout
+    assert all(re.search(r"\| [\d.]+ \| [\d.]+ \| [\d.]+× \|$", line) for line in lines), lines
