@@ -137,10 +137,12 @@ class Tap:
     def feed(self, chunk: bytes, now: float) -> bytes:
         """Take one chunk of the body; return the bytes to forward now (whole events).
         Raw pieces (an oversized event) go through unexamined."""
+        pieces = self._fr.split(chunk)
+        return self._pass(pieces, chunk, now) if pieces else b""
+
+    def _pass(self, pieces: list[bytes], chunk: bytes, now: float) -> bytes:
+        """Look at each of `pieces` (split from `chunk`); return the bytes to forward."""
         fr = self._fr
-        pieces = fr.split(chunk)
-        if not pieces:
-            return b""
         if self.rewrites:
             return self._rewrite(pieces, now)
         event = self._event

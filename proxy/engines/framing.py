@@ -67,26 +67,49 @@ class Framer:
 
     # --- splitting ----------------------------------------------------------------------
 
+    def single(self, chunk: bytes) -> bool:
+        """Whether `chunk` is one whole LF-only SSE event and nothing is held (the read
+        an engine's token event makes): split() would return it as it is."""
+        i = chunk.find(b"\n\n")
+        return (
+            i >= 0
+            and i == len(chunk) - 2
+            and not (self._held or self._skip or self.lines)
+            and b"\r" not in chunk
+        )
+
     def split(self, chunk: bytes) -> list[bytes]:
         """The pieces of `chunk` (and of what was held before it) that are ready: whole
         events, and Raw pieces of an oversized one, in stream order. Returns an empty
         list while an event is unfinished; its bytes stay held."""
         pieces: list[bytes] = []
         self.passed = self.whole = False
+        if not self._held and not self._skip and not self.lines and b"\r" not in chunk:
+            # the hot path (LF-only SSE, nothing held): the search inlined; a read that is
+            # one whole event (how engines write them) costs one search
+            find = chunk.find
+            i = find(b"\n\n")
+            if i >= 0 and i == len(chunk) - 2:
+                self.whole = True
+                pieces.append(chunk)
+                return pieces
+            start = 0
+            append = pieces.append
+            while i >= 0:
+                append(chunk[start : i + 2])
+                start = i + 2
+                i = find(b"\n\n", start)
+            if start == len(chunk):
+                self.whole = True
+                return pieces
+            self._hold(chunk[start:] if start else chunk, pieces)
+            return pieces
         if self._skip:
             chunk = self._skip_event(chunk, pieces)
             if not chunk:
                 return pieces
         elif not self._held:
-            if self.lines or b"\r" in chunk:
-                start = self._events(chunk, 0, pieces)
-            else:  # the hot path (LF-only SSE, nothing held): the search inlined
-                start = 0
-                find = chunk.find
-                append = pieces.append
-                while (i := find(b"\n\n", start)) >= 0:
-                    append(chunk[start : i + 2])
-                    start = i + 2
+            start = self._events(chunk, 0, pieces)
             if start == len(chunk):
                 self.whole = True
                 return pieces

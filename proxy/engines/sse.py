@@ -20,6 +20,8 @@ _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
 _KEEP, _FINISH, _USAGE_ONLY = 0, 1, 2
 
+_FINISH_KEY, _FINISH_NULL = b'"finish_reason":', b'"finish_reason":null'
+
 
 class SSETap(Tap):
     """Server-sent events. With `strip` set, drops the usage event the proxy asked for,
@@ -37,6 +39,52 @@ class SSETap(Tap):
         self._held_size = 0
         #: Applied to every event forwarded while stripping (Ollama's zero usage).
         self.rewrite: Callable[[bytes], bytes] | None = None
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        """The base tap's feed, with what can be asked once per read asked once: in a
+        read of whole events that holds no usage key and no finish reason but null, no
+        event can finish a choice or carry usage, so none is held or stripped and the
+        read is forwarded as it came; each event is asked only whether it carries output
+        (an event that starts otherwise than ``data: {"`` is classified as ever: a
+        comment, ``[DONE]``, an error, another field first)."""
+        fr = self._fr
+        if fr.single(chunk):  # one token event per read: its checks inlined
+            if (
+                chunk[:8] == b'data: {"'
+                and chunk[8:14] != b'error"'
+                and not self._held
+                and self.rewrite is None
+                and b'"usage":' not in chunk
+            ):
+                i = chunk.find(_FINISH_KEY)
+                if i < 0 or (
+                    chunk[i + 16 : i + 20] == b"null" and chunk.find(_FINISH_KEY, i + 16) < 0
+                ):
+                    if is_output(chunk):
+                        self._output(now)
+                    return chunk
+            fr.whole = True
+            fr.passed = False
+            return self._pass([chunk], chunk, now)
+        pieces = fr.split(chunk)
+        if not pieces:
+            return b""
+        if (
+            not fr.whole
+            or self._held
+            or self.rewrite is not None
+            or b'"usage":' in chunk
+            or chunk.count(_FINISH_KEY) != chunk.count(_FINISH_NULL)
+        ):
+            return self._pass(pieces, chunk, now)
+        for ev in pieces:
+            if ev[:8] == b'data: {"' and ev[8:14] != b'error"':
+                # the same answer as for its payload: "data: " holds no quote
+                if is_output(ev):
+                    self._output(now)
+            else:
+                self._classify(ev, now)  # _KEEP: no finish reason, no usage in this read
+        return chunk
 
     def _classify(self, ev: bytes, now: float) -> int:
         if ev[:1] == b":":  # comment (keep-alive)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,9 +168,10 @@ def spawn(
     return Proc(name, url, popen, log, [lambda: log.unlink(missing_ok=True)])
 
 
-def start_upstream() -> Proc:
+def start_upstream(procs: int = 1) -> Proc:
     port = free_port()
-    return spawn("upstream", [PY, str(HERE / "sse_upstream.py"), str(port)], port, "/health")
+    argv = [PY, str(HERE / "sse_upstream.py"), str(port), str(procs)]
+    return spawn("upstream", argv, port, "/health")
 
 
 def start_plain(upstream: str) -> Proc:
@@ -439,11 +442,14 @@ async def run_streams(
     interval: float = 0.0,
     gaps: bool = False,
     spread: float = 0.0,
+    shard: tuple[int, int] = (0, 1),
 ) -> tuple[list[Stream], float]:
     """`concurrency` connections, `per_conn` streams each, back to back; connection k
-    starts after spread * k / concurrency seconds (a steady state rather than a burst)."""
+    starts after spread * k / concurrency seconds (a steady state rather than a burst).
+    `shard` (j, n): only connections j, j + n, ... of them (one client process's share)."""
     body = chat_body(tokens, interval)
-    conns = await asyncio.gather(*(open_conn(url) for _ in range(concurrency)))
+    mine = range(shard[0], concurrency, shard[1])
+    conns = await asyncio.gather(*(open_conn(url) for _ in mine))
     out: list[Stream] = []
 
     async def worker(c: Conn, k: int) -> None:
@@ -454,12 +460,50 @@ async def run_streams(
 
     t0 = time.perf_counter()
     try:
-        await asyncio.gather(*(worker(c, k) for k, c in enumerate(conns)))
+        await asyncio.gather(*(worker(c, k) for k, c in zip(mine, conns)))
         wall = time.perf_counter() - t0
     finally:
         for c in conns:
             c.transport.close()
     return out, wall
+
+
+def _client_shard(args: tuple) -> tuple[list[tuple], float]:
+    """One client process's share of a load (--client-procs): its streams, as tuples."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    streams, wall = asyncio.run(run_streams(*args))
+    return [(s.tokens, s.t0, s.t_first, s.t_last, s.events, s.ok, s.gaps) for s in streams], wall
+
+
+#: Client processes for the loads (--client-procs > 1), started once per run.
+CLIENTS_POOL: list = []
+
+
+async def run_load(*args, shards: int = 1) -> tuple[list[Stream], float]:
+    """run_streams, in `shards` client processes when more than one (a single asyncio
+    client tops out near 150,000 events/s: a ceiling for 4 proxy workers)."""
+    concurrency = args[1]
+    if shards <= 1 or concurrency < shards or not CLIENTS_POOL:
+        return await run_streams(*args)
+    pool = CLIENTS_POOL[0]
+    parts = await asyncio.gather(
+        *(
+            asyncio.wrap_future(pool.submit(_client_shard, (*args, (j, shards))))
+            for j in range(shards)
+        )
+    )
+    out = []
+    for rows, _ in parts:
+        for tokens, t0, t_first, t_last, events, ok, gaps in rows:
+            s = Stream(tokens, t0)
+            s.t_first, s.t_last, s.events, s.ok, s.gaps = t_first, t_last, events, ok, gaps
+            out.append(s)
+    return out, max(wall for _, wall in parts)
 
 
 # --- scenarios ---------------------------------------------------------------------------
@@ -503,12 +547,13 @@ async def scenario_load(
     tokens: int,
     interval: float = 0.0,
     spread: float = 0.0,
+    shards: int = 1,
 ) -> dict:
     """(b)/(c): one contender under load; CPU from /proc of all its processes."""
     pids = t.pids()
     cpu0 = cpu_seconds(pids)
-    streams, wall = await run_streams(
-        t.url, concurrency, per_conn, tokens, interval, gaps=interval > 0, spread=spread
+    streams, wall = await run_load(
+        t.url, concurrency, per_conn, tokens, interval, interval > 0, spread, shards=shards
     )
     cpu = cpu_seconds(pids) - cpu0
     events = sum(s.events for s in streams)
@@ -640,19 +685,58 @@ async def otel_cost(args, upstream: str) -> None:
             t.stop()
 
 
+def print_scaling(args, ws: list[str], loads: dict[tuple[str, str], list[dict]]) -> None:
+    """The --workers curve: events/s and CPU per event at each worker count, per load.
+    Under the paced loads the offered rate is fixed, so what scales there is the CPU per
+    event (and whether the rate holds); under (b) it is events/s, up to the ceiling of
+    the client and upstream (the direct column; see --client-procs, --upstream-procs)."""
+    print()
+    print(
+        f"--workers scaling ({os.cpu_count()} CPUs, {args.client_procs} client process(es), "
+        f"{args.upstream_procs} upstream process(es), medians)"
+    )
+    print("| load | " + " | ".join(ws) + " |")
+    print("| --- |" + " --: |" * len(ws))
+    keys = [(f"c{c}", f"(b) c{c}") for c in args.concurrency]
+    keys += [(f"paced{n}", f"(c) p{n}") for n in args.paced_streams]
+    for key, label in keys:
+        eps = [med([r["eps"] for r in loads[(key, w)]]) for w in ws]
+        cpu = [med([r["us_per_event"] for r in loads[(key, w)]]) for w in ws]
+        print(
+            f"| {label} events/s | "
+            + " | ".join(f"{e:,.0f} ({e / eps[0]:.2f}×)" for e in eps)
+            + " |"
+        )
+        print(f"| {label} CPU µs/event | " + " | ".join(fmt(c) for c in cpu) + " |")
+    for c in args.concurrency:  # one line per load, for a quick read
+        eps = [med([r["eps"] for r in loads[(f"c{c}", w)]]) for w in ws]
+        cpu = [med([r["us_per_event"] for r in loads[(f"c{c}", w)]]) for w in ws]
+        print(
+            f"  scaling c{c}: "
+            + ", ".join(
+                f"{w} {e:,.0f} events/s ({e / eps[0]:.2f}×, {fmt(u)} µs/event)"
+                for w, e, u in zip(ws, eps, cpu)
+            )
+        )
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
 async def bench(args) -> int:
-    up = start_upstream()
+    up = start_upstream(args.upstream_procs)
     procs: list[Proc] = []
+    if args.client_procs > 1:
+        ctx = multiprocessing.get_context("spawn")
+        CLIENTS_POOL.append(ProcessPoolExecutor(args.client_procs, mp_context=ctx))
     try:
         direct = Proc("direct", up.url, None)
         if args.nginx and nginx_binary():
             procs.append(start_nginx(up.url))
         elif args.nginx:
             print("(nginx not found: its column is left out)")
-        procs.append(start_plain(up.url))
+        if args.plain:
+            procs.append(start_plain(up.url))
         for client in args.clients:
             for w in args.workers:
                 procs.append(start_phasewatch(up.url, w, client))
@@ -683,7 +767,9 @@ async def bench(args) -> int:
             order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
             for c in args.concurrency:
                 for t in order:
-                    r = await scenario_load(t, c, max(1, args.streams // c), args.tokens)
+                    r = await scenario_load(
+                        t, c, max(1, args.streams // c), args.tokens, shards=args.client_procs
+                    )
                     loads.setdefault((f"c{c}", t.name), []).append(r)
             for n_paced in args.paced_streams:
                 for t in order:
@@ -696,6 +782,7 @@ async def bench(args) -> int:
                         args.paced_tokens,
                         1.0 / args.paced_rate,
                         spread=args.paced_tokens / args.paced_rate,
+                        shards=args.client_procs,
                     )
                     loads.setdefault((f"paced{n_paced}", t.name), []).append(r)
             print(
@@ -813,16 +900,7 @@ async def bench(args) -> int:
         print_table(names, rows, ratios, goals, markdown=True)
         ws = [t.name for t in procs if t.name.startswith(pw)]
         if len(ws) > 1:
-            for c in args.concurrency:
-                base = med([r["eps"] for r in loads[(f"c{c}", ws[0])]])
-                print(
-                    f"  scaling c{c}: "
-                    + ", ".join(
-                        f"{w} {med([r['eps'] for r in loads[(f'c{c}', w)]]):,.0f} events/s "
-                        f"({med([r['eps'] for r in loads[(f'c{c}', w)]]) / base:.2f}×)"
-                        for w in ws
-                    )
-                )
+            print_scaling(args, ws, loads)
         if args.otel:
             await otel_cost(args, up.url)
         return 1 if bad else 0
@@ -830,6 +908,13 @@ async def bench(args) -> int:
         for p in procs:
             p.stop()
         up.stop()
+        for pool in CLIENTS_POOL:
+            pool.shutdown()
+        CLIENTS_POOL.clear()
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -840,7 +925,21 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1],
-        help="phasewatch worker counts to run per client, comma separated [1]",
+        help="phasewatch worker counts to run per client, comma separated [1]; more than "
+        "one prints the scaling curve (e.g. 1,2,4)",
+    )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes the loads are spread over (a many-core machine: as many "
+        "as the proxy has workers, so the client is not the ceiling) [1]",
+    )
+    p.add_argument(
+        "--upstream-procs",
+        type=int,
+        default=1,
+        help="upstream processes sharing its port (SO_REUSEPORT) [1]",
     )
     p.add_argument(
         "--clients",
@@ -863,10 +962,14 @@ def main(argv: list[str] | None = None) -> int:
         "from a temporary worktree; repeatable (e.g. --baseline 5dd6620)",
     )
     p.add_argument("--no-nginx", dest="nginx", action="store_false")
-    p.add_argument("--ttft-requests", type=int, default=100)
     p.add_argument(
-        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256]
+        "--no-plain",
+        dest="plain",
+        action="store_false",
+        help="leave out the plain FastAPI+httpx passthrough (slow under paced load)",
     )
+    p.add_argument("--ttft-requests", type=int, default=100)
+    p.add_argument("--concurrency", type=_ints, default=[64, 256], help="(b) levels; '' skips (b)")
     p.add_argument(
         "--streams",
         type=int,
@@ -875,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument(
-        "--paced-streams", type=lambda s: [int(x) for x in s.split(",")], default=[256, 32]
+        "--paced-streams", type=_ints, default=[256, 32], help="(c) levels; '' skips (c)"
     )
     p.add_argument("--paced-tokens", type=int, default=100)
     p.add_argument(

@@ -7,13 +7,15 @@ finish reason on the last token, a usage event when asked, ``data: [DONE]``), ea
 event its own chunk. Pacing comes from the request body: ``"x_interval": seconds``
 between tokens (0 = as fast as the reader takes them).
 
-    python tests/bench/sse_upstream.py PORT
+    python tests/bench/sse_upstream.py PORT [PROCS]
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
 import sys
 
 MODEL = "bench-model"
@@ -191,8 +193,32 @@ class Conn(asyncio.Protocol):
         self._next()
 
 
+def _stop(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def _die_with_parent() -> None:
+    """A sibling ends with the process that started it, however that one ends (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    """``PORT [PROCS]``: PROCS processes share the port (SO_REUSEPORT), so that the
+    upstream is not the ceiling when a many-core machine runs several proxy workers;
+    ``PROCS`` 0 is one of those siblings (started by the first, stopped with it)."""
     port = int(sys.argv[1])
+    procs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    siblings = [
+        subprocess.Popen([sys.executable, __file__, str(port), "0"]) for _ in range(procs - 1)
+    ]
+    signal.signal(signal.SIGTERM, _stop)
+    if procs == 0:
+        _die_with_parent()
     try:
         import uvloop
 
@@ -202,7 +228,9 @@ def main() -> None:
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(Conn, "127.0.0.1", port, backlog=2048)
+        server = await loop.create_server(
+            Conn, "127.0.0.1", port, backlog=2048, reuse_port=procs != 1
+        )
         async with server:
             await server.serve_forever()
 
@@ -210,6 +238,11 @@ def main() -> None:
         asyncio.run(serve())
     except KeyboardInterrupt:
         pass
+    finally:
+        for p in siblings:
+            p.terminate()
+        for p in siblings:
+            p.wait()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""The SSE tap's once-per-read classification (issue 26) answers exactly as event by event.
+
+The tap asks a read of plain token deltas once whether anything in it can finish a choice,
+carry usage, end the stream or be an error; only then does it skip those questions per
+event. Whatever the events and however the reads cut them, what it forwards and what it
+measures must be what the per-event path (``Tap.feed``: split, then every event) gives.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.engines.base import Tap
+from proxy.engines.sse import SSETap
+from proxy.engines.vllm import VLLMDialect
+from proxy.measure.timeline import Marks
+
+from .streams import splits
+
+_HEAD = b'{"id":"c1","object":"chat.completion.chunk","model":"m","choices":['
+
+#: Events of every kind the tap tells apart, in the spellings engines use.
+EVENTS = [
+    b"data: "
+    + _HEAD
+    + b'{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}',
+    b"data: "
+    + _HEAD
+    + b'{"index":0,"delta":{"content":" tok"},"logprobs":null,"finish_reason":null}]}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{"content":""},"finish_reason":null}]}',
+    b"data: " + _HEAD + b'{"index":0,"text":" t","finish_reason":null}]}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{"reasoning_content":"hm"},"finish_reason":null}]}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{"tool_calls":[{"index":0}]},"finish_reason":null}]}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{"content":" end"},"finish_reason":"length"}]}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{"content": "x"},"finish_reason": "stop"}]}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{},"finish_reason":null},'
+    b'{"index":1,"delta":{},"finish_reason":"stop"}]}',
+    b"data: " + _HEAD + b'],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7},'
+    b'"system_fingerprint":"fp"}',
+    b"data: " + _HEAD + b'{"index":0,"delta":{"content":"u"},"finish_reason":null}],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}',
+    b'data: {"error":{"message":"boom","type":"internal"}}',
+    b'data: { "error": "spaced"}',
+    b"data: [DONE]",
+    b"data:[DONE]",
+    b"data:  " + _HEAD + b'{"index":0,"delta":{"content":"two spaces"},"finish_reason":null}]}',
+    b": keep-alive",
+    b"id: 7\ndata: " + _HEAD + b'{"index":0,"delta":{"content":"id"},"finish_reason":null}]}',
+    b'event: x\ndata: {"content":"[DONE]"}',
+    b'data: {"content":"\\"usage\\":"}',
+    b"retry: 10",
+]
+
+TERMINATORS = [b"\n\n", b"\r\n\r\n", b"\n\r\n"]
+
+
+class PerEvent(SSETap):
+    """The per-event path the once-per-read one must agree with."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        return Tap.feed(self, chunk, now)
+
+
+def _state(tap: SSETap) -> tuple:
+    m = tap.marks
+    return (
+        m.t_first,
+        m.t_last,
+        m.output_events,
+        tuple(tap.gap_counts),
+        tap.gap_sum,
+        tap.done,
+        tap.error_payload,
+        tap.usage_payload,
+        tap.finish_seen,
+        tap.finish_payload,
+        tap.oversized,
+    )
+
+
+def _run(tap: SSETap, reads: list[bytes], how: str) -> tuple[bytes, tuple]:
+    out = [tap.feed(r, 100.0 + i * 0.01) for i, r in enumerate(reads)]
+    out.append(tap.flush() if how == "flush" else tap.end(200.0))
+    return b"".join(out), _state(tap)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, len(EVENTS) - 1), st.sampled_from(TERMINATORS)), max_size=30),
+    st.lists(st.integers(min_value=0, max_value=5000), max_size=12),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from(["flush", "end"]),
+    st.sampled_from([1 << 20, 120]),
+)
+def test_once_per_read_equals_per_event(picks, cuts, by_event, strip, how, limit):
+    events = [EVENTS[i] + end for i, end in picks]
+    data = b"".join(events)
+    # reads of whole events (one or several, as engines write them) or cut anywhere
+    reads = [b"".join(events[i : i + 3]) for i in range(0, len(events), 3)]
+    reads = events if by_event and not cuts else (reads if not cuts else splits(data, cuts))
+    fast = SSETap(Marks(t_recv=0.0), strip=strip, limit=limit)
+    slow = PerEvent(Marks(t_recv=0.0), strip=strip, limit=limit)
+    assert _run(fast, reads, how) == _run(slow, reads, how)
+    if not strip:
+        assert _run(SSETap(Marks(t_recv=0.0), limit=limit), reads, "flush")[0] == data
+    assert VLLMDialect().outcome(fast, None, 200) == VLLMDialect().outcome(slow, None, 200)
+
+
+class Counting(SSETap):
+    """Counts the events classified one by one."""
+
+    __slots__ = ("classified",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.classified = 0
+
+    def _classify(self, ev: bytes, now: float) -> int:
+        self.classified += 1
+        return super()._classify(ev, now)
+
+    _event = _classify
+
+
+def test_a_read_of_token_deltas_is_classified_once():
+    """A read of plain token deltas goes through without the per-event classification,
+    forwarded as the very bytes it came in, its output events counted."""
+    token = EVENTS[1] + b"\n\n"
+    for strip in (False, True):
+        tap = Counting(Marks(t_recv=0.0), strip=strip)
+        for read in (token, token * 4):
+            assert tap.feed(read, 100.0) is read
+        assert tap.classified == 0
+        assert tap.marks.output_events == 5
+        assert tap.gap_counts[0] == 4  # the events of one read arrive together
+        last = EVENTS[6] + b"\n\n"  # a finish reason: classified, and held while stripping
+        assert tap.feed(last, 100.5) == (b"" if strip else last)
+        assert tap.classified == 1 and tap.finish_seen
