@@ -16,7 +16,7 @@ from proxy.engines.sse import SSETap
 from proxy.engines.vllm import VLLMDialect
 from proxy.measure.timeline import Marks
 
-from .streams import splits
+from ..support.streams import splits
 
 _HEAD = b'{"id":"c1","object":"chat.completion.chunk","model":"m","choices":['
 

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from .servers import ROOT
+from ..support.servers import ROOT
 
 
 def test_scaling_curve_smoke():
