@@ -46,17 +46,8 @@ And two fixes to how a connection ends:
 Each refusal counts in ``phasewatch_rejected_total{reason}`` and is said in the log (at
 most one line per reason per 10 s, with how many it folded in).
 
-**Borrowed from uvicorn.** These guards sit inside uvicorn's connection handling, which
-has no public extension point, so this module subclasses ``HttpToolsProtocol`` and uses
-what :data:`BORROWED` lists: its parser callbacks and ``data_received`` pieces (the
-parser, ``_unset_keepalive_if_required``, ``send_400_response``), its per-connection state
-(``cycle``: the last parsed request; ``pipeline``: the queued ones; ``flow``: read
-pausing), the upgrade hooks it is told not to follow (``_should_upgrade``,
-``_unsupported_upgrade_warning``), and a cycle's state (``keep_alive``, ``more_body``,
-``response_started``, ``response_complete``, ``disconnected``, ``message_event``). These
-are private and change between uvicorn releases: ``pyproject.toml`` bounds uvicorn to the
-minor versions the hostile-wire tests pass on, and ``tests/e2e/test_protocol_borrowed.py``
-fails loudly when one of them is gone.
+What this module takes from uvicorn's private protocol, and why, is in one place:
+:mod:`proxy.runtime.borrowed`.
 """
 
 from __future__ import annotations
@@ -72,53 +63,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from ..core.errors import json_error
 from ..core.limited import LimitedLog
+from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
 
 log = logging.getLogger(__name__)
-
-#: What this module uses of uvicorn's private protocol and request cycle (see above).
-BORROWED: dict[str, tuple[str, ...]] = {
-    "HttpToolsProtocol": (
-        "connection_made",
-        "connection_lost",
-        "data_received",
-        "eof_received",
-        "on_message_begin",
-        "on_url",
-        "on_header",
-        "on_headers_complete",
-        "on_body",
-        "on_message_complete",
-        "on_response_complete",
-        "pause_writing",
-        "resume_writing",
-        "send_400_response",
-        "_should_upgrade",
-        "_unsupported_upgrade_warning",
-        "_unset_keepalive_if_required",
-    ),
-    "protocol state": (
-        "parser",
-        "cycle",
-        "pipeline",
-        "flow",
-        "transport",
-        "scope",
-        "headers",
-        "client",
-        "loop",
-        "logger",
-        "server_state",
-    ),
-    "RequestResponseCycle": (
-        "keep_alive",
-        "more_body",
-        "response_started",
-        "response_complete",
-        "disconnected",
-        "message_event",
-    ),
-    "FlowControl": ("read_paused",),
-}
 
 #: After a client's FIN, when to look for its reset (seconds after the probe), then
 #: every second until its answer starts.

@@ -14,7 +14,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from proxy.runtime.protocol import BORROWED, guarded_protocol
+from proxy.runtime.borrowed import BORROWED
+from proxy.runtime.protocol import guarded_protocol
 
 
 class _Transport(asyncio.Transport):
