@@ -25,14 +25,17 @@ DOCS = (ROOT / "docs" / "observability.md").read_text()
 README = (ROOT / "README.md").read_text()
 DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 
-_VAR = re.compile(r"\$\{(\w+)(:?-)([^}]*)\}")
+_VAR = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*))?\}")
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose's ${VAR:-default} (unset or empty) and ${VAR-default} (unset)."""
+    """Compose's ${VAR} (unset: blank), ${VAR:-default} (unset or empty) and
+    ${VAR-default} (unset)."""
 
     def one(m: re.Match) -> str:
         name, op, default = m.groups()
+        if op is None:
+            return env.get(name, "")
         if name in env and (op == "-" or env[name] != ""):
             return env[name]
         return default
