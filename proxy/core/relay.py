@@ -35,6 +35,7 @@ from .exchange import Exchange
 from .gate import QueueFull, QueueTimeout
 from .headers import IDENTITY, Headers, request_id, response_headers
 from .limited import LimitedLog
+from .push import WRITE
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
 from .reply import Reply
@@ -250,7 +251,7 @@ class Relay:
         self, scope: Scope, receive: Receive, send: Send, ex: Exchange, route: Route
     ) -> None:
         """Admit, send and relay one measured request, then record it."""
-        reply = Reply(send, self._echo(ex))
+        reply = Reply(send, self._echo(ex), (scope.get("extensions") or {}).get(WRITE))
         admitted = Admitted(self.recorder.metrics, ex)
         try:
             async with reply.watching(receive):

@@ -23,6 +23,7 @@ from .errors import describe
 from .exchange import Exchange
 from .headers import Headers, response_headers, without
 from .limited import LimitedLog
+from .push import Push
 from .relay_options import RelayOptions
 from .reply import Reply
 
@@ -51,6 +52,7 @@ class Responder:
         # the engine's coded bytes pass as they are: nothing of the proxy's may follow them
         sealed = decoded is not None and decoded.exact
         send = reply.send
+        push: Push | None = None
         try:
             if tap is None or source is None:
                 # a body phasewatch cannot decode is not kept: nothing in it is readable
@@ -61,7 +63,10 @@ class Responder:
                 if decoded is not None and not decoded.exact:
                     tail = await self._stream_decoded(send, resp, decoded)
                 else:
-                    tail = await self._stream(send, resp, source)
+                    push = (
+                        Push.of(resp, tap.feed, reply.write, self.said) if source is tap else None
+                    )
+                    tail = await self._stream(send, resp, source, push)
                 if not sealed:
                     tail += self._unterminated(ex, tap)
                 kept = None
@@ -69,6 +74,8 @@ class Responder:
             # a stream's tap ends it on an event boundary; a stream that had reached its
             # end before the connection broke is a whole answer
             tail = source.end(time.monotonic()) if source is not None else b""
+            if push is not None:  # what the sink could not write goes first
+                tail = push.take() + tail
             if tap is None or not (tap.done or tap.error_payload is not None):
                 await self._cut(reply, ex, exc, tap, sealed, tail)
                 return
@@ -186,16 +193,23 @@ class Responder:
             ex.upstream.name,
         )
 
-    async def _stream(self, send: Send, resp: httpx.Response, source: Tap | Decoded) -> bytes:
+    async def _stream(
+        self, send: Send, resp: httpx.Response, source: Tap | Decoded, push: Push | None
+    ) -> bytes:
         """The per-event loop, the hottest code in the product: feed each chunk to the tap
-        (or to its decoder) and forward what it lets through. Returns what is left to send
-        at the end."""
+        (or to its decoder) and forward what it lets through; with `push`, only what the
+        upstream connection's callback did not take (proxy.core.push). Returns the rest."""
         feed, monotonic = source.feed, time.monotonic
         async for chunk in resp.aiter_raw():
+            held = push.take() if push is not None else b""  # the callback's output first
             out = feed(chunk, monotonic())
+            if held:
+                out = held + out
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        return source.end(monotonic())
+            if push is not None:
+                push.busy = False
+        return (push.take() if push is not None else b"") + source.end(monotonic())
 
     async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
         """A coded stream decoded for the client (usage was injected, the engine coded its

@@ -8,7 +8,9 @@ parser, ``_unset_keepalive_if_required``, ``send_400_response``), its per-connec
 (``cycle``: the last parsed request; ``pipeline``: the queued ones; ``flow``: read
 pausing), the upgrade hooks it is told not to follow (``_should_upgrade``,
 ``_unsupported_upgrade_warning``), and a cycle's state (``keep_alive``, ``more_body``,
-``response_started``, ``response_complete``, ``disconnected``, ``message_event``). These
+``response_started``, ``response_complete``, ``disconnected``, ``message_event``; and for
+the direct writer, :mod:`proxy.runtime.direct`, its ``flow``, ``transport``, ``scope``
+and ``chunked_encoding``). These
 are private and change between uvicorn releases: ``pyproject.toml`` bounds uvicorn to the
 minor versions the hostile-wire tests pass on, and ``tests/e2e/test_protocol_borrowed.py``
 fails loudly when one of them is gone.
@@ -57,6 +59,10 @@ BORROWED: dict[str, tuple[str, ...]] = {
         "response_complete",
         "disconnected",
         "message_event",
+        "flow",
+        "transport",
+        "scope",
+        "chunked_encoding",
     ),
-    "FlowControl": ("read_paused",),
+    "FlowControl": ("read_paused", "write_paused"),
 }

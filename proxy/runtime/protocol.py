@@ -64,6 +64,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from ..core.errors import json_error
 from ..core.limited import LimitedLog
 from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
+from .direct import install
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +369,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if cycle is before:
             return
         self.body_left = _content_length(self.headers)
+        install(cycle)  # the phasewatch.write extension (proxy.runtime.direct)
         if self.parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:
             # this connection can carry no further request

@@ -5,7 +5,9 @@ httpx's default transport (httpcore's pool scanning every connection on each rel
 anyio and h11 per chunk). This transport keeps httpx's API (the relay sees an
 ``httpx.Response`` with ``aiter_raw``, ``aclose`` and httpx's exceptions) and moves bytes
 with an asyncio protocol and httptools' C parser: one callback and one future wake-up per
-body chunk, and a LIFO list of idle keep-alive connections.
+body chunk, and a LIFO list of idle keep-alive connections. A reader may take the body
+in the connection's own callback instead (the ``phasewatch.push`` response extension:
+no task wake-up per chunk).
 
 What it promises, like the library clients it is tested beside:
 
@@ -32,6 +34,7 @@ import logging
 import ssl as _ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 
 import httptools
@@ -83,6 +86,8 @@ class _Conn(asyncio.Protocol):
         self.timeout: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.request: httpx.Request | None = None
+        #: Takes body bytes as they are parsed (True: taken), instead of the reader task.
+        self.sink: Callable[[bytes], bool] | None = None
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -117,11 +122,19 @@ class _Conn(asyncio.Protocol):
         if counting and self.head_bytes > self.pool.max_head_bytes and not self.headers_done:
             self._head_too_large()
             return
+        sink = self.sink
+        if sink is not None and self.chunks and self.error is None:
+            chunks = self.chunks
+            if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):
+                chunks.clear()
+                self.size = 0
         if self.size > _HIGH_WATER and not self.paused:
             self.paused = True
             self.transport.pause_reading()
         waiter = self.waiter
-        if waiter is not None and (self.chunks or self.complete or self.headers_done):
+        if waiter is not None and (
+            self.chunks or self.complete or (self.headers_done and self.sink is None)
+        ):
             self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
@@ -298,7 +311,14 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    def push(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Give body bytes to `sink` as they are parsed, in the connection's callback
+        (None: to the reader again). The reader is woken only for bytes the sink
+        refused (returned False for), the end or an error."""
+        self.sink = sink
+
     def finish(self) -> None:
+        self.sink = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -513,7 +533,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.status,
             headers=conn.headers,
             stream=_Body(conn, self),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": conn.reason},
+            extensions={
+                "http_version": b"HTTP/1.1",
+                "reason_phrase": conn.reason,
+                "phasewatch.push": conn.push,
+            },
         )
 
     async def aclose(self) -> None:

@@ -1,0 +1,96 @@
+"""A stream's events written from the upstream connection's callback (the push path).
+
+Why: through the relay task, every event of a paced stream costs a task hop (the
+upstream connection wakes the task through a future, a task step and three async
+generators) before it is written; measured, that hop was about a fifth of the proxy's
+CPU per event. Where the upstream transport offers its body as it is parsed (the
+``phasewatch.push`` response extension) and the server a synchronous writer (the
+``phasewatch.write`` ASGI extension), each read goes through the tap and out to the
+client in that callback, and the task wakes only for what the callback refuses.
+
+Order is kept: while the task has bytes of its own to send it is ``busy`` and the sink
+refuses (the connection keeps the bytes for the task); output the sink could not write
+is ``held`` and goes out first, from the task. A client that is slow, gone, or whose
+answer cannot take a chunk now is refused too, so the task's ``send`` (and its waiting)
+handles it as before. An exception in the sink never reaches the transport: the push
+path is given up for that stream (said once a while) and the task carries on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+from .limited import LimitedLog
+
+#: The ASGI scope extension of the server's synchronous writer (proxy.runtime.direct).
+WRITE = "phasewatch.write"
+#: The upstream response extension that installs a sink (proxy.transport.lean).
+PUSH = "phasewatch.push"
+
+Feed = Callable[[bytes, float], bytes]
+Write = Callable[[bytes], bool]
+Install = Callable[[Callable[[bytes], bool] | None], None]
+
+
+class Push:
+    """One stream's sink, installed on its upstream connection (see the module)."""
+
+    __slots__ = ("busy", "feed", "held", "install", "said", "write")
+
+    def __init__(self, install: Install, feed: Feed, write: Write, said: LimitedLog) -> None:
+        self.install, self.feed, self.write, self.said = install, feed, write, said
+        self.busy = False
+        self.held: list[bytes] = []
+
+    @classmethod
+    def of(
+        cls, resp: httpx.Response, feed: Feed, write: Write | None, said: LimitedLog
+    ) -> Push | None:
+        """The push path for `resp`'s body, installed; None where either side lacks it."""
+        install = resp.extensions.get(PUSH)
+        if write is None or install is None:
+            return None
+        push = cls(install, feed, write, said)
+        install(push.sink)
+        return push
+
+    def sink(self, chunk: bytes) -> bool:
+        """Feed `chunk` to the tap and write what it lets through; False (nothing taken)
+        while the task is busy or holds output, or when the client cannot take it now."""
+        if self.busy or self.held:
+            return False
+        out = None
+        try:
+            if not self.write(b""):
+                return False
+            out = self.feed(chunk, time.monotonic())
+            if out and not self.write(out):
+                self.held.append(out)
+        except Exception as exc:  # noqa: BLE001 - never into the transport's callback
+            self._give_up(exc)
+            if out is None:
+                return False  # the tap never took it: the task feeds it
+            self.held.append(out)
+        return True
+
+    def take(self) -> bytes:
+        """The task is about to send (the sink refuses until it is done): the output the
+        sink held, which goes out first."""
+        self.busy = True
+        held = self.held
+        if not held:
+            return b""
+        out = b"".join(held)
+        held.clear()
+        return out
+
+    def _give_up(self, exc: Exception) -> None:
+        self.install(None)
+        self.said.warning(
+            "push_failed",
+            "the push path failed (%s); the stream goes on through the relay task",
+            type(exc).__name__,
+        )

@@ -1,0 +1,165 @@
+"""The push path (proxy.core.push): a stream's events written from the upstream
+connection's callback through the server's ``phasewatch.write`` extension. The relay runs
+in-process over the real upstream transport (a loopback engine that sends one event per
+write); the ASGI scope carries a recording writer. What the client gets must be the
+engine's bytes in order, whichever way each event went, and a failing writer must only
+send the stream back through the relay task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.core.limited import LimitedLog
+from proxy.core.push import WRITE, Push
+from proxy.measure.metrics import Metrics
+from proxy.measure.recorder import Recorder
+from tests.unit.test_relay_unit import CHAT
+
+EVENTS = [
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+    *[b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i for i in range(20)],
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":21,"total_tokens":26}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    await reader.readexactly(length)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    for event in EVENTS:  # one event per read, as a paced engine sends them
+        writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.005)
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+async def relayed(write) -> tuple[list[tuple[str, bytes]], list[dict]]:
+    """One streamed chat through the relay; what reached the client, in order, as
+    ("send"|"write", bytes), and the ASGI messages."""
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    metrics = Metrics()
+    upstream = Upstream(
+        UpstreamSpec("eng", f"http://127.0.0.1:{port}", engine="vllm"), UpstreamOptions(), metrics
+    )
+    upstream.models = {"m"}
+    upstreams = Upstreams([upstream])
+    upstreams.probed = True
+    relay = Relay(
+        upstreams, Recorder(metrics, access_lines=False), RelayOptions(max_body_bytes=1 << 20)
+    )
+    wire: list[tuple[str, bytes]] = []
+    messages: list[dict] = []
+    started = False
+
+    def direct(body: bytes) -> bool:
+        if not started:
+            return False
+        ok = write(body)
+        if ok and body:
+            wire.append(("write", body))
+        return ok
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "extensions": {WRITE: direct},
+    }
+    first = True
+
+    async def receive() -> dict:
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": CHAT, "more_body": False}
+        await asyncio.Event().wait()
+        return {}
+
+    async def send(msg: dict) -> None:
+        nonlocal started
+        messages.append(msg)
+        started = True
+        if msg.get("body"):
+            wire.append(("send", msg["body"]))
+
+    try:
+        await relay(scope, receive, send)
+    finally:
+        server.close()
+        await upstream.aclose()
+    return wire, messages
+
+
+def test_events_go_out_from_the_callback_in_order():
+    wire, messages = asyncio.run(relayed(lambda body: True))
+    assert messages[0]["status"] == 200
+    assert b"".join(b for _, b in wire) == b"".join(EVENTS)
+    # the stream's events went out through the writer, not a task wake-up each
+    assert sum(1 for how, _ in wire if how == "write") >= len(EVENTS) // 2, wire
+    assert messages[-1]["more_body"] is False
+
+
+def test_a_writer_that_cannot_write_leaves_it_to_the_task():
+    wire, _ = asyncio.run(relayed(lambda body: False))
+    assert b"".join(b for _, b in wire) == b"".join(EVENTS)
+    assert all(how == "send" for how, _ in wire)
+
+
+def test_a_writer_that_raises_falls_back_to_the_task(caplog):
+    calls = 0
+
+    def flaky(body: bytes) -> bool:
+        nonlocal calls
+        calls += 1
+        if body and calls > 4:
+            raise RuntimeError("boom")
+        return True
+
+    with caplog.at_level(logging.WARNING):
+        wire, messages = asyncio.run(relayed(flaky))
+    assert b"".join(b for _, b in wire) == b"".join(EVENTS)  # nothing lost, nothing twice
+    assert any(how == "write" for how, _ in wire) and any(how == "send" for how, _ in wire)
+    said = [r for r in caplog.records if "push path failed" in r.getMessage()]
+    assert len(said) == 1, said
+    assert messages[-1]["more_body"] is False
+
+
+def test_a_tap_that_raises_in_the_sink_leaves_the_chunk_to_the_task():
+    installed = []
+
+    def feed(chunk: bytes, now: float) -> bytes:
+        raise ValueError("tap bug")
+
+    push = Push(installed.append, feed, lambda body: True, LimitedLog(logging.getLogger("t")))
+    assert push.sink(b"data: x\n\n") is False  # not taken: the task feeds it itself
+    assert installed == [None]  # and the push path is given up for the stream
+
+
+def test_the_sink_refuses_while_the_task_sends():
+    fed = []
+    push = Push(
+        lambda s: None,
+        lambda chunk, now: fed.append(chunk) or chunk,
+        lambda body: True,
+        LimitedLog(logging.getLogger("t")),
+    )
+    assert push.take() == b""
+    assert push.sink(b"a") is False and fed == []
+    push.busy = False
+    assert push.sink(b"b") is True and fed == [b"b"]
