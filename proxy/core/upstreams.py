@@ -433,6 +433,8 @@ class Upstream:
             else:
                 reason = None if self.up else (self.reason or "model list not read")
         if reason is not None:
+            if self.up:  # back meanwhile (the model-list refresh saw it): no stale reason
+                return interval
             if self.reason != reason:
                 self.reason = reason
             self._down_backoff = min(self._down_backoff * 2, self.options.health_backoff_max)
@@ -456,7 +458,7 @@ class Upstream:
         return {
             "engine": self.engine,
             "up": self.up,
-            "reason": self.reason,
+            "reason": None if self.up else self.reason,
             "routable": sorted(self.routable),
             "models": sorted(self.models),
             "precision": {m: list(astuple(self.precision.get(m))) for m in sorted(self.models)},

@@ -167,7 +167,7 @@ class StatusPage:
                     "name": u.name,
                     "engine": u.engine,
                     "up": u.up,  # None until its first probe answered or failed
-                    "reason": u.reason,  # why it is down (None while up)
+                    "reason": None if u.up else u.reason,  # why it is down (None while up)
                     "models": len(u.models),
                     "requests": reg.total("phasewatch_requests_total", upstream=u.name),
                     "errors": sum(
