@@ -31,8 +31,11 @@ WRITE = "phasewatch.write"
 PUSH = "phasewatch.push"
 
 Feed = Callable[[bytes, float], bytes]
-Write = Callable[[bytes], bool]
-Install = Callable[[Callable[[bytes], bool] | None], None]
+#: The server's writer: `write(body, framed=None)`, `framed` being `body` already framed
+#: as the answer's chunk (written as it is).
+Write = Callable[..., bool]
+Sink = Callable[[bytes, "bytes | None"], bool]
+Install = Callable[[Sink | None], None]
 
 
 class Push:
@@ -57,9 +60,11 @@ class Push:
         install(push.sink)
         return push
 
-    def sink(self, chunk: bytes) -> bool:
+    def sink(self, chunk: bytes, framed: bytes | None = None) -> bool:
         """Feed `chunk` to the tap and write what it lets through; False (nothing taken)
-        while the task is busy or holds output, or when the client cannot take it now."""
+        while the task is busy or holds output, or when the client cannot take it now.
+        `framed` is `chunk` as one chunk of a chunked body (the upstream's, in the form
+        the server writes): when the tap lets `chunk` through unchanged, that goes out."""
         if self.busy or self.held:
             return False
         out = None
@@ -67,7 +72,7 @@ class Push:
             if not self.write(b""):
                 return False
             out = self.feed(chunk, time.monotonic())
-            if out and not self.write(out):
+            if out and not self.write(out, framed if out is chunk else None):
                 self.held.append(out)
         except Exception as exc:  # noqa: BLE001 - never into the transport's callback
             self._give_up(exc)

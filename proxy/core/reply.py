@@ -26,7 +26,7 @@ class Reply:
     __slots__ = ("_task", "_watcher", "disconnected", "echo", "finished", "send", "write")
 
     def __init__(
-        self, send: Send, echo: Headers | None = None, write: Callable[[bytes], bool] | None = None
+        self, send: Send, echo: Headers | None = None, write: Callable[..., bool] | None = None
     ) -> None:
         self.send = send
         #: The server's synchronous writer (the ``phasewatch.write`` extension), if any.

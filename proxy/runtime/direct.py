@@ -18,13 +18,15 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from ..core.push import WRITE
 
 
-def writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
-    """`write(body)`: the body as one chunk of the cycle's answer, when it can go now
-    without waiting (True; an empty body writes nothing and says whether one could)."""
+def writer(cycle: RequestResponseCycle) -> Callable[..., bool]:
+    """`write(body, framed=None)`: the body as one chunk of the cycle's answer, when it
+    can go now without waiting (True; an empty body writes nothing and says whether one
+    could). `framed`, when given, is that chunk already framed as this writer frames it
+    (``%x\\r\\n``, the body, ``\\r\\n``), and is written as it is."""
     flow, transport = cycle.flow, cycle.transport
     head = cycle.scope["method"] == "HEAD"
 
-    def write(body: bytes) -> bool:
+    def write(body: bytes, framed: bytes | None = None) -> bool:
         if (
             head
             or flow.write_paused
@@ -35,7 +37,9 @@ def writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
             or transport.is_closing()
         ):
             return False
-        if body:
+        if framed is not None:
+            transport.write(framed)
+        elif body:
             transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 

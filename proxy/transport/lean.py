@@ -47,6 +47,37 @@ log = logging.getLogger(__name__)
 _HIGH_WATER = 256 * 1024
 
 
+#: A body sink: takes a piece of the body (True: taken) and, when the read was exactly one
+#: chunk, that chunk as it came (its size line, the piece, its CRLF), else None.
+Sink = Callable[[bytes, "bytes | None"], bool]
+
+
+def whole_chunk(data: bytes) -> bytes | None:
+    """The body piece of `data` when `data` is exactly one chunk of a chunked body, its
+    size in lowercase hex without leading zeros and no extension (the form a proxy
+    writes itself), else None (the parser takes it)."""
+    i = data.find(b"\r\n", 0, 10)
+    size = len(data) - i - 4
+    if i <= 0 or size <= 0 or data[-2:] != b"\r\n" or b"%x" % size != data[:i]:
+        return None
+    return data[i + 2 : -2]
+
+
+def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the body is chunked and nothing else frames it (one Transfer-Encoding,
+    exactly ``chunked``; no Content-Length)."""
+    seen = False
+    for k, v in headers:
+        k = k.lower()
+        if k == b"transfer-encoding":
+            if seen or v.strip().lower() != b"chunked":
+                return False
+            seen = True
+        elif k == b"content-length":
+            return False
+    return seen
+
+
 class _Stale(Exception):
     """A connection closed before any response byte came."""
 
@@ -86,8 +117,12 @@ class _Conn(asyncio.Protocol):
         self.timeout: float | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.request: httpx.Request | None = None
-        #: Takes body bytes as they are parsed (True: taken), instead of the reader task.
-        self.sink: Callable[[bytes], bool] | None = None
+        #: Takes body bytes as they are parsed (True: taken), instead of the reader task;
+        #: for a read that is exactly one chunk, that chunk's bytes as they came go with
+        #: them (:func:`whole_chunk`).
+        self.sink: Sink | None = None
+        #: The parser stands between two chunks of a chunked body (nothing of one held).
+        self.edge = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -102,6 +137,14 @@ class _Conn(asyncio.Protocol):
             return
         self.got_bytes = True
         self.last = self.loop.time()
+        sink = self.sink
+        if sink is not None and self.edge and not self.chunks and self.error is None:
+            # a paced stream's read is one whole chunk: it needs no parser (which stays
+            # between chunks), and the sink may pass its framing on as it came
+            body = whole_chunk(data)
+            if body is not None and sink(body, data):
+                return
+        self.edge = False
         counting = not self.headers_done
         if counting:
             self.head_bytes += len(data)
@@ -122,10 +165,11 @@ class _Conn(asyncio.Protocol):
         if counting and self.head_bytes > self.pool.max_head_bytes and not self.headers_done:
             self._head_too_large()
             return
-        sink = self.sink
+        if self.edge and data[-2:] != b"\r\n":
+            self.edge = False  # a chunk's size line begun: the parser holds it
         if sink is not None and self.chunks and self.error is None:
             chunks = self.chunks
-            if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):
+            if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks), None):
                 chunks.clear()
                 self.size = 0
         if self.size > _HIGH_WATER and not self.paused:
@@ -197,6 +241,14 @@ class _Conn(asyncio.Protocol):
         if self.head or status in (204, 304):
             self.complete = True  # no body (HEAD is closed after: its Content-Length lies)
             self.keep_alive = False
+        else:
+            self.edge = _chunked(self.headers)
+
+    def on_chunk_header(self) -> None:
+        self.edge = False
+
+    def on_chunk_complete(self) -> None:
+        self.edge = True
 
     def on_body(self, body: bytes) -> None:
         if not self.complete:
@@ -311,7 +363,7 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    def push(self, sink: Callable[[bytes], bool] | None) -> None:
+    def push(self, sink: Sink | None) -> None:
         """Give body bytes to `sink` as they are parsed, in the connection's callback
         (None: to the reader again). The reader is woken only for bytes the sink
         refused (returned False for), the end or an error."""
