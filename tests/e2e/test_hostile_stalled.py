@@ -13,10 +13,10 @@ import socket
 
 import pytest
 
+from ..support.fake_engine import FakeEngine
 from ..support.hostile import (
     MODEL,
     SSE_HEAD,
-    RawEngine,
     chunk,
     connect,
     fds,
@@ -45,7 +45,7 @@ def engine():
             cancelled.append(1)
 
     cancelled: list[int] = []
-    engine = RawEngine(script=script)
+    engine = FakeEngine(models=[MODEL], script=script)
     engine.cancelled = cancelled  # type: ignore[attr-defined]
     yield engine.start()
     engine.stop()
