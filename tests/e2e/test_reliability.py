@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from ..support.replay import ThreadServer
+from ..support.fake_engine import FakeEngine, Request, json_bytes
+from ..support.hostile import chunk
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim
 
 MODEL = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"
@@ -49,77 +50,61 @@ def _fds(pid: int) -> int:
 # --- a scriptable engine ------------------------------------------------------------------
 
 
+EVENTS_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
 class ScriptedEngine:
-    """An upstream whose behaviour each test sets: echo, status, garbage, silence, pauses."""
+    """What the shared fake engine (:attr:`engine`, listing model "m") does with each
+    generation request, set by each test: echo, status, garbage, silence, pauses."""
 
     def __init__(self) -> None:
         self.mode = "echo"
         self.seen: list[dict] = []
         self.closed = threading.Event()
         self.sent = 0
-        self.probes: list[dict] = []  # headers of the proxy's own model-list calls
+        self.engine = FakeEngine(models=["m"], script=self.script)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        if scope["path"] == "/v1/models":
-            self.probes.append({k.decode(): v.decode() for k, v in scope["headers"]})
-            await self._send(send, 200, b'{"object":"list","data":[{"id":"m","object":"model"}]}')
+    @property
+    def probes(self) -> list[dict]:
+        """The headers of the proxy's own model-list calls."""
+        return [
+            {k.lower(): v for k, v in r.headers}
+            for r in self.engine.requests
+            if r.target.split("?", 1)[0] == "/v1/models"
+        ]
+
+    async def script(self, req: Request, reader, writer) -> None:
+        if req.method != "POST":
+            writer.write(json_bytes(404, b'{"detail":"Not Found"}'))
+            await writer.drain()
             return
-        if scope["method"] != "POST":  # probes (engine detection, /metrics scrapes)
-            await self._send(send, 404, b'{"detail":"Not Found"}')
-            return
-        self.seen.append(
-            {
-                "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
-                "body": body,
-                "path": scope["path"],
-            }
-        )
+        headers = {k.lower(): v for k, v in req.headers}
+        self.seen.append({"headers": headers, "body": req.body, "path": req.target.split("?")[0]})
         mode = self.mode
         if mode == "echo":
-            await self._send(send, 200, json.dumps(self.seen[-1]["headers"]).encode())
+            writer.write(json_bytes(200, json.dumps(headers).encode()))
         elif mode == "status500":
-            await self._send(send, 500, b'{"error":{"message":"CUDA out of memory","code":500}}')
+            writer.write(json_bytes(500, b'{"error":{"message":"CUDA out of memory","code":500}}'))
         elif mode == "garbage":
-            await self._send(send, 200, b"<html>not json \xff\xfe</html>")
+            writer.write(json_bytes(200, b"<html>not json \xff\xfe</html>"))
         elif mode == "firehose":
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
+            writer.write(EVENTS_HEAD)
             event = (
                 b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
             )
             for _ in range(8192):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                writer.write(chunk(event))
                 self.sent += len(event)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
         elif mode == "silent":
             await asyncio.sleep(30)
         elif mode in ("truncated", "usage_pause", "done_linger"):
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
+            writer.write(EVENTS_HEAD)
             for i in range(3):
-                chunk = {
+                event = {
                     "id": "x",
                     "object": "chat.completion.chunk",
                     "created": 1,
@@ -132,52 +117,32 @@ class ScriptedEngine:
                         }
                     ],
                 }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": True,
-                        "body": b"data: "
-                        + json.dumps(chunk, separators=(",", ":")).encode()
-                        + b"\n\n",
-                    }
+                writer.write(
+                    chunk(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
                 )
+            await writer.drain()
             if mode == "done_linger":  # [DONE] is out, the connection lingers a moment
-                await send(
-                    {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
-                )
+                writer.write(chunk(b"data: [DONE]\n\n"))
+                await writer.drain()
                 await asyncio.sleep(1.0)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            if mode == "usage_pause":
+                writer.write(b"0\r\n\r\n")
+            elif mode == "usage_pause":
                 try:  # the finish event is out; the usage event is slow to come
-                    while (await receive())["type"] != "http.disconnect":
+                    while await reader.read(4096):  # until the proxy hangs up
                         pass
                 finally:
                     self.closed.set()
                 return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    async def _send(send, status, body):
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+            else:
+                writer.write(b"0\r\n\r\n")
+        await writer.drain()
 
 
 @pytest.fixture(scope="module")
 def scripted():
-    engine = ScriptedEngine()
-    server = ThreadServer(engine, free_port()).start()
-    yield engine, server
-    server.stop()
+    faults = ScriptedEngine()
+    with faults.engine as engine:
+        yield faults, engine
 
 
 # --- hang-ups -------------------------------------------------------------------------------
@@ -675,41 +640,25 @@ def test_stalled_readers_push_back_to_the_engine(scripted):
         engine.mode = "echo"
 
 
-class HugeMetricsEngine:
-    """An engine whose /metrics never ends: the proxy's scrape must stop reading it."""
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
-        if scope["path"] == "/v1/models":
-            await ScriptedEngine._send(
-                send,
-                200,
-                b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}',
-            )
-            return
-        if scope["path"] != "/metrics":
-            await ScriptedEngine._send(send, 404, b'{"detail":"Not Found"}')
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/plain")],
-            }
-        )
-        line = b'vllm:num_requests_running{model_name="m"} 1.0\n' * 20000
-        for _ in range(512):  # ~450 MiB
-            await send({"type": "http.response.body", "body": line, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+async def endless_metrics(req: Request, reader, writer) -> None:
+    """A /metrics page that never ends (~450 MiB): the proxy's scrape must stop reading it."""
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    line = b'vllm:num_requests_running{model_name="m"} 1.0\n' * 20000
+    for _ in range(512):
+        writer.write(chunk(line))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
 
 
 def test_a_huge_engine_metrics_page_is_not_read_whole():
-    server = ThreadServer(HugeMetricsEngine(), free_port()).start()
+    server = FakeEngine(
+        models=["m"],
+        script=endless_metrics,
+        script_takes=lambda req: req.target.split("?", 1)[0] == "/metrics",
+    ).start()
     proxy = start_proxy(
         f"huge={server.url}", args=["--engine", "huge=vllm", "--engine-scrape", "0.5"]
     )

@@ -12,7 +12,8 @@ transports) or put a subprocess proxy in front of it alike. Each request is reco
   standard answers below.
 - ``script(req, reader, writer)`` is a coroutine that writes on the stream itself, for
   byte-level timing (framing cut anywhere, a reset in the middle of an event, a stall
-  between bytes); the standard answers still take the model list and the probes.
+  between bytes); by default (``script_takes``) the standard answers still take the model
+  list and the probes.
 - the standard answers: ``GET .../v1/models`` lists :attr:`~FakeEngine.models` (counted in
   ``lists``), other GETs outside ``/v1/`` (probes, scrapes) get 404, a POST gets a
   one-token chat completion reporting ``prompt_tokens``, anything else ``{"ok":true}``;
@@ -31,6 +32,7 @@ import struct
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 #: The model the standard answers list unless a test names its own.
@@ -104,8 +106,14 @@ def response(
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 
 
+def json_bytes(status: int, body: bytes) -> bytes:
+    """A JSON response's bytes (`body` as it is), with its status's own reason phrase."""
+    headers = [("content-type", "application/json")]
+    return response(status, body, headers, reason=HTTPStatus(status).phrase)
+
+
 def json_response(status: int, obj: object) -> bytes:
-    return response(status, json.dumps(obj).encode(), [("content-type", "application/json")])
+    return json_bytes(status, json.dumps(obj).encode())
 
 
 def completion(model: object, prompt_tokens: int = 1) -> dict:
@@ -129,10 +137,19 @@ def completion(model: object, prompt_tokens: int = 1) -> dict:
     }
 
 
+def generation(req: Request) -> bool:
+    """A request the engine's script takes by default: all but the model list and the
+    probes (GETs outside ``/v1/``: engine detection, metrics scrapes)."""
+    path = req.target.split("?", 1)[0]
+    return not (req.method == "GET" and (path.endswith("/v1/models") or "/v1/" not in path))
+
+
 @dataclass
 class FakeEngine:
     answer: Answer | None = None
     script: Script | None = None
+    #: Which requests go to the script (the rest get the standard answers).
+    script_takes: Callable[[Request], bool] = generation
     models: list[str] = field(default_factory=lambda: [MODEL])
     prompt_tokens: int = 1
     #: The model list and POSTs answer 500 while set.
@@ -218,11 +235,6 @@ class FakeEngine:
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
 
-    def _scripted(self, req: Request) -> bool:
-        """Whether a request is the script's: all but the model list and the probes."""
-        path = req.target.split("?", 1)[0]
-        return not (req.method == "GET" and (path.endswith("/v1/models") or "/v1/" not in path))
-
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         conn = self.connections
@@ -235,7 +247,7 @@ class FakeEngine:
                     return
                 self.requests.append(req)
                 reply = self.answer(req) if self.answer is not None else None
-                if reply is None and self.script is not None and self._scripted(req):
+                if reply is None and self.script is not None and self.script_takes(req):
                     await self.script(req, reader, writer)
                     if writer.is_closing():
                         return
