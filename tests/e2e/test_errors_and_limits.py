@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from ..support.fake_engine import FakeEngine, Request
-from ..support.hostile import SSE_HEAD, chunk
+from ..support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 
 MODEL = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"

@@ -13,11 +13,9 @@ import socket
 
 import pytest
 
-from ..support.fake_engine import FakeEngine
+from ..support.fake_engine import SSE_HEAD, FakeEngine, chunk
 from ..support.hostile import (
     MODEL,
-    SSE_HEAD,
-    chunk,
     connect,
     fds,
     status_kib,

@@ -30,12 +30,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ..support.fake_engine import FakeEngine, Request
+from ..support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk, wants_usage
 from ..support.hostile import (
     MODEL,
-    SSE_HEAD,
     PeakRss,
-    chunk,
     connect,
     cpu_seconds,
     fds,
@@ -43,7 +41,6 @@ from ..support.hostile import (
     read_response,
     token_event,
     usage_event,
-    wants_usage,
 )
 from ..support.servers import ROOT, free_port, sample, start_proxy, wait_for
 

@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from ..support.fake_engine import FakeEngine, Request, json_bytes
-from ..support.hostile import chunk
+from ..support.fake_engine import FakeEngine, Request, chunk, json_bytes
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim
 
 MODEL = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"

@@ -20,8 +20,7 @@ import openai
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from ..support.fake_engine import FakeEngine, Request
-from ..support.hostile import SSE_HEAD, chunk
+from ..support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
 from ..support.otlp_receiver import Receiver
 from ..support.servers import (
     ROOT,

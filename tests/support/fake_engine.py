@@ -116,6 +116,26 @@ def json_response(status: int, obj: object) -> bytes:
     return json_bytes(status, json.dumps(obj).encode())
 
 
+def chunk(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk."""
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+
+
+def wants_usage(req: Request) -> bool:
+    try:
+        obj = json.loads(req.body)
+    except ValueError:
+        return False
+    opts = obj.get("stream_options") if isinstance(obj, dict) else None
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
 def completion(model: object, prompt_tokens: int = 1) -> dict:
     """A one-token chat completion ("ok") reporting `prompt_tokens`."""
     return {

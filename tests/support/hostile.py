@@ -1,5 +1,5 @@
-"""Tools for hostile-wire tests: the bytes of a stream an engine's script writes, raw-socket
-clients, /proc readings.
+"""Tools for hostile-wire tests: the events an engine's script streams, raw-socket clients,
+/proc readings.
 
 The engine itself is the shared :class:`tests.support.fake_engine.FakeEngine`; a hostile
 test gives it a script (``FakeEngine(models=[MODEL], script=...)``) that decides every byte
@@ -14,20 +14,7 @@ import socket
 import threading
 import time
 
-from .fake_engine import Request
-
 MODEL = "m"
-
-
-def chunk(data: bytes) -> bytes:
-    """One HTTP/1.1 chunk."""
-    return b"%x\r\n" % len(data) + data + b"\r\n"
-
-
-SSE_HEAD = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-    b"transfer-encoding: chunked\r\n\r\n"
-)
 
 
 def token_event(text: str, finish: str | None = None, nl: bytes = b"\n") -> bytes:
@@ -52,15 +39,6 @@ def usage_event(nl: bytes = b"\n") -> bytes:
         "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + nl + nl
-
-
-def wants_usage(req: Request) -> bool:
-    try:
-        obj = json.loads(req.body)
-    except ValueError:
-        return False
-    opts = obj.get("stream_options") if isinstance(obj, dict) else None
-    return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
 # --- raw-socket clients ----------------------------------------------------------------------
