@@ -19,7 +19,9 @@ transports) or put a subprocess proxy in front of it alike. Each request is reco
   one-token chat completion reporting ``prompt_tokens``, anything else ``{"ok":true}``;
   with ``fail`` set, the model list and POSTs get 500.
 
-``stall`` accepts connections and never reads them; ``ssl_context`` serves TLS.
+``stall`` accepts connections and never reads them, ``refuse`` closes each at once,
+``port`` listens on a given port, ``ssl_context`` serves TLS; ``connections`` counts them
+and ``ended`` says when each ended.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -68,8 +71,9 @@ class Request:
 @dataclass
 class Reply:
     data: bytes = b""
-    #: "keep": wait for the next request; "close": FIN; "reset": RST; "hang": never more;
-    #: "drop": read the request, close without a byte.
+    #: "keep": wait for the next request; "close": FIN; "reset": RST; "hang": never a byte
+    #: more (what arrives is read and dropped until the peer closes); "drop": read the
+    #: request, close without a byte.
     then: str = "keep"
     #: Bytes written after a pause (an unsolicited response on an idle connection).
     later: bytes = b""
@@ -176,6 +180,11 @@ class FakeEngine:
     fail: bool = False
     #: Accept connections and never read from them (a stalled engine).
     stall: bool = False
+    #: Accept each connection and close it at once (an engine that is down).
+    refuse: bool = False
+    #: The port to listen on (0: any free one); a test may bring an engine back on the
+    #: port of one that went down.
+    port: int = 0
     ssl_context: ssl.SSLContext | None = None
     #: Bodies are read in pieces and kept up to this size (the engine holds no large body).
     keep_bodies_up_to: int = 1 << 20
@@ -183,6 +192,8 @@ class FakeEngine:
     connections: int = 0
     #: Model-list reads the standard answers served.
     lists: int = 0
+    #: When each connection ended (monotonic seconds), in order.
+    ended: list[float] = field(default_factory=list)
     #: Set by scripts (from the engine's loop) and waited on by tests.
     events: dict[str, threading.Event] = field(default_factory=dict)
     url: str = ""
@@ -240,7 +251,9 @@ class FakeEngine:
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._server = loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ssl_context, limit=1 << 20)
+            asyncio.start_server(
+                self._handle, "127.0.0.1", self.port, ssl=self.ssl_context, limit=1 << 20
+            )
         )
         port = self._server.sockets[0].getsockname()[1]
         scheme = "https" if self.ssl_context else "http"
@@ -258,9 +271,11 @@ class FakeEngine:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         conn = self.connections
-        if self.stall:
-            await asyncio.Event().wait()
         try:
+            if self.refuse:
+                return
+            if self.stall:
+                await asyncio.Event().wait()
             while True:
                 req = await read_request(reader, conn, self.keep_bodies_up_to)
                 if req is None:
@@ -272,7 +287,7 @@ class FakeEngine:
                     if writer.is_closing():
                         return
                     continue
-                if not await _write(writer, reply or self.standard(req)):
+                if not await _write(reader, writer, reply or self.standard(req)):
                     return
         except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
             return
@@ -281,9 +296,10 @@ class FakeEngine:
         finally:
             if not writer.is_closing():
                 writer.close()
+            self.ended.append(time.monotonic())
 
 
-async def _write(writer: asyncio.StreamWriter, reply: Reply) -> bool:
+async def _write(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: Reply) -> bool:
     """Write `reply`; whether the connection goes on to the next request."""
     if reply.then == "drop":
         writer.close()
@@ -309,7 +325,9 @@ async def _write(writer: asyncio.StreamWriter, reply: Reply) -> bool:
         writer.transport.abort()
         return False
     if reply.then == "hang":
-        await asyncio.Event().wait()
+        while await reader.read(65536):
+            pass
+        return False
     return True
 
 
