@@ -57,11 +57,11 @@ EVENTS_HEAD = (
 
 class ScriptedEngine:
     """What the shared fake engine (:attr:`engine`, listing model "m") does with each
-    generation request, set by each test: echo, status, garbage, silence, pauses."""
+    generation request, set by each test: echo, status, garbage, silence, a firehose, a
+    stream without its terminator."""
 
     def __init__(self) -> None:
         self.mode = "echo"
-        self.closed = threading.Event()
         self.sent = 0
         self.engine = FakeEngine(models=["m"], script=self.script)
 
@@ -99,7 +99,7 @@ class ScriptedEngine:
             writer.write(b"0\r\n\r\n")
         elif mode == "silent":
             await asyncio.sleep(30)
-        elif mode in ("truncated", "usage_pause", "done_linger"):
+        elif mode == "truncated":
             writer.write(EVENTS_HEAD)
             for i in range(3):
                 event = {
@@ -118,21 +118,7 @@ class ScriptedEngine:
                 writer.write(
                     chunk(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
                 )
-            await writer.drain()
-            if mode == "done_linger":  # [DONE] is out, the connection lingers a moment
-                writer.write(chunk(b"data: [DONE]\n\n"))
-                await writer.drain()
-                await asyncio.sleep(1.0)
-                writer.write(b"0\r\n\r\n")
-            elif mode == "usage_pause":
-                try:  # the finish event is out; the usage event is slow to come
-                    while await reader.read(4096):  # until the proxy hangs up
-                        pass
-                finally:
-                    self.closed.set()
-                return
-            else:
-                writer.write(b"0\r\n\r\n")
+            writer.write(b"0\r\n\r\n")
         await writer.drain()
 
 
@@ -220,8 +206,9 @@ def test_hang_up_in_prefill_and_decode_cancels_the_engine():
         sim.stop()
 
 
-def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
-    engine, server = scripted
+def test_hang_up_while_queued():
+    """(The hang-ups while usage is awaited and after [DONE] are the relay's alone:
+    tests/unit/test_relay_endings.py.)"""
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--max-concurrency", "1"])
     try:
@@ -249,50 +236,6 @@ def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
     finally:
         proxy.stop()
         sim.stop()
-    # usage phase: the engine sent its finish event; phasewatch holds it for the usage event
-    engine.mode = "usage_pause"
-    engine.closed.clear()
-    proxy = start_proxy(f"scripted={server.url}")
-    try:
-        body = {"model": "m", "messages": [], "stream": True}
-        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body) as resp:
-            got = b""
-            for chunk in resp.iter_raw():
-                got += chunk
-                if got.count(b"\n\n") >= 2:
-                    break
-            time.sleep(0.2)
-        assert engine.closed.wait(2.0), "the engine never saw the hang-up"
-        _wait(
-            lambda: sample(metric_samples(proxy.url), "phasewatch_aborts_total", phase="usage") == 1
-        )
-    finally:
-        proxy.stop()
-        engine.mode = "echo"
-
-
-def test_leaving_after_done_is_not_an_abort(scripted):
-    engine, server = scripted
-    engine.mode = "done_linger"
-    proxy = start_proxy(f"scripted={server.url}")
-    try:
-        with httpx.stream(
-            "POST",
-            proxy.url + "/v1/chat/completions",
-            json={"model": "m", "messages": [], "stream": True},
-        ) as resp:
-            got = b""
-            for chunk in resp.iter_raw():
-                got += chunk
-                if got.endswith(b"data: [DONE]\n\n"):
-                    break
-        _wait(lambda: sample(metric_samples(proxy.url), "phasewatch_requests_total") == 1)
-        s = metric_samples(proxy.url)
-        assert sample(s, "phasewatch_requests_total", outcome="ok") == 1
-        assert sample(s, "phasewatch_aborts_total") == 0
-    finally:
-        engine.mode = "echo"
-        proxy.stop()
 
 
 def test_a_thousand_aborted_streams_leak_nothing():
