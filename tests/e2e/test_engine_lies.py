@@ -27,7 +27,7 @@ from proxy.measure.sanity import MAX_TOKENS
 from proxy.measure.timeline import EngineTimings, Marks, Usage
 from proxy.services.status import RECENT_SECONDS
 
-from ..support.fake_engine import FakeEngine, Reply, Request, default_answer, response
+from ..support.fake_engine import FakeEngine, Reply, Request, response
 from ..support.servers import metric_samples, sample, start_proxy
 
 # --- what an engine may send ------------------------------------------------------------
@@ -303,7 +303,7 @@ LIES = [
 def lying_engine():
     count = {"n": 0}
 
-    def answer(req: Request) -> Reply:
+    def answer(req: Request) -> Reply | None:
         if req.method == "POST" and req.target == "/v1/chat/completions":
             usage = LIES[count["n"] % len(LIES)][0]
             count["n"] += 1
@@ -327,7 +327,7 @@ def lying_engine():
             sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
             sse += b"data: [DONE]\n\n"
             return Reply(response(200, sse, [("Content-Type", "text/event-stream")], chunked=True))
-        return default_answer(req)
+        return None  # the engine's standard answer
 
     return answer
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from ..support.replay import ThreadServer
+from ..support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 
 MODEL = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"
@@ -42,57 +42,25 @@ def test_unreachable_upstream_is_a_clear_502():
         proxy.stop()
 
 
-class DyingEngine:
+async def die_after_three_tokens(req: Request, reader, writer) -> None:
     """Streams three token events, then drops the connection (an engine crash)."""
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
-        while (await receive()).get("more_body"):
-            pass
-        if scope["path"] == "/v1/models":
-            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
-            }
-        )
-        for i in range(3):
-            chunk = {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "created": 1,
-                "model": "m",
-                "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
-            }
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                    "more_body": True,
-                }
-            )
-            await asyncio.sleep(0.01)
-        raise RuntimeError("engine crashed")  # uvicorn drops the connection mid-body
+    writer.write(SSE_HEAD)
+    for i in range(3):
+        event = {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
+        }
+        writer.write(chunk(b"data: " + json.dumps(event).encode() + b"\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    writer.close()  # mid-body: no last chunk
 
 
 def test_engine_dying_midstream_ends_with_an_error_event():
-    engine = ThreadServer(DyingEngine(), free_port()).start()
+    engine = FakeEngine(models=["m"], script=die_after_three_tokens).start()
     proxy = start_proxy(f"dying={engine.url}")
     try:
         resp = httpx.post(

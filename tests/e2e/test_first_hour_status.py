@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ..support.browser import Browser
-from ..support.openai_engine import OpenAIEngine
+from ..support.fake_engine import FakeEngine
 from ..support.servers import free_port, start_proxy, start_sim, wait_for
 
 LONG = [
@@ -33,7 +33,7 @@ SIM_MODELS = (
 
 @pytest.fixture(scope="module")
 def busy_proxy():
-    lister = OpenAIEngine(list(LONG), prompt_tokens=5)
+    lister = FakeEngine(models=list(LONG), prompt_tokens=5).start()
     model_dir = tempfile.mkdtemp(prefix="pw-models-")
     sim = start_sim("vllm", speed=10.0, deterministic=False, extra=["--model-dir", model_dir])
     dead = f"http://127.0.0.1:{free_port()}"
@@ -70,7 +70,7 @@ def busy_proxy():
     finally:
         proxy.stop()
         sim.stop()
-        lister.close()
+        lister.stop()
 
 
 @pytest.fixture(scope="module")

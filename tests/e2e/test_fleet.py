@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from ..support.openai_engine import OpenAIEngine
+from ..support.fake_engine import FakeEngine
 from ..support.servers import (
     ROOT,
     free_port,
@@ -288,13 +288,13 @@ def test_admin_api_keyed_needs_a_key_that_names_no_client():
 
 @pytest.mark.parametrize("copies", [64, 500])
 def test_a_flood_of_listed_models_does_not_displace_the_real_one(copies):
-    eng = OpenAIEngine([f"copy-{i}" for i in range(copies)] + ["real-model"])
+    eng = FakeEngine(models=[f"copy-{i}" for i in range(copies)] + ["real-model"]).start()
     sim = start_sim("vllm", speed=8.0)
     proxy = start_proxy(f"sim={sim.url}", f"eng={eng.url}", args=["--engine-scrape", "0"])
     try:
         r = chat(proxy, model="real-model")
         assert r.status_code == 200, r.text
-        assert eng.posts == ["real-model"]
+        assert [r.json()["model"] for r in eng.posts()] == ["real-model"]
         assert sim.truth() == []
         # the label stays bounded: the real model past --max-models is labelled other
         (line,) = proxy.request_lines(at_least=1)
@@ -302,7 +302,7 @@ def test_a_flood_of_listed_models_does_not_displace_the_real_one(copies):
     finally:
         proxy.stop()
         sim.stop()
-        eng.close()
+        eng.stop()
 
 
 def bridge(proxy, name: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from ..support.openai_engine import OpenAIEngine
+from ..support.fake_engine import FakeEngine
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim, wait_for
 
 #: Far below --model-refresh (300 s): only the health probe can meet it.
@@ -99,7 +99,7 @@ def test_a_refused_request_marks_its_upstream_down_at_once():
 
 
 def test_probes_skip_while_traffic_answers_and_a_5xx_probe_says_why():
-    eng = OpenAIEngine(["m"])
+    eng = FakeEngine(models=["m"]).start()
     proxy = start_proxy(
         f"gen={eng.url}",
         args=["--model-refresh", "300", "--engine-scrape", "0", "--health-interval", "0.5"],
@@ -129,7 +129,7 @@ def test_probes_skip_while_traffic_answers_and_a_5xx_probe_says_why():
         wait_for(lambda: ready_status(proxy) == 200, timeout=SEEN_WITHIN, what="seen up again")
     finally:
         proxy.stop()
-        eng.close()
+        eng.stop()
 
 
 def test_every_worker_sees_death_and_return_within_seconds():

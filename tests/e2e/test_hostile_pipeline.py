@@ -1,7 +1,7 @@
 """Hostile wire, second pass: pipelined floods and trailer sections.
 
-The real proxy on loopback in front of a byte-level engine (:class:`tests.support.hostile.RawEngine`),
-spoken to over raw sockets. A request head is limited per head, however many of them
+The real proxy on loopback in front of the byte-level fake engine
+(:class:`tests.support.fake_engine.FakeEngine` with a script), spoken to over raw sockets. A request head is limited per head, however many of them
 one write holds; a connection may queue a bounded number of requests (and bytes) ahead of
 the one being answered; every refusal comes in its request's turn and the connection is
 closed and freed; trailer fields are counted against the head limit and never reach the
@@ -18,7 +18,8 @@ import socket
 import httpx
 import pytest
 
-from ..support.hostile import MODEL, PeakRss, RawEngine, Request, connect, fds
+from ..support.fake_engine import FakeEngine, Request
+from ..support.hostile import MODEL, PeakRss, connect, fds
 from ..support.servers import sample, start_proxy, wait_for
 from .test_hostile_wire import answer, log_lines, metrics
 
@@ -48,7 +49,7 @@ def engine():
         )
         await writer.drain()
 
-    e = RawEngine(script=script).start()
+    e = FakeEngine(models=[MODEL], script=script).start()
     yield e
     e.stop()
 
@@ -161,7 +162,7 @@ def test_an_oversized_head_behind_pipelined_requests_gets_its_431_in_its_turn(en
         assert closed_by_peer(s)
         s.close()
         assert sample(metrics(proxy), "phasewatch_rejected_total", reason="head_too_large") == 1
-        assert [r for r in engine.seen if r.method == "POST"].__len__() == 3
+        assert [r for r in engine.requests if r.method == "POST"].__len__() == 3
     finally:
         proxy.stop()
 
@@ -284,12 +285,12 @@ def test_trailer_fields_never_reach_the_engine_as_headers(engine):
         assert content_of(answers.next()) == "t"
         assert content_of(answers.next()) == "next"  # the connection goes on
         s.close()
-        posts = [r for r in engine.seen if r.method == "POST"]
+        posts = [r for r in engine.requests if r.method == "POST"]
         assert len(posts) == 2
-        sent = posts[0].headers
-        assert "x-injected" not in sent
-        assert sent.get("x-team") == "mine"
-        assert sent.get("x-request-id") != "forged-id"
+        sent = posts[0]
+        assert "x-injected" not in sent.header_names()
+        assert sent.header("x-team") == "mine"
+        assert sent.header("x-request-id") != "forged-id"
         line = proxy.request_lines(at_least=1)[0]
         assert "forged-id" not in json.dumps(line)
     finally:
@@ -355,7 +356,7 @@ def test_an_endless_trailer_section_is_refused_with_memory_bounded(engine, keyed
             assert keyed and got.count(b"HTTP/1.1 ") == 1
         else:
             assert got == refusal
-        assert not [r for r in engine.seen if r.method == "POST"]
+        assert not [r for r in engine.requests if r.method == "POST"]
         m = metrics(proxy, KEY)
         assert sample(m, "phasewatch_rejected_total", reason="trailers_too_large") == 1
         assert len(log_lines(proxy, "refused a request trailer section over 65536")) == 1

@@ -13,11 +13,9 @@ import socket
 
 import pytest
 
+from ..support.fake_engine import SSE_HEAD, FakeEngine, chunk
 from ..support.hostile import (
     MODEL,
-    SSE_HEAD,
-    RawEngine,
-    chunk,
     connect,
     fds,
     status_kib,
@@ -45,7 +43,7 @@ def engine():
             cancelled.append(1)
 
     cancelled: list[int] = []
-    engine = RawEngine(script=script)
+    engine = FakeEngine(models=[MODEL], script=script)
     engine.cancelled = cancelled  # type: ignore[attr-defined]
     yield engine.start()
     engine.stop()

@@ -2,8 +2,8 @@
 gate, corrupt a stream or forge a log line.
 
 Every test runs the real proxy (``python -m proxy serve``) on loopback in front of a
-byte-level engine (:class:`tests.support.hostile.RawEngine`), speaks to it over raw sockets or
-the real SDKs, and asserts the exact bytes the client receives and the counters. Memory
+byte-level fake engine (:class:`tests.support.fake_engine.FakeEngine` with a script), speaks
+to it over raw sockets or the real SDKs, and asserts the exact bytes the client receives and the counters. Memory
 bounds are read from ``/proc`` (the growth of the proxy's peak RSS under the hostile load);
 CPU comparisons are same-run ratios. Every loop is bounded.
 """
@@ -30,13 +30,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ..support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk, wants_usage
 from ..support.hostile import (
     MODEL,
-    SSE_HEAD,
     PeakRss,
-    RawEngine,
-    Request,
-    chunk,
     connect,
     cpu_seconds,
     fds,
@@ -44,7 +41,6 @@ from ..support.hostile import (
     read_response,
     token_event,
     usage_event,
-    wants_usage,
 )
 from ..support.servers import ROOT, free_port, sample, start_proxy, wait_for
 
@@ -96,7 +92,7 @@ def dechunk(data: bytes) -> bytes:
 
 @pytest.fixture
 def engine():
-    e = RawEngine().start()
+    e = FakeEngine(models=[MODEL]).start()
     yield e
     e.stop()
 
@@ -179,7 +175,7 @@ def test_a_huge_request_head_gets_431_before_the_key_check_and_costs_no_memory(e
         s.sendall(head + b"x-big: " + b"c" * 65536)
         assert read_response(s) == expected
         s.close()
-        assert not [r for r in engine.seen if r.method == "POST"]
+        assert not [r for r in engine.requests if r.method == "POST"]
         m = metrics(proxy, KEY)
         assert sample(m, "phasewatch_rejected_total", reason="head_too_large") == 3
         assert len(log_lines(proxy, "refused a request head over 65536 bytes")) == 1
@@ -445,22 +441,22 @@ def test_a_path_never_leaves_the_upstream_base_path(engine):
     )
     try:
         for path in ("/v1/../../admin", "/v1/%2e%2E/%2E%2e/admin", "/./../admin"):
-            engine.seen.clear()
+            engine.requests.clear()
             raw(proxy.url, get(path))
-            assert [r.target for r in engine.seen if "admin" in r.target] == ["/tenant-a/admin"]
-        before = len(engine.seen)
+            assert [r.target for r in engine.requests if "admin" in r.target] == ["/tenant-a/admin"]
+        before = len(engine.requests)
         for path in ("/v1/..%2F..%2Fadmin", "/v1/..%5c..%5cadmin", "/v1/..\\..\\admin"):
             assert raw(proxy.url, get(path)) == answer(
                 400,
                 "the request path hides a dot segment in an encoded slash; not relayed",
                 "invalid_request",
             )
-        assert not [r for r in engine.seen[before:] if "admin" in r.target]
+        assert not [r for r in engine.requests[before:] if "admin" in r.target]
         assert sample(metrics(proxy), "phasewatch_rejected_total", reason="bad_path") == 3
         # the proxy's own calls keep the base path too: model refresh and engine scrape
-        wait_for(lambda: any(r.target == "/tenant-a/metrics" for r in engine.seen))
-        wait_for(lambda: any(r.target == "/tenant-a/v1/models" for r in engine.seen))
-        assert not [r for r in engine.seen if not r.target.startswith("/tenant-a/")]
+        wait_for(lambda: any(r.target == "/tenant-a/metrics" for r in engine.requests))
+        wait_for(lambda: any(r.target == "/tenant-a/v1/models" for r in engine.requests))
+        assert not [r for r in engine.requests if not r.target.startswith("/tenant-a/")]
     finally:
         proxy.stop()
 
@@ -839,7 +835,7 @@ def test_own_routes_need_the_key_however_their_path_is_spelled(engine):
     proxy = start_proxy(f"e={engine.url}", args=["--api-key", "k1", "--engine", "e=openai"])
 
     def relayed() -> int:
-        return len([r for r in engine.seen if not r.target.endswith("/v1/models")])
+        return len([r for r in engine.requests if not r.target.endswith("/v1/models")])
 
     try:
         unauthorized_page = b"HTTP/1.1 401 Unauthorized\r\n"
@@ -868,7 +864,7 @@ def test_own_routes_need_the_key_however_their_path_is_spelled(engine):
 def test_options_star_is_answered_by_the_proxy(engine):
     proxy = start_proxy(f"e={engine.url}/tenant-a", args=["--engine", "e=openai"])
     try:
-        before = len(engine.seen)
+        before = len(engine.requests)
         s = connect(proxy.url)
         s.sendall(b"OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n")
         assert read_response(s) == (
@@ -876,7 +872,7 @@ def test_options_star_is_answered_by_the_proxy(engine):
             b"content-length: 0\r\n\r\n"
         )
         s.close()
-        assert len(engine.seen) == before
+        assert len(engine.requests) == before
     finally:
         proxy.stop()
 
@@ -894,7 +890,7 @@ def test_a_websocket_upgrade_gets_a_clear_501(engine):
         assert got == answer(
             501, "phasewatch does not relay websocket upgrades", "unsupported", close=True
         )
-        assert not [r for r in engine.seen if "realtime" in r.target]
+        assert not [r for r in engine.requests if "realtime" in r.target]
         assert sample(metrics(proxy), "phasewatch_rejected_total", reason="upgrade") == 1
     finally:
         proxy.stop()
@@ -940,7 +936,7 @@ def test_a_client_that_half_closes_gets_its_answer_and_one_that_closes_is_a_hang
         # a client that closes (not half-closes) is gone: its request is cancelled at once
         s = connect(proxy.url)
         s.sendall(b"GET /v1/hold HTTP/1.1\r\nhost: x\r\n\r\n")
-        wait_for(lambda: any(r.target == "/v1/hold" for r in engine.seen))
+        wait_for(lambda: any(r.target == "/v1/hold" for r in engine.requests))
         s.close()
         assert gone.wait(5), "the engine never saw the hang-up"
     finally:
@@ -976,7 +972,7 @@ def test_an_over_limit_body_sent_with_connection_close_gets_the_413(engine):
                 pass
             assert read_all(s) == expected, framing
             s.close()
-        assert not [r for r in engine.seen if r.method == "POST"]
+        assert not [r for r in engine.requests if r.method == "POST"]
         assert sample(metrics(proxy), "phasewatch_rejected_total", reason="body_too_large") == 2
     finally:
         proxy.stop()
@@ -1010,9 +1006,9 @@ def test_the_client_request_id_is_forwarded_and_none_is_added(engine):
             headers={"x-request-id": "client-1"},
         )
         httpx.post(proxy.url + "/v1/chat/completions", content=chat(False))
-        posts = [r for r in engine.seen if r.method == "POST"]
-        assert posts[0].headers.get("x-request-id") == "client-1"
-        assert "x-request-id" not in posts[1].headers
+        posts = [r for r in engine.requests if r.method == "POST"]
+        assert posts[0].header("x-request-id") == "client-1"
+        assert "x-request-id" not in posts[1].header_names()
         ids = [line["request_id"] for line in proxy.request_lines(at_least=2)]
         assert ids[0] == "client-1" and re.fullmatch(r"[0-9a-f]{32}", ids[1])
     finally:

@@ -1,5 +1,6 @@
-"""Faults injected one by one: hang-ups in every phase, engine faults, hostile input,
-access keys, the metrics address, graceful shutdown, slow readers — and nothing leaks."""
+"""Faults injected one by one: hang-ups in every phase, engine faults, access keys, the
+metrics address, graceful shutdown, slow readers — and nothing leaks. (Odd request bodies
+and the body limit are the relay's alone: tests/unit/test_relay_bodies.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from ..support.replay import ThreadServer
+from ..support.fake_engine import FakeEngine, Request, chunk, json_bytes
 from ..support.servers import free_port, metric_samples, sample, start_proxy, start_sim
 
 MODEL = "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4"
@@ -49,77 +50,59 @@ def _fds(pid: int) -> int:
 # --- a scriptable engine ------------------------------------------------------------------
 
 
+EVENTS_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
 class ScriptedEngine:
-    """An upstream whose behaviour each test sets: echo, status, garbage, silence, pauses."""
+    """What the shared fake engine (:attr:`engine`, listing model "m") does with each
+    generation request, set by each test: echo, status, garbage, silence, a firehose, a
+    stream without its terminator."""
 
     def __init__(self) -> None:
         self.mode = "echo"
-        self.seen: list[dict] = []
-        self.closed = threading.Event()
         self.sent = 0
-        self.probes: list[dict] = []  # headers of the proxy's own model-list calls
+        self.engine = FakeEngine(models=["m"], script=self.script)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        if scope["path"] == "/v1/models":
-            self.probes.append({k.decode(): v.decode() for k, v in scope["headers"]})
-            await self._send(send, 200, b'{"object":"list","data":[{"id":"m","object":"model"}]}')
+    @property
+    def probes(self) -> list[dict]:
+        """The headers of the proxy's own model-list calls."""
+        return [
+            {k.lower(): v for k, v in r.headers}
+            for r in self.engine.requests
+            if r.target.split("?", 1)[0] == "/v1/models"
+        ]
+
+    async def script(self, req: Request, reader, writer) -> None:
+        if req.method != "POST":
+            writer.write(json_bytes(404, b'{"detail":"Not Found"}'))
+            await writer.drain()
             return
-        if scope["method"] != "POST":  # probes (engine detection, /metrics scrapes)
-            await self._send(send, 404, b'{"detail":"Not Found"}')
-            return
-        self.seen.append(
-            {
-                "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
-                "body": body,
-                "path": scope["path"],
-            }
-        )
+        headers = {k.lower(): v for k, v in req.headers}
         mode = self.mode
         if mode == "echo":
-            await self._send(send, 200, json.dumps(self.seen[-1]["headers"]).encode())
+            writer.write(json_bytes(200, json.dumps(headers).encode()))
         elif mode == "status500":
-            await self._send(send, 500, b'{"error":{"message":"CUDA out of memory","code":500}}')
+            writer.write(json_bytes(500, b'{"error":{"message":"CUDA out of memory","code":500}}'))
         elif mode == "garbage":
-            await self._send(send, 200, b"<html>not json \xff\xfe</html>")
+            writer.write(json_bytes(200, b"<html>not json \xff\xfe</html>"))
         elif mode == "firehose":
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
+            writer.write(EVENTS_HEAD)
             event = (
                 b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 65500 + b'"}}]}\n\n'
             )
             for _ in range(8192):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                writer.write(chunk(event))
                 self.sent += len(event)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
         elif mode == "silent":
             await asyncio.sleep(30)
-        elif mode in ("truncated", "usage_pause", "done_linger"):
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")],
-                }
-            )
+        elif mode == "truncated":
+            writer.write(EVENTS_HEAD)
             for i in range(3):
-                chunk = {
+                event = {
                     "id": "x",
                     "object": "chat.completion.chunk",
                     "created": 1,
@@ -132,52 +115,18 @@ class ScriptedEngine:
                         }
                     ],
                 }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": True,
-                        "body": b"data: "
-                        + json.dumps(chunk, separators=(",", ":")).encode()
-                        + b"\n\n",
-                    }
+                writer.write(
+                    chunk(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
                 )
-            if mode == "done_linger":  # [DONE] is out, the connection lingers a moment
-                await send(
-                    {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True}
-                )
-                await asyncio.sleep(1.0)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            if mode == "usage_pause":
-                try:  # the finish event is out; the usage event is slow to come
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                finally:
-                    self.closed.set()
-                return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    async def _send(send, status, body):
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
 
 
 @pytest.fixture(scope="module")
 def scripted():
-    engine = ScriptedEngine()
-    server = ThreadServer(engine, free_port()).start()
-    yield engine, server
-    server.stop()
+    faults = ScriptedEngine()
+    with faults.engine as engine:
+        yield faults, engine
 
 
 # --- hang-ups -------------------------------------------------------------------------------
@@ -257,8 +206,9 @@ def test_hang_up_in_prefill_and_decode_cancels_the_engine():
         sim.stop()
 
 
-def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
-    engine, server = scripted
+def test_hang_up_while_queued():
+    """(The hang-ups while usage is awaited and after [DONE] are the relay's alone:
+    tests/unit/test_relay_endings.py.)"""
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--max-concurrency", "1"])
     try:
@@ -286,50 +236,6 @@ def test_hang_up_while_queued_and_while_usage_is_awaited(scripted):
     finally:
         proxy.stop()
         sim.stop()
-    # usage phase: the engine sent its finish event; phasewatch holds it for the usage event
-    engine.mode = "usage_pause"
-    engine.closed.clear()
-    proxy = start_proxy(f"scripted={server.url}")
-    try:
-        body = {"model": "m", "messages": [], "stream": True}
-        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body) as resp:
-            got = b""
-            for chunk in resp.iter_raw():
-                got += chunk
-                if got.count(b"\n\n") >= 2:
-                    break
-            time.sleep(0.2)
-        assert engine.closed.wait(2.0), "the engine never saw the hang-up"
-        _wait(
-            lambda: sample(metric_samples(proxy.url), "phasewatch_aborts_total", phase="usage") == 1
-        )
-    finally:
-        proxy.stop()
-        engine.mode = "echo"
-
-
-def test_leaving_after_done_is_not_an_abort(scripted):
-    engine, server = scripted
-    engine.mode = "done_linger"
-    proxy = start_proxy(f"scripted={server.url}")
-    try:
-        with httpx.stream(
-            "POST",
-            proxy.url + "/v1/chat/completions",
-            json={"model": "m", "messages": [], "stream": True},
-        ) as resp:
-            got = b""
-            for chunk in resp.iter_raw():
-                got += chunk
-                if got.endswith(b"data: [DONE]\n\n"):
-                    break
-        _wait(lambda: sample(metric_samples(proxy.url), "phasewatch_requests_total") == 1)
-        s = metric_samples(proxy.url)
-        assert sample(s, "phasewatch_requests_total", outcome="ok") == 1
-        assert sample(s, "phasewatch_aborts_total") == 0
-    finally:
-        engine.mode = "echo"
-        proxy.stop()
 
 
 def test_a_thousand_aborted_streams_leak_nothing():
@@ -428,58 +334,6 @@ def test_engine_faults_give_clear_errors_and_the_proxy_keeps_serving(scripted):
         engine.mode = "echo"
         proxy.stop()
         dns.stop()
-
-
-# --- hostile input -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"not json at all",
-        b"[" * 100000 + b"]" * 100000,  # deeper than any JSON parser recurses
-        b'{"model": 5, "stream": "yes", "stream_options": [1], "messages": {}}',
-        b'{"model": null, "stream": true, "stream_options": "x"}',
-        b'{"model": "m", "stream": 1}',
-        b'{"model": "m", "stream": true, "stream_options": null}',
-        '{"model": "m\u0000\ud83d\ude00", "stream": false}'.encode("utf-8", "surrogatepass"),
-        b"\xff\xfe\x00garbage",
-    ],
-)
-def test_odd_bodies_reach_the_engine_unaltered(scripted, body):
-    engine, server = scripted
-    proxy = start_proxy(f"scripted={server.url}")
-    try:
-        engine.mode = "echo"
-        r = httpx.post(
-            proxy.url + "/v1/chat/completions",
-            content=body,
-            headers={"content-type": "application/json"},
-        )
-        assert r.status_code == 200
-        assert engine.seen[-1]["body"] == body
-        assert proxy.proc.poll() is None
-    finally:
-        proxy.stop()
-
-
-def test_body_limit_is_a_413(scripted):
-    engine, server = scripted
-    proxy = start_proxy(f"scripted={server.url}", args=["--max-body-bytes", "1000"])
-    try:
-        n = len(engine.seen)
-        r = httpx.post(proxy.url + "/v1/chat/completions", content=b"x" * 1001)
-        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
-
-        def chunks():  # no content-length: the limit still holds while reading
-            for _ in range(20):
-                yield b"y" * 100
-
-        r = httpx.post(proxy.url + "/v1/chat/completions", content=chunks())
-        assert r.status_code == 413
-        assert len(engine.seen) == n  # nothing reached the engine
-    finally:
-        proxy.stop()
 
 
 # --- access ---------------------------------------------------------------------------------
@@ -675,41 +529,25 @@ def test_stalled_readers_push_back_to_the_engine(scripted):
         engine.mode = "echo"
 
 
-class HugeMetricsEngine:
-    """An engine whose /metrics never ends: the proxy's scrape must stop reading it."""
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
-        if scope["path"] == "/v1/models":
-            await ScriptedEngine._send(
-                send,
-                200,
-                b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm"}]}',
-            )
-            return
-        if scope["path"] != "/metrics":
-            await ScriptedEngine._send(send, 404, b'{"detail":"Not Found"}')
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/plain")],
-            }
-        )
-        line = b'vllm:num_requests_running{model_name="m"} 1.0\n' * 20000
-        for _ in range(512):  # ~450 MiB
-            await send({"type": "http.response.body", "body": line, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+async def endless_metrics(req: Request, reader, writer) -> None:
+    """A /metrics page that never ends (~450 MiB): the proxy's scrape must stop reading it."""
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    line = b'vllm:num_requests_running{model_name="m"} 1.0\n' * 20000
+    for _ in range(512):
+        writer.write(chunk(line))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
 
 
 def test_a_huge_engine_metrics_page_is_not_read_whole():
-    server = ThreadServer(HugeMetricsEngine(), free_port()).start()
+    server = FakeEngine(
+        models=["m"],
+        script=endless_metrics,
+        script_takes=lambda req: req.target.split("?", 1)[0] == "/metrics",
+    ).start()
     proxy = start_proxy(
         f"huge={server.url}", args=["--engine", "huge=vllm", "--engine-scrape", "0.5"]
     )

@@ -9,7 +9,6 @@ counts), never with absolute times.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import subprocess
@@ -21,8 +20,8 @@ import openai
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from ..support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
 from ..support.otlp_receiver import Receiver
-from ..support.replay import ThreadServer
 from ..support.servers import (
     ROOT,
     free_port,
@@ -252,9 +251,8 @@ def test_exemplars_name_the_trace(traced):
 def test_without_otel_the_proxy_adds_no_trace_header(proxy):
     """The default proxy (no --otel) passes the client's traceparent as it is and adds
     none; exemplars then carry the request id."""
-    engine = _HeaderEngine()
-    server = ThreadServer(engine, free_port()).start()
-    plain = start_proxy(f"fake={server.url}", args=["--engine", "fake=openai"])
+    engine = _header_engine().start()
+    plain = start_proxy(f"fake={engine.url}", args=["--engine", "fake=openai"])
     try:
         header, _, _ = traceparent()
         httpx.post(plain.url + "/v1/chat/completions", json=_fake_body(), timeout=10)
@@ -264,9 +262,10 @@ def test_without_otel_the_proxy_adds_no_trace_header(proxy):
             headers={"traceparent": header, "tracestate": "k=v"},
             timeout=10,
         )
-        assert "traceparent" not in engine.seen[0] and "tracestate" not in engine.seen[0]
-        assert engine.seen[1]["traceparent"] == header
-        assert engine.seen[1]["tracestate"] == "k=v"
+        seen = _sent(engine)
+        assert "traceparent" not in seen[0] and "tracestate" not in seen[0]
+        assert seen[1]["traceparent"] == header
+        assert seen[1]["tracestate"] == "k=v"
         plain.request_lines(at_least=2)  # both recorded: their exemplars are in /metrics
         text = httpx.get(plain.url + "/metrics", headers={"accept": OPENMETRICS}).text
         labels = [
@@ -281,72 +280,41 @@ def test_without_otel_the_proxy_adds_no_trace_header(proxy):
         assert {lab["request_id"] for lab in labels} <= ids
     finally:
         plain.stop()
-        server.stop()
+        engine.stop()
 
 
 # --- the engine sees the trace context ----------------------------------------------------
 
 
-class _HeaderEngine:
-    """A fake OpenAI-compatible engine that records each generation request's headers and
-    streams a short answer (usage included when asked)."""
+def _header_engine() -> FakeEngine:
+    """The fake engine serving model "fake" and streaming a short answer to each generation
+    request (usage included when asked); its POSTs' headers are read by :func:`_sent`."""
+    head = '{"id":"c","object":"chat.completion.chunk","created":1,"model":"fake","choices":'
 
-    def __init__(self) -> None:
-        self.seen: list[dict[str, str]] = []
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        if scope["path"] == "/v1/models":
-            payload = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": payload.encode()})
-            return
-        self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        usage = b'"include_usage":true' in body
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")],
-            }
-        )
-        head = '{"id":"c","object":"chat.completion.chunk","created":1,"model":"fake","choices":'
+    async def script(req: Request, reader, writer) -> None:
         events = [head + '[{"index":0,"delta":{"role":"assistant","content":""}}]}']
         for word in ("one", " two", " three"):
             events.append(head + f'[{{"index":0,"delta":{{"content":"{word}"}}}}]}}')
         events.append(head + '[{"index":0,"delta":{},"finish_reason":"stop"}]}')
-        if usage:
+        if b'"include_usage":true' in req.body:
             events.append(
                 head + '[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}'
             )
         events.append("[DONE]")
+        writer.write(SSE_HEAD)
         for ev in events:
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": f"data: {ev}\n\n".encode(),
-                    "more_body": True,
-                }
-            )
+            writer.write(chunk(f"data: {ev}\n\n".encode()))
+            await writer.drain()
             await asyncio.sleep(0.002)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return FakeEngine(models=["fake"], script=script)
+
+
+def _sent(engine: FakeEngine) -> list[dict[str, str]]:
+    """The headers of each generation request the engine was sent, names in lower case."""
+    return [{k.lower(): v for k, v in r.headers} for r in engine.posts()]
 
 
 def _fake_body() -> dict:
@@ -360,17 +328,15 @@ def _fake_body() -> dict:
 
 @pytest.fixture(scope="module")
 def fake_engine():
-    engine = _HeaderEngine()
-    server = ThreadServer(engine, free_port()).start()
-    yield engine, server
-    server.stop()
+    with _header_engine() as engine:
+        yield engine
 
 
 def test_traceparent_reaches_the_engine_under_the_requests_span(fake_engine):
-    engine, server = fake_engine
+    engine = fake_engine
     receiver = Receiver()
     proxy = start_proxy(
-        f"fake={server.url}", args=["--otel", "--engine", "fake=openai"], env=otel_env(receiver)
+        f"fake={engine.url}", args=["--otel", "--engine", "fake=openai"], env=otel_env(receiver)
     )
     try:
         header, trace_id, parent_id = traceparent()
@@ -386,7 +352,7 @@ def test_traceparent_reaches_the_engine_under_the_requests_span(fake_engine):
         )
         httpx.post(proxy.url + "/v1/chat/completions", json=_fake_body(), timeout=10)
         spans = receiver.wait_spans(lambda s: sum(x["kind"] == "SPAN_KIND_SERVER" for x in s) >= 2)
-        continued, fresh = engine.seen[-2], engine.seen[-1]
+        continued, fresh = _sent(engine)[-2:]
         # continued: the engine's parent is phasewatch's span in the client's trace
         (span,) = [
             s for s in spans if s["trace_id"] == trace_id and s["kind"] == "SPAN_KIND_SERVER"
@@ -406,16 +372,16 @@ def test_traceparent_reaches_the_engine_under_the_requests_span(fake_engine):
 
 
 def test_an_unsampled_request_is_not_exported_and_says_so_upstream(fake_engine):
-    engine, server = fake_engine
+    engine = fake_engine
     receiver = Receiver()
     proxy = start_proxy(
-        f"fake={server.url}",
+        f"fake={engine.url}",
         args=["--otel", "--engine", "fake=openai"],
         env=otel_env(receiver, OTEL_TRACES_SAMPLER="always_off"),
     )
     try:
         httpx.post(proxy.url + "/v1/chat/completions", json=_fake_body(), timeout=10)
-        _, tid, _, flags = engine.seen[-1]["traceparent"].split("-")
+        _, tid, _, flags = _sent(engine)[-1]["traceparent"].split("-")
         assert not int(flags, 16) & 1  # the engine is told not to record it either
         # the GenAI metrics still flow: wait for them, then no span may have come
         receiver.wait_points(
@@ -430,10 +396,10 @@ def test_an_unsampled_request_is_not_exported_and_says_so_upstream(fake_engine):
 
 
 def test_failed_span_export_is_counted_and_said_once(fake_engine):
-    _, server = fake_engine
+    engine = fake_engine
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxy = start_proxy(
-        f"fake={server.url}",
+        f"fake={engine.url}",
         args=["--otel", "--engine", "fake=openai"],
         env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": dead,
@@ -490,10 +456,10 @@ def test_missing_sdk_is_a_clear_error(monkeypatch):
 def test_workers_each_export_their_spans_and_metrics_carry_no_exemplars(fake_engine):
     """--workers N: every worker traces its own requests; prometheus-client's multiprocess
     mode keeps no exemplars, and /metrics stays valid OpenMetrics without them."""
-    _, server = fake_engine
+    engine = fake_engine
     receiver = Receiver()
     proxy = start_proxy(
-        f"fake={server.url}",
+        f"fake={engine.url}",
         args=["--otel", "--engine", "fake=openai", "--workers", "2"],
         env=otel_env(receiver, OTEL_METRICS_EXPORTER="none"),
     )

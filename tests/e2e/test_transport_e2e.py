@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trustme
 
-from ..support.fake_engine import FakeEngine, Reply, Request, default_answer, response
+from ..support.fake_engine import FakeEngine, Reply, Request, response
 from ..support.servers import ROOT, free_port, metric_samples, sample, start_proxy
 from ..unit.test_relay_unit import EVENTS
 
@@ -106,11 +106,11 @@ def _lines(proxy, upstream: str, n: int = 1, timeout: float = 10.0) -> list[dict
         time.sleep(0.05)
 
 
-def stream_reply(req: Request) -> Reply:
+def stream_reply(req: Request) -> Reply | None:
     if req.method == "POST" and req.target == "/v1/chat/completions":
         data = b"".join(EVENTS)
         return Reply(response(200, data, [("Content-Type", "text/event-stream")], chunked=True))
-    return default_answer(req)
+    return None  # the engine's standard answer
 
 
 CHAT = {
@@ -170,13 +170,13 @@ def test_an_untrusted_engine_is_a_clear_502_and_insecure_is_warned(tls):
 
 
 def test_an_engine_dying_mid_answer_is_an_error_never_a_short_success():
-    def answer(req: Request) -> Reply:
+    def answer(req: Request) -> Reply | None:
         if req.target == "/v1/chat/completions":  # close-delimited, then a reset
             head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
             return Reply(head + EVENTS[0] + EVENTS[1], then="reset")
         if req.target == "/files/big":
             return Reply(response(200, b"x" * 3000, length=10221), then="reset")
-        return default_answer(req)
+        return None  # the engine's standard answer
 
     with FakeEngine(answer) as engine:
         proxy = start_proxy(f"eng={engine.url}", args=["--engine", "eng=vllm"])

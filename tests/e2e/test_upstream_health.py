@@ -5,72 +5,19 @@ back."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
+from ..support.fake_engine import FakeEngine, Reply
 from ..support.servers import Server, _spawn, free_port, start_proxy, start_sim, wait_for
 
 
-class SilentUpstream:
-    """Accepts connections and never answers; records when each one was closed by the
-    other side (the proxy giving up on it)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        self.closed_at: list[float] = []
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            self._conns.append(conn)
-            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
-
-    def _hold(self, conn: socket.socket) -> None:
-        try:
-            while conn.recv(65536):
-                pass  # read the request, answer nothing
-        except OSError:
-            pass
-        self.closed_at.append(time.monotonic())
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self._conns:
-            c.close()
-
-
-class CountingRefuser:
-    """Accepts and closes every connection at once (an upstream that is down), counting
-    them: a way to see the proxy's probes go on."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_server(("127.0.0.1", port))
-        self.count = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.count += 1
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
+def silent_upstream() -> FakeEngine:
+    """An engine that reads each request and never answers; its ``ended`` says when each
+    connection was closed by the other side (the proxy giving up on it)."""
+    return FakeEngine(answer=lambda req: Reply(then="hang")).start()
 
 
 def warnings_for(log: str, name: str) -> list[str]:
@@ -82,7 +29,7 @@ def warnings_for(log: str, name: str) -> list[str]:
 
 
 def test_refused_and_silent_upstreams_start_at_once_and_say_so():
-    silent = SilentUpstream()
+    silent = silent_upstream()
     refused = f"http://127.0.0.1:{free_port()}"
     port = free_port()
     t_health: list[float] = []
@@ -114,12 +61,12 @@ def test_refused_and_silent_upstreams_start_at_once_and_say_so():
     proxy = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         # serving before the silent upstream's first probe gave up: no start-up stall
-        assert silent.accepted >= 1
+        assert silent.connections >= 1
         first = httpx.get(proxy.url + "/phasewatch/ready")
         wait_for(
-            lambda: silent.closed_at, what="the probe of the silent upstream to give up", timeout=40
+            lambda: silent.ended, what="the probe of the silent upstream to give up", timeout=40
         )
-        assert t_health[0] < silent.closed_at[0]
+        assert t_health[0] < silent.ended[0]
         assert first.status_code == 503
         states = {u["name"]: u for u in first.json()["upstreams"]}
         assert states["silent"]["engine"] == "unknown"
@@ -151,7 +98,7 @@ def test_refused_and_silent_upstreams_start_at_once_and_say_so():
         }
     finally:
         proxy.stop()
-        silent.close()
+        silent.stop()
 
 
 def test_warned_once_when_an_upstream_goes_down_and_told_when_it_is_back():
@@ -168,16 +115,18 @@ def test_warned_once_when_an_upstream_goes_down_and_told_when_it_is_back():
             lambda: "is up" in proxy.log(), what="the start-up line saying it is up", timeout=40
         )
         sim.stop()
-        refuser = CountingRefuser(port)
+        refuser = FakeEngine(refuse=True, port=port).start()
         wait_for(lambda: warnings_for(proxy.log(), "sim"), what="the down warning", timeout=40)
         assert httpx.get(proxy.url + "/phasewatch/ready").status_code == 503
         # many more probes while it stays down: still one warning
-        seen = refuser.count
+        seen = refuser.connections
         wait_for(
-            lambda: refuser.count >= seen + 15, what="more probes of the down upstream", timeout=40
+            lambda: refuser.connections >= seen + 15,
+            what="more probes of the down upstream",
+            timeout=40,
         )
         assert len(warnings_for(proxy.log(), "sim")) == 1
-        refuser.close()
+        refuser.stop()
         refuser = None
 
         sim = start_sim("vllm", speed=8.0, port=port)
@@ -201,7 +150,7 @@ def test_warned_once_when_an_upstream_goes_down_and_told_when_it_is_back():
         assert len(warnings_for(proxy.log(), "sim")) == 1
     finally:
         if refuser is not None:
-            refuser.close()
+            refuser.stop()
         proxy.stop()
         sim.stop()
 

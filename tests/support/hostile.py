@@ -1,164 +1,20 @@
-"""Tools for hostile-wire tests: a byte-level engine, raw-socket clients, /proc readings.
+"""Tools for hostile-wire tests: the events an engine's script streams, raw-socket clients,
+/proc readings.
 
-:class:`RawEngine` is an upstream written on asyncio streams, not on an HTTP framework,
-so a test decides every byte it sends: CRLF framing cut anywhere, Content-Length on a
-stream, a connection reset in the middle of an event. It answers ``/v1/models`` itself
-(the proxy's model refresh) and hands every other request to the test's script.
+The engine itself is the shared :class:`tests.support.fake_engine.FakeEngine`; a hostile
+test gives it a script (``FakeEngine(models=[MODEL], script=...)``) that decides every byte
+it sends: CRLF framing cut anywhere, Content-Length on a stream, a reset mid-event.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-
-from .servers import free_port
 
 MODEL = "m"
-
-
-@dataclass
-class Request:
-    method: str
-    target: str
-    headers: dict[str, str]
-    body: bytes
-
-
-Script = Callable[[Request, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@dataclass
-class RawEngine:
-    """An upstream on raw asyncio streams, in a thread of its own."""
-
-    script: Script | None = None
-    models: list[str] = field(default_factory=lambda: [MODEL])
-    seen: list[Request] = field(default_factory=list)
-    port: int = field(default_factory=free_port)
-    #: Set by scripts (from the engine's loop) and waited on by tests.
-    events: dict[str, threading.Event] = field(default_factory=dict)
-    #: Bodies are read in pieces and dropped (the test engine holds no large body).
-    keep_bodies_up_to: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def event(self, name: str) -> threading.Event:
-        return self.events.setdefault(name, threading.Event())
-
-    def start(self) -> RawEngine:
-        self.thread.start()
-        if not self._started.wait(10):
-            raise RuntimeError("raw engine did not start")
-        return self
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port, limit=1 << 20)
-        )
-        self._started.set()
-        try:
-            self.loop.run_forever()
-        finally:
-            server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                req = await _read_request(reader, self.keep_bodies_up_to)
-                if req is None:
-                    return
-                if req.target.endswith("/v1/models") and req.method == "GET":
-                    self.seen.append(req)
-                    body = json.dumps(
-                        {
-                            "object": "list",
-                            "data": [{"id": m, "object": "model"} for m in self.models],
-                        }
-                    ).encode()
-                    writer.write(_response(200, body))
-                    await writer.drain()
-                    continue
-                if req.method == "GET" and not req.target.startswith("/v1/"):
-                    self.seen.append(req)  # detection probes and scrapes: not found
-                    writer.write(_response(404, b'{"detail":"Not Found"}'))
-                    await writer.drain()
-                    continue
-                self.seen.append(req)
-                if self.script is None:
-                    writer.write(_response(200, b'{"ok":true}'))
-                    await writer.drain()
-                    continue
-                await self.script(req, reader, writer)
-                if writer.is_closing():
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return
-        finally:
-            if not writer.is_closing():
-                writer.close()
-
-
-async def _read_request(reader: asyncio.StreamReader, keep: int) -> Request | None:
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    lines = head.decode("latin-1").split("\r\n")
-    method, target, _ = lines[0].split(" ", 2)
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if ":" in line:
-            k, v = line.split(":", 1)
-            headers[k.strip().lower()] = v.strip()
-    body = b""
-    if "content-length" in headers:
-        left = int(headers["content-length"])
-        parts = []
-        kept = 0
-        while left:
-            piece = await reader.read(min(left, 1 << 20))
-            if not piece:
-                return None
-            left -= len(piece)
-            if kept < keep:
-                parts.append(piece)
-                kept += len(piece)
-        body = b"".join(parts)
-    return Request(method, target, headers, body)
-
-
-def _response(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (
-        b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
-        % (status, ctype, len(body))
-        + body
-    )
-
-
-def chunk(data: bytes) -> bytes:
-    """One HTTP/1.1 chunk."""
-    return b"%x\r\n" % len(data) + data + b"\r\n"
-
-
-SSE_HEAD = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-    b"transfer-encoding: chunked\r\n\r\n"
-)
 
 
 def token_event(text: str, finish: str | None = None, nl: bytes = b"\n") -> bytes:
@@ -183,15 +39,6 @@ def usage_event(nl: bytes = b"\n") -> bytes:
         "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + nl + nl
-
-
-def wants_usage(req: Request) -> bool:
-    try:
-        obj = json.loads(req.body)
-    except ValueError:
-        return False
-    opts = obj.get("stream_options") if isinstance(obj, dict) else None
-    return isinstance(opts, dict) and opts.get("include_usage") is True
 
 
 # --- raw-socket clients ----------------------------------------------------------------------
