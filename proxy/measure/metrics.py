@@ -17,6 +17,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -606,3 +607,15 @@ def observe_counts(child, counts: list[int], total: float) -> None:
             n += c
     if n:
         child._sum.inc(total)
+
+
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
+
+
+def child(metric: MetricT, *values: str) -> MetricT:
+    """``metric.labels(*values)`` (string values), taken from the metric's own table of
+    children when the label set is already there: a dict lookup instead of labels()'s
+    checks and lock, about 1 µs saved a call, some twenty calls a request. The same
+    private table as :func:`observe_counts` (hence the same version cap)."""
+    got: MetricT | None = metric._metrics.get(values)  # type: ignore[assignment]
+    return got if got is not None else metric.labels(*values)
