@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import httpx
 
+from ..transport.lean import Sink
 from .limited import LimitedLog
 
 #: The ASGI scope extension of the server's synchronous writer (proxy.runtime.direct).
@@ -34,7 +35,6 @@ Feed = Callable[[bytes, float], bytes]
 #: The server's writer: `write(body, framed=None)`, `framed` being `body` already framed
 #: as the answer's chunk (written as it is).
 Write = Callable[..., bool]
-Sink = Callable[[bytes, "bytes | None"], bool]
 Install = Callable[[Sink | None], None]
 
 
