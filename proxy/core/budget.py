@@ -78,26 +78,69 @@ class Body:
             raise TooLarge()
         chunks: list[bytes] = []
         size = 0
-        loop = asyncio.get_running_loop()
+        guard = _StallGuard(stall)
         try:
-            async with asyncio.timeout(stall) as deadline:
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect":
-                        raise ClientGone()
-                    chunk = msg.get("body", b"")
-                    if chunk:
-                        size += len(chunk)
-                        if size > limit:
-                            raise TooLarge()
-                        self.reserve(size)
-                        chunks.append(chunk)
-                    if not msg.get("more_body", False):
-                        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                    deadline.reschedule(loop.time() + stall)
-        except TimeoutError:
-            raise Stalled() from None
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone()
+                chunk = msg.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise TooLarge()
+                    self.reserve(size)
+                    chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                guard.progress()
+        except asyncio.CancelledError:
+            if guard.expired():
+                raise Stalled() from None
+            raise
+        finally:
+            guard.cancel()
 
     def release(self) -> None:
         self.budget.give(self.reserved)
         self.reserved = 0
+
+
+class _StallGuard:
+    """Cancels the reading task once `stall` seconds pass without progress.
+
+    Why not ``asyncio.timeout``: a body nearly always arrives with its head, and the
+    guard is set up for every request; one timer that looks at the last progress when it
+    fires (instead of being moved on every piece) costs a third of it."""
+
+    __slots__ = ("_fired", "_handle", "_last", "_loop", "_stall", "_task")
+
+    def __init__(self, stall: float) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._stall = stall
+        self._last = now = loop.time()
+        self._fired = False
+        self._handle: asyncio.TimerHandle | None = loop.call_at(now + stall, self._check)
+
+    def progress(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        due = self._last + self._stall
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        self._fired = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        """Whether the guard cancelled the task (and the cancellation is its alone)."""
+        return self._fired and self._task is not None and self._task.uncancel() == 0
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

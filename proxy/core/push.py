@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import httpx
 
@@ -32,31 +33,39 @@ WRITE = "phasewatch.write"
 PUSH = "phasewatch.push"
 
 Feed = Callable[[bytes, float], bytes]
-#: The server's writer: `write(body, framed=None)`, `framed` being `body` already framed
-#: as the answer's chunk (written as it is).
-Write = Callable[..., bool]
 Install = Callable[[Sink | None], None]
+
+
+class Writer(NamedTuple):
+    """The server's synchronous writer (the ``phasewatch.write`` extension's value)."""
+
+    #: Whether a chunk of the answer can be written now, without waiting.
+    ready: Callable[[], bool]
+    #: `put(body, framed=None)`: write `body` as one chunk, right after `ready()` said
+    #: yes; `framed` is `body` already framed as the answer's chunk (written as it is).
+    put: Callable[..., None]
 
 
 class Push:
     """One stream's sink, installed on its upstream connection (see the module)."""
 
-    __slots__ = ("busy", "feed", "held", "install", "said", "write")
+    __slots__ = ("busy", "feed", "held", "install", "put", "ready", "said")
 
-    def __init__(self, install: Install, feed: Feed, write: Write, said: LimitedLog) -> None:
-        self.install, self.feed, self.write, self.said = install, feed, write, said
+    def __init__(self, install: Install, feed: Feed, writer: Writer, said: LimitedLog) -> None:
+        self.install, self.feed, self.said = install, feed, said
+        self.ready, self.put = writer
         self.busy = False
         self.held: list[bytes] = []
 
     @classmethod
     def of(
-        cls, resp: httpx.Response, feed: Feed, write: Write | None, said: LimitedLog
+        cls, resp: httpx.Response, feed: Feed, writer: Writer | None, said: LimitedLog
     ) -> Push | None:
         """The push path for `resp`'s body, installed; None where either side lacks it."""
         install = resp.extensions.get(PUSH)
-        if write is None or install is None:
+        if writer is None or install is None:
             return None
-        push = cls(install, feed, write, said)
+        push = cls(install, feed, writer, said)
         install(push.sink)
         return push
 
@@ -69,11 +78,11 @@ class Push:
             return False
         out = None
         try:
-            if not self.write(b""):
+            if not self.ready():
                 return False
             out = self.feed(chunk, time.monotonic())
-            if out and not self.write(out, framed if out is chunk else None):
-                self.held.append(out)
+            if out:  # nothing since ready() could have changed the answer's state
+                self.put(out, framed if out is chunk else None)
         except Exception as exc:  # noqa: BLE001 - never into the transport's callback
             self._give_up(exc)
             if out is None:

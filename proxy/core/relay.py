@@ -39,7 +39,7 @@ from .push import WRITE
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
 from .reply import Reply
-from .respond import Responder
+from .respond import Responder, raw_body
 from .routing import Route, Router
 from .upstream_call import UpstreamCall
 from .upstreams import Upstream, Upstreams
@@ -227,7 +227,7 @@ class Relay:
                         "headers": response_headers(resp.headers.raw),
                     }
                 )
-                async for chunk in resp.aiter_raw():
+                async for chunk in raw_body(resp):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await reply.end()
             except UpstreamFailure as exc:

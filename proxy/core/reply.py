@@ -9,28 +9,28 @@ finished first, so a client that leaves after that has had its whole answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from types import TracebackType
 
 from .asgi import Receive, Send
 from .errors import ErrorShape, send_error
 from .headers import Headers
+from .push import Writer
 
 
 class Reply:
-    """What goes back to one client: its ASGI `send` (and the server's `write`, where it
+    """What goes back to one client: its ASGI `send` (and the server's `writer`, where it
     offers one), the headers every error of the proxy's own carries (`echo`: x-request-id
     with --echo-request-id), whether the last message went, and whether the client left
     before it."""
 
-    __slots__ = ("_task", "_watcher", "disconnected", "echo", "finished", "send", "write")
+    __slots__ = ("_task", "_watcher", "disconnected", "echo", "finished", "send", "writer")
 
     def __init__(
-        self, send: Send, echo: Headers | None = None, write: Callable[..., bool] | None = None
+        self, send: Send, echo: Headers | None = None, writer: Writer | None = None
     ) -> None:
         self.send = send
         #: The server's synchronous writer (the ``phasewatch.write`` extension), if any.
-        self.write = write
+        self.writer = writer
         self.echo: Headers = echo or []
         self.finished = False
         self.disconnected = False

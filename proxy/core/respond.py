@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 
@@ -29,6 +30,18 @@ from .reply import Reply
 
 #: Largest non-streamed measured response kept for reading its usage.
 MAX_KEPT_BODY = 16 * 1024 * 1024
+
+
+def raw_body(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """`resp`'s body as its transport hands it over. Why not ``aiter_raw``: it wraps
+    every piece in a context manager and a chunker the relay never asks for, and the
+    relay closes each response itself; a stream already read or not asynchronous goes
+    through ``aiter_raw`` (and its errors)."""
+    stream = resp.stream
+    if resp.is_stream_consumed or not isinstance(stream, httpx.AsyncByteStream):
+        return resp.aiter_raw()
+    resp.is_stream_consumed = True
+    return stream.__aiter__()
 
 
 class Responder:
@@ -64,7 +77,7 @@ class Responder:
                     tail = await self._stream_decoded(send, resp, decoded)
                 else:
                     push = (
-                        Push.of(resp, tap.feed, reply.write, self.said) if source is tap else None
+                        Push.of(resp, tap.feed, reply.writer, self.said) if source is tap else None
                     )
                     tail = await self._stream(send, resp, source, push)
                 if not sealed:
@@ -200,7 +213,7 @@ class Responder:
         (or to its decoder) and forward what it lets through; with `push`, only what the
         upstream connection's callback did not take (proxy.core.push). Returns the rest."""
         feed, monotonic = source.feed, time.monotonic
-        async for chunk in resp.aiter_raw():
+        async for chunk in raw_body(resp):
             held = push.take() if push is not None else b""  # the callback's output first
             out = feed(chunk, monotonic())
             if held:
@@ -214,7 +227,7 @@ class Responder:
     async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
         """A coded stream decoded for the client (usage was injected, the engine coded its
         answer anyway): forwarded a bounded piece at a time."""
-        async for chunk in resp.aiter_raw():
+        async for chunk in raw_body(resp):
             for out in decoded.pieces(chunk, time.monotonic()):
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         return decoded.end(time.monotonic())
@@ -236,7 +249,7 @@ class Responder:
         send = reply.send
         kept: list[bytes] = []
         size = 0
-        async for chunk in resp.aiter_raw():
+        async for chunk in raw_body(resp):
             if size < keep:
                 kept.append(chunk)
                 size += len(chunk)

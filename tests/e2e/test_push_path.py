@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.core.limited import LimitedLog
-from proxy.core.push import WRITE, Push
+from proxy.core.push import WRITE, Push, Writer
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from tests.unit.test_relay_unit import CHAT
@@ -45,9 +46,16 @@ async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     writer.close()
 
 
-async def relayed(write) -> tuple[list[tuple[str, bytes]], list[dict]]:
-    """One streamed chat through the relay; what reached the client, in order, as
-    ("send"|"write", bytes), and the ASGI messages."""
+def anything(body: bytes) -> None:
+    """A client socket that takes every write."""
+
+
+async def relayed(
+    ready: Callable[[], bool], put: Callable[[bytes], None] = anything
+) -> tuple[list[tuple[str, bytes]], list[dict]]:
+    """One streamed chat through the relay, the server's writer `ready` when it says so
+    and its writes going to `put` (which may raise); what reached the client, in order,
+    as ("send"|"write"|"framed", bytes), and the ASGI messages."""
     server = await asyncio.start_server(engine, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     metrics = Metrics()
@@ -64,15 +72,19 @@ async def relayed(write) -> tuple[list[tuple[str, bytes]], list[dict]]:
     messages: list[dict] = []
     started = False
 
-    def direct(body: bytes, framed: bytes | None = None) -> bool:
-        if not started:
-            return False
-        ok = write(body)
-        if ok and body:
-            # a read that was one whole chunk comes framed as the server frames it
-            assert framed is None or framed == b"%x\r\n%b\r\n" % (len(body), body), framed
-            wire.append(("framed" if framed is not None else "write", body))
-        return ok
+    def can_write() -> bool:
+        return started and ready()
+
+    misuse: list[object] = []  # an assert here would only send the stream to the task
+
+    def direct(body: bytes, framed: bytes | None = None) -> None:
+        if not (body and can_write()):  # written only right after ready() said yes
+            misuse.append(body)
+        put(body)
+        # a read that was one whole chunk comes framed as the server frames it
+        if framed is not None and framed != b"%x\r\n%b\r\n" % (len(body), body):
+            misuse.append(framed)
+        wire.append(("framed" if framed is not None else "write", body))
 
     scope = {
         "type": "http",
@@ -81,7 +93,7 @@ async def relayed(write) -> tuple[list[tuple[str, bytes]], list[dict]]:
         "raw_path": b"/v1/chat/completions",
         "query_string": b"",
         "headers": [(b"content-type", b"application/json")],
-        "extensions": {WRITE: direct},
+        "extensions": {WRITE: Writer(can_write, direct)},
     }
     first = True
 
@@ -105,11 +117,12 @@ async def relayed(write) -> tuple[list[tuple[str, bytes]], list[dict]]:
     finally:
         server.close()
         await upstream.aclose()
+    assert not misuse, misuse
     return wire, messages
 
 
 def test_events_go_out_from_the_callback_in_order():
-    wire, messages = asyncio.run(relayed(lambda body: True))
+    wire, messages = asyncio.run(relayed(lambda: True))
     assert messages[0]["status"] == 200
     assert b"".join(b for _, b in wire) == b"".join(EVENTS)
     # the stream's events went out through the writer, not a task wake-up each, and the
@@ -120,7 +133,7 @@ def test_events_go_out_from_the_callback_in_order():
 
 
 def test_a_writer_that_cannot_write_leaves_it_to_the_task():
-    wire, _ = asyncio.run(relayed(lambda body: False))
+    wire, _ = asyncio.run(relayed(lambda: False))
     assert b"".join(b for _, b in wire) == b"".join(EVENTS)
     assert all(how == "send" for how, _ in wire)
 
@@ -128,20 +141,23 @@ def test_a_writer_that_cannot_write_leaves_it_to_the_task():
 def test_a_writer_that_raises_falls_back_to_the_task(caplog):
     calls = 0
 
-    def flaky(body: bytes) -> bool:
+    def flaky(body: bytes) -> None:
         nonlocal calls
         calls += 1
-        if body and calls > 4:
+        if calls > 2:
             raise RuntimeError("boom")
-        return True
 
     with caplog.at_level(logging.WARNING):
-        wire, messages = asyncio.run(relayed(flaky))
+        wire, messages = asyncio.run(relayed(lambda: True, flaky))
     assert b"".join(b for _, b in wire) == b"".join(EVENTS)  # nothing lost, nothing twice
     assert any(how != "send" for how, _ in wire) and any(how == "send" for how, _ in wire)
     said = [r for r in caplog.records if "push path failed" in r.getMessage()]
     assert len(said) == 1, said
     assert messages[-1]["more_body"] is False
+
+
+#: A writer that can always write, and takes the writes.
+WRITABLE = Writer(lambda: True, lambda body, framed=None: None)
 
 
 def test_a_tap_that_raises_in_the_sink_leaves_the_chunk_to_the_task():
@@ -150,7 +166,7 @@ def test_a_tap_that_raises_in_the_sink_leaves_the_chunk_to_the_task():
     def feed(chunk: bytes, now: float) -> bytes:
         raise ValueError("tap bug")
 
-    push = Push(installed.append, feed, lambda body: True, LimitedLog(logging.getLogger("t")))
+    push = Push(installed.append, feed, WRITABLE, LimitedLog(logging.getLogger("t")))
     assert push.sink(b"data: x\n\n") is False  # not taken: the task feeds it itself
     assert installed == [None]  # and the push path is given up for the stream
 
@@ -160,7 +176,7 @@ def test_the_sink_refuses_while_the_task_sends():
     push = Push(
         lambda s: None,
         lambda chunk, now: fed.append(chunk) or chunk,
-        lambda body: True,
+        WRITABLE,
         LimitedLog(logging.getLogger("t")),
     )
     assert push.take() == b""
