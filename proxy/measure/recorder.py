@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .kvcache import KVModel
-from .metrics import Metrics, child, observe_counts, prompt_band
+from .metrics import Metrics, child, observe, observe_counts, prompt_band
 from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -162,7 +162,7 @@ class Recorder:
         if ex.outcome == "rejected":
             return
         if f.queue_proxy is not None:
-            child(m.queue_seconds, *base, "proxy").observe(f.queue_proxy)
+            observe(child(m.queue_seconds, *base, "proxy"), f.queue_proxy)
         # every error kind is counted here: the one that failed the request, and those
         # that did not
         if ex.error_kind:
@@ -181,31 +181,31 @@ class Recorder:
         # Phase figures need the engine's counts: only complete responses have them.
         if ex.outcome == "ok":
             if f.queue_upstream is not None:
-                child(m.queue_seconds, *base, "upstream").observe(f.queue_upstream)
+                observe(child(m.queue_seconds, *base, "upstream"), f.queue_upstream)
             for source, value in f.prefill_seconds.items():
-                child(m.prefill_seconds, *base, source, band).observe(value)
+                observe(child(m.prefill_seconds, *base, source, band), value)
             for source, value in f.prefill_tps.items():
-                child(m.prefill_tokens_per_second, *base, source, band).observe(value)
+                observe(child(m.prefill_tokens_per_second, *base, source, band), value)
             for source, value in f.decode_seconds.items():
-                child(m.decode_seconds, *base, source, band).observe(value)
+                observe(child(m.decode_seconds, *base, source, band), value)
             for source, value in f.decode_tps.items():
                 child(m.decode_tokens_per_second, *base, source, band).observe(value, marker)
             for source, value in f.tpot.items():
-                child(m.time_per_output_token_seconds, *base, source).observe(value)
+                observe(child(m.time_per_output_token_seconds, *base, source), value)
             kv = ex.kv
             kv_bytes = kv.request_bytes(f.context_tokens) if kv and f.context_tokens else None
             if kv_bytes is not None:
-                child(m.kv_cache_bytes, *base).observe(kv_bytes)
+                observe(child(m.kv_cache_bytes, *base), kv_bytes)
             if f.load_seconds is not None:
-                child(m.load_seconds, *base).observe(f.load_seconds)
+                observe(child(m.load_seconds, *base), f.load_seconds)
         if f.prompt_tokens is not None:
-            child(m.prompt_tokens, *base).observe(f.prompt_tokens)
+            observe(child(m.prompt_tokens, *base), f.prompt_tokens)
             if f.processed_prompt_tokens:
                 child(m.tokens_total, *base, "prefill", client).inc(f.processed_prompt_tokens)
             if f.cached_tokens:
                 child(m.tokens_total, *base, "cached", client).inc(f.cached_tokens)
         if f.completion_tokens is not None:
-            child(m.completion_tokens, *base).observe(f.completion_tokens)
+            observe(child(m.completion_tokens, *base), f.completion_tokens)
             if f.completion_tokens:
                 child(m.tokens_total, *base, "decode", client).inc(f.completion_tokens)
 
