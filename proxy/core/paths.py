@@ -57,15 +57,15 @@ def normalise(raw_path: bytes) -> tuple[bytes, str]:
     Raises BadPath for a path that is not an absolute path."""
     if not raw_path.startswith(b"/") or _BAD_BYTES.search(raw_path) is not None:
         raise BadPath("the request path must be an absolute path of URI characters")
-    if b"%" in raw_path:
+    if raw_path.find(b"%") >= 0:
         raw_path = _PCT.sub(_decode_unreserved, raw_path)
-        if b"%" in _PCT.sub(b"", raw_path):
+        if _PCT.sub(b"", raw_path).find(b"%") >= 0:
             raise BadPath("the request path has a malformed percent-encoding")
     segments = raw_path.split(b"/")[1:]
     trailing = segments[-1:] in ([b""], [b"."], [b".."])
     kept = remove_dot_segments(segments)
     for seg in kept:
-        if b"%" in seg or b"\\" in seg:  # some engines read %2F, or '\\', as '/'
+        if seg.find(b"%") >= 0 or seg.find(b"\\") >= 0:  # some engines read %2F, or '\\', as '/'
             decoded = unquote_to_bytes(seg).replace(b"\\", b"/")
             if any(part in (b".", b"..") for part in decoded.split(b"/")):
                 raise BadPath("the request path hides a dot segment in an encoded slash")

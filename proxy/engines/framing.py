@@ -67,16 +67,10 @@ class Framer:
 
     # --- splitting ----------------------------------------------------------------------
 
-    def single(self, chunk: bytes) -> bool:
-        """Whether `chunk` is one whole LF-only SSE event and nothing is held (the read
-        an engine's token event makes): split() would return it as it is."""
-        i = chunk.find(b"\n\n")
-        return (
-            i >= 0
-            and i == len(chunk) - 2
-            and not (self._held or self._skip or self.lines)
-            and b"\r" not in chunk
-        )
+    def holding(self) -> bool:
+        """Whether anything of an unfinished event is held (or an oversized one is being
+        passed through), or the stream is NDJSON: a read cannot be taken as it is."""
+        return bool(self._held or self._skip or self.lines)
 
     def split(self, chunk: bytes) -> list[bytes]:
         """The pieces of `chunk` (and of what was held before it) that are ready: whole
@@ -84,7 +78,7 @@ class Framer:
         list while an event is unfinished; its bytes stay held."""
         pieces: list[bytes] = []
         self.passed = self.whole = False
-        if not self._held and not self._skip and not self.lines and b"\r" not in chunk:
+        if not self._held and not self._skip and not self.lines and chunk.find(b"\r") < 0:
             # the hot path (LF-only SSE, nothing held): the search inlined; a read that is
             # one whole event (how engines write them) costs one search
             find = chunk.find
@@ -164,7 +158,7 @@ class Framer:
         m = _SSE_END.search(window)
         if m is not None and m.end() > len(tail):
             return m.end() - len(tail)
-        if b"\r" not in chunk:
+        if chunk.find(b"\r") < 0:
             i = chunk.find(b"\n\n")
             return i + 2 if i >= 0 else -1
         m = _SSE_END.search(chunk)

@@ -126,17 +126,17 @@ class LlamaTap(Tap):
             return
         if OUTPUT_RE.search(payload) is not None:
             self._output(now)
-            if b'"finish_reason":"' in payload:
+            if payload.find(b'"finish_reason":"') >= 0:
                 self.finish_seen = True
-        if self.native and b'"stop":' in payload and _STOP_RE.search(payload) is not None:
+        if self.native and payload.find(b'"stop":') >= 0 and _STOP_RE.search(payload) is not None:
             if not self.finish_seen:
                 self._output(now)  # the stop event stands for the last token
             self.finish_seen = self.done = True
         # only the last events carry these: a substring test first (a key inside a
         # JSON string would have escaped quotes), the regex only when it hits
-        if b'"timings"' in payload and _TIMINGS_RE.search(payload) is not None:
+        if payload.find(b'"timings"') >= 0 and _TIMINGS_RE.search(payload) is not None:
             self.timings_payload = payload
-        if b'"usage"' in payload and USAGE_RE.search(payload) is not None:
+        if payload.find(b'"usage"') >= 0 and USAGE_RE.search(payload) is not None:
             self.usage_payload = payload
 
 

@@ -13,8 +13,9 @@ import re
 from collections.abc import Callable
 
 from ..measure.timeline import Marks
-from .base import EMPTY_CHOICES_RE, Tap, has_usage, is_finish, is_output
+from .base import EMPTY_CHOICES_RE, OUTPUT_RE, Tap, has_usage, is_finish, is_output
 from .framing import MAX_EVENT_BYTES, Raw
+from .token_read import GENERAL, OUTPUT, token_kind
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -48,24 +49,14 @@ class SSETap(Tap):
         (an event that starts otherwise than ``data: {"`` is classified as ever: a
         comment, ``[DONE]``, an error, another field first)."""
         fr = self._fr
-        if fr.single(chunk):  # one token event per read: its checks inlined
-            if (
-                chunk[:8] == b'data: {"'
-                and chunk[8:14] != b'error"'
-                and not self._held
-                and self.rewrite is None
-                and b'"usage":' not in chunk
-            ):
-                i = chunk.find(_FINISH_KEY)
-                if i < 0 or (
-                    chunk[i + 16 : i + 20] == b"null" and chunk.find(_FINISH_KEY, i + 16) < 0
-                ):
-                    if is_output(chunk):
-                        self._output(now)
-                    return chunk
-            fr.whole = True
-            fr.passed = False
-            return self._pass([chunk], chunk, now)
+        if not (self._held or self.rewrite is not None or fr.holding()):
+            # one plain token event per read, how engines write them at pace: its
+            # questions asked in one call (proxy.engines.token_read)
+            kind = token_kind(chunk)
+            if kind != GENERAL:
+                if kind == OUTPUT or OUTPUT_RE.search(chunk) is not None:
+                    self._output(now)
+                return chunk
         pieces = fr.split(chunk)
         if not pieces:
             return b""
@@ -73,7 +64,7 @@ class SSETap(Tap):
             not fr.whole
             or self._held
             or self.rewrite is not None
-            or b'"usage":' in chunk
+            or chunk.find(b'"usage":') >= 0
             or chunk.count(_FINISH_KEY) != chunk.count(_FINISH_NULL)
         ):
             return self._pass(pieces, chunk, now)
@@ -156,7 +147,7 @@ class SSETap(Tap):
 
 def _with_fingerprint(event: bytes, fingerprint: bytes | None) -> bytes:
     """Put the usage event's fingerprint back on a finish event that lacks one."""
-    if fingerprint is None or b'"system_fingerprint"' in event:
+    if fingerprint is None or event.find(b'"system_fingerprint"') >= 0:
         return event
     body = event.rstrip(b"\r\n")
     if not body.endswith(b"}"):

@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
     """uvicorn as phasewatch runs it: no access log of its own (the proxy logs each
     request), no Server or Date header added to the engine's, logging left to
-    proxy.runtime.logs."""
+    proxy.runtime.logs, and no X-Forwarded-* rewriting of the client's address and
+    scheme (nothing in the proxy reads them, and the headers go to the engine as they
+    came; the middleware cost every request a pass over its headers)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -39,6 +41,7 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Co
         access_log=False,
         server_header=False,
         date_header=False,
+        proxy_headers=False,
         lifespan="on",
         timeout_graceful_shutdown=30,
         log_config=None,

@@ -11,16 +11,24 @@ import asyncio
 import itertools
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.transport import lean
-from proxy.transport.lean import whole_chunk
+from proxy.transport import _chunk, lean
+from proxy.transport.lean import whole_chunk, whole_chunk_py
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-def test_whole_chunk_takes_only_the_canonical_form():
+def test_the_c_twin_is_the_one_that_runs():
+    """setup.py builds it wherever a compiler is at hand (here, and CI); the Python
+    version stands in only where none is."""
+    assert whole_chunk is _chunk.whole_chunk
+
+
+@pytest.mark.parametrize("whole_chunk", [_chunk.whole_chunk, whole_chunk_py])
+def test_whole_chunk_takes_only_the_canonical_form(whole_chunk):
     assert whole_chunk(b"5\r\nhello\r\n") == b"hello"
     assert whole_chunk(b"d\r\n" + b"x" * 13 + b"\r\n") == b"x" * 13
     assert whole_chunk(b"7\r\na\r\nb\r\nc\r\n") == b"a\r\nb\r\nc"  # CRLF inside the body
@@ -37,6 +45,34 @@ def test_whole_chunk_takes_only_the_canonical_form():
         b"",
     ):
         assert whole_chunk(other) is None, other
+
+
+#: Pieces a read is made of: size lines of every form, CRLFs, bodies, the last chunk.
+_PIECES = st.one_of(
+    st.sampled_from([b"\r\n", b"\r", b"\n", b"0", b"5", b"d", b"D", b"05", b";x=1", b"0\r\n\r\n"]),
+    st.integers(0, 0x2000).map(lambda n: b"%x\r\n" % n),
+    st.integers(0, 0x200).map(lambda n: b"%X\r\n" % n),
+    st.binary(max_size=40),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(_PIECES, max_size=8).map(b"".join))
+def test_the_c_twin_answers_as_the_python_version(data):
+    assert _chunk.whole_chunk(data) == whole_chunk_py(data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(min_size=1, max_size=300))
+def test_the_c_twin_takes_any_one_chunk_as_the_python_version(body):
+    for size_line in (b"%x" % len(body), b"%X" % len(body), b"0%x" % len(body)):
+        data = size_line + b"\r\n" + body + b"\r\n"
+        assert _chunk.whole_chunk(data) == whole_chunk_py(data), data
+
+
+def test_the_c_twin_refuses_what_is_not_bytes():
+    with pytest.raises(TypeError):
+        _chunk.whole_chunk(bytearray(b"5\r\nhello\r\n"))  # type: ignore[arg-type]
 
 
 class _Wire:

@@ -1,0 +1,109 @@
+"""One read asked once (proxy.engines.token_read): the C twin (``_sse.c``) gives the
+Python version's answer for any read, and the answer means what the tap's general path
+would conclude (a plain token event is forwarded as it came, output counted alike)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.engines import _sse, token_read
+from proxy.engines.base import OUTPUT_RE, is_output
+from proxy.engines.token_read import GENERAL, OUTPUT, PATTERN, token_kind_py
+
+from .test_tap_once_per_read import EVENTS, TERMINATORS
+
+#: Fragments reads are made of: the keys and values the answer turns on, in every
+#: spelling, line ends of every kind, and anything else.
+_FRAGMENTS = st.one_of(
+    st.sampled_from(
+        [
+            b"data: ",
+            b"data:",
+            b'data: {"',
+            b"{",
+            b"}",
+            b'"',
+            b'error"',
+            b'"error":',
+            b'"usage":',
+            b'"usage": ',
+            b'"finish_reason":',
+            b'"finish_reason":null',
+            b'"finish_reason":"stop"',
+            b"null",
+            b'"content":"',
+            b'"content":""',
+            b'"content": "',
+            b'"text":"',
+            b'"text":""',
+            b'"tool_calls":[{',
+            b" tok",
+            b",",
+            b"\n",
+            b"\n\n",
+            b"\r",
+            b"\r\n",
+            b":",
+            b"[DONE]",
+        ]
+    ),
+    st.binary(max_size=12),
+)
+
+_READS = st.lists(_FRAGMENTS, max_size=14).map(b"".join)
+
+
+def test_the_c_twin_is_the_one_that_runs():
+    """setup.py builds it wherever a compiler is at hand (here, and CI); the Python
+    version stands in only where none is."""
+    assert token_read.token_kind is _sse.token_kind
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_READS)
+def test_the_c_twin_answers_as_the_python_version(read):
+    assert _sse.token_kind(read) == token_kind_py(read)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(_READS.map(lambda r: b'data: {"' + r + b"\n\n"))
+def test_the_c_twin_answers_as_the_python_version_on_event_shaped_reads(read):
+    assert _sse.token_kind(read) == token_kind_py(read)
+
+
+@pytest.mark.parametrize("kind_of", [_sse.token_kind, token_kind_py])
+@pytest.mark.parametrize("terminator", TERMINATORS)
+@pytest.mark.parametrize("event", EVENTS)
+def test_the_answer_agrees_with_the_output_pattern(kind_of, event, terminator):
+    """A plain token event's output is what is_output (the general path's check) says;
+    anything that could finish, carry usage, fail or end the stream is not plain."""
+    read = event + terminator
+    kind = kind_of(read)
+    if kind == GENERAL:
+        return
+    assert terminator == b"\n\n" and b"\n" not in event
+    assert b'"usage"' not in read and b"[DONE]" not in read and b"error" not in read
+    assert read.count(b'"finish_reason":') == read.count(b'"finish_reason":null') <= 1
+    if kind == OUTPUT:
+        assert is_output(read)
+    else:
+        assert kind == PATTERN
+        assert is_output(read) == (OUTPUT_RE.search(read) is not None)
+
+
+def test_plain_token_events_are_taken_in_one_call():
+    token = b'data: {"choices":[{"delta":{"content":" tok"},"finish_reason":null}]}\n\n'
+    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    for kind_of in (_sse.token_kind, token_kind_py):
+        assert kind_of(token) == OUTPUT
+        assert kind_of(role) == PATTERN
+        assert kind_of(token + token) == GENERAL  # two events: the general path
+        assert kind_of(token.replace(b"null", b'"stop"')) == GENERAL
+        assert kind_of(b"data: [DONE]\n\n") == GENERAL
+
+
+def test_the_c_twin_refuses_what_is_not_bytes():
+    with pytest.raises(TypeError):
+        _sse.token_kind("data: {}\n\n")  # type: ignore[arg-type]
