@@ -85,12 +85,12 @@ class UpstreamCall:
             headers = [h for h in headers if h[0] not in names] + extra
         where = f"upstream {upstream.name} ({upstream.url})"
         try:
-            req = httpx.Request(
+            req = upstream_request(
                 scope["method"],
                 upstream_url(upstream.url, target, qs),
-                headers=headers,
-                content=body,
-                extensions=upstream.request_extensions,
+                headers,
+                body,
+                upstream.request_extensions,
             )
         except httpx.InvalidURL as exc:
             raise UpstreamFailure(400, "bad_request", f"bad request target: {exc}") from None
@@ -131,6 +131,39 @@ class UpstreamCall:
             )
         upstream.answered(resp.status_code)
         return resp
+
+
+_BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+def upstream_request(
+    method: str, url: httpx.URL, headers: Headers, body: bytes, extensions: dict
+) -> httpx.Request:
+    """``httpx.Request(method, url, headers=headers, content=body, extensions=...)``, the
+    same request (headers in the same order, Host and Content-Length added as httpx adds
+    them), built through httpx's ``stream=`` form. Why: with ``content=`` httpx
+    normalises the headers twice and looks each added one up by name, about 20 us a
+    request, a tenth of the path before the upstream write; tests hold the two forms to
+    the same request."""
+    names = {k.lower() for k, _ in headers}
+    raw = list(headers)
+    if body and b"content-length" not in names:
+        raw.append((b"Content-Length", str(len(body)).encode()))
+        names.add(b"content-length")
+    auto: Headers = []
+    if b"host" not in names and url.host:
+        auto.append((b"Host", url.netloc))
+    if (
+        b"content-length" not in names
+        and b"transfer-encoding" not in names
+        and method.upper() in _BODY_METHODS
+    ):
+        auto.append((b"Content-Length", b"0"))
+    req = httpx.Request(
+        method, url, headers=auto + raw, stream=httpx.ByteStream(body), extensions=extensions
+    )
+    req.read()
+    return req
 
 
 #: Parsed upstream URLs by (base, target, query): parsing one is over half the cost of
