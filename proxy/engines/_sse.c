@@ -1,7 +1,7 @@
 /* proxy.engines._sse: token_kind(), the C twin of proxy.engines.token_read.token_kind_py.
 
-   Why C: a paced stream's every read is asked the same few questions (one event? a token
-   delta? usage? a finish reason?), and in CPython 3.11 each bytes.find or slice the
+   Why C: a stream's every read is asked the same few questions (whole events? token
+   deltas? usage? a finish reason?), and in CPython 3.11 each bytes.find or slice the
    Python version makes costs more in argument parsing and objects than in searching.
    The answers must be the Python version's, byte for byte: tests/unit/test_token_read.py
    holds the two to the same answers on any input. Built when a compiler is at hand
@@ -11,23 +11,20 @@
 #include <Python.h>
 #include <string.h>
 
-#define GENERAL -1 /* not a plain token event: the tap's general path decides */
-#define OUTPUT 1   /* a plain token event that carries output */
-#define PATTERN 2  /* a plain token event only OUTPUT_RE can tell about */
+#define GENERAL -1 /* not plain token events: the tap's general path decides */
+#define PATTERN -2 /* one plain token event that only OUTPUT_RE can tell about */
+/* n >= 1: n plain token events, each carrying output */
 
 static const char FINISH[] = "\"finish_reason\":"; /* 16 bytes */
 
-static int
-kind_of(const char *d, Py_ssize_t n)
+/* One single-line event d[0:n], its "\n\n" included (the caller checked the lines):
+   1 (output), PATTERN or GENERAL. */
+static long
+event_kind(const char *d, Py_ssize_t n)
 {
     const char *p;
     Py_ssize_t i;
 
-    /* one single-line LF-only event: its only newlines are the two that end it */
-    if (n < 2) return GENERAL;
-    p = memchr(d, '\n', (size_t)n);
-    if (p == NULL || p - d != n - 2 || d[n - 1] != '\n') return GENERAL;
-    if (memchr(d, '\r', (size_t)n) != NULL) return GENERAL;
     /* data: {"... and not an error object */
     if (n < 8 || memcmp(d, "data: {\"", 8) != 0) return GENERAL;
     if (n >= 14 && memcmp(d + 8, "error\"", 6) == 0) return GENERAL;
@@ -41,10 +38,33 @@ kind_of(const char *d, Py_ssize_t n)
     }
     /* output: a "content" or "text" string that is not empty */
     p = memmem(d, (size_t)n, "\"content\":\"", 11);
-    if (p != NULL && (p - d + 11 >= n || p[11] != '"')) return OUTPUT;
+    if (p != NULL && (p - d + 11 >= n || p[11] != '"')) return 1;
     p = memmem(d, (size_t)n, "\"text\":\"", 8);
-    if (p != NULL && (p - d + 8 >= n || p[8] != '"')) return OUTPUT;
+    if (p != NULL && (p - d + 8 >= n || p[8] != '"')) return 1;
     return PATTERN;
+}
+
+static long
+kind_of(const char *d, Py_ssize_t n)
+{
+    const char *p;
+    Py_ssize_t pos = 0, end;
+    long k, count = 0;
+
+    /* whole single-line LF-only events: every newline is half of an event's end */
+    if (n < 2 || d[n - 1] != '\n' || d[n - 2] != '\n') return GENERAL;
+    if (memchr(d, '\r', (size_t)n) != NULL) return GENERAL;
+    while (pos < n) {
+        p = memchr(d + pos, '\n', (size_t)(n - pos)); /* found: d ends with one */
+        end = p - d + 2;
+        if (d[end - 1] != '\n') return GENERAL; /* a line that does not end the event */
+        k = event_kind(d + pos, end - pos);
+        if (pos == 0 && end == n) return k; /* one event (how engines write them) */
+        if (k != 1) return GENERAL;
+        count++;
+        pos = end;
+    }
+    return count;
 }
 
 static PyObject *
@@ -60,7 +80,8 @@ token_kind(PyObject *module, PyObject *chunk)
 
 static PyMethodDef methods[] = {
     {"token_kind", token_kind, METH_O,
-     "token_kind(chunk) -> -1 (general path), 1 (output) or 2 (ask OUTPUT_RE)."},
+     "token_kind(chunk) -> n >= 1 (n plain token events with output), -2 (one plain "
+     "event: ask OUTPUT_RE) or -1 (the general path)."},
     {NULL, NULL, 0, NULL},
 };
 

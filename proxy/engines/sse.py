@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ..measure.timeline import Marks
 from .base import EMPTY_CHOICES_RE, OUTPUT_RE, Tap, has_usage, is_finish, is_output
 from .framing import MAX_EVENT_BYTES, Raw
-from .token_read import GENERAL, OUTPUT, token_kind
+from .token_read import PATTERN, token_kind
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -50,11 +50,16 @@ class SSETap(Tap):
         comment, ``[DONE]``, an error, another field first)."""
         fr = self._fr
         if not (self._held or self.rewrite is not None or fr.holding()):
-            # one plain token event per read, how engines write them at pace: its
-            # questions asked in one call (proxy.engines.token_read)
+            # plain token events, one a read at pace: their questions asked in one
+            # call (proxy.engines.token_read)
             kind = token_kind(chunk)
-            if kind != GENERAL:
-                if kind == OUTPUT or OUTPUT_RE.search(chunk) is not None:
+            if kind > 0:
+                output = self._output
+                for _ in range(kind):
+                    output(now)
+                return chunk
+            if kind == PATTERN:
+                if OUTPUT_RE.search(chunk) is not None:
                     self._output(now)
                 return chunk
         pieces = fr.split(chunk)

@@ -1,6 +1,6 @@
 """One read asked once (proxy.engines.token_read): the C twin (``_sse.c``) gives the
 Python version's answer for any read, and the answer means what the tap's general path
-would conclude (a plain token event is forwarded as it came, output counted alike)."""
+would conclude (plain token events are forwarded as they came, output counted alike)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from proxy.engines import _sse, token_read
 from proxy.engines.base import OUTPUT_RE, is_output
-from proxy.engines.token_read import GENERAL, OUTPUT, PATTERN, token_kind_py
+from proxy.engines.token_read import GENERAL, PATTERN, token_kind_py
 
 from .test_tap_once_per_read import EVENTS, TERMINATORS
 
@@ -67,9 +67,22 @@ def test_the_c_twin_answers_as_the_python_version(read):
     assert _sse.token_kind(read) == token_kind_py(read)
 
 
+_EVENT_SHAPED = _READS.map(lambda r: b'data: {"' + r + b"\n\n")
+
+
 @settings(max_examples=1000, deadline=None)
-@given(_READS.map(lambda r: b'data: {"' + r + b"\n\n"))
+@given(_EVENT_SHAPED)
 def test_the_c_twin_answers_as_the_python_version_on_event_shaped_reads(read):
+    assert _sse.token_kind(read) == token_kind_py(read)
+
+
+_TOKEN = b'data: {"choices":[{"delta":{"content":" tok"},"finish_reason":null}]}\n\n'
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED), min_size=2, max_size=5))
+def test_the_c_twin_answers_as_the_python_version_on_reads_of_several_events(events):
+    read = b"".join(events)
     assert _sse.token_kind(read) == token_kind_py(read)
 
 
@@ -86,7 +99,7 @@ def test_the_answer_agrees_with_the_output_pattern(kind_of, event, terminator):
     assert terminator == b"\n\n" and b"\n" not in event
     assert b'"usage"' not in read and b"[DONE]" not in read and b"error" not in read
     assert read.count(b'"finish_reason":') == read.count(b'"finish_reason":null') <= 1
-    if kind == OUTPUT:
+    if kind == 1:
         assert is_output(read)
     else:
         assert kind == PATTERN
@@ -94,14 +107,18 @@ def test_the_answer_agrees_with_the_output_pattern(kind_of, event, terminator):
 
 
 def test_plain_token_events_are_taken_in_one_call():
-    token = b'data: {"choices":[{"delta":{"content":" tok"},"finish_reason":null}]}\n\n'
+    token = _TOKEN
     role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    finish = token.replace(b"null", b'"stop"')
     for kind_of in (_sse.token_kind, token_kind_py):
-        assert kind_of(token) == OUTPUT
+        assert kind_of(token) == 1
         assert kind_of(role) == PATTERN
-        assert kind_of(token + token) == GENERAL  # two events: the general path
-        assert kind_of(token.replace(b"null", b'"stop"')) == GENERAL
-        assert kind_of(b"data: [DONE]\n\n") == GENERAL
+        assert kind_of(token * 3) == 3  # a read of several token events, each with output
+        assert kind_of(role + token) == GENERAL  # one the pattern must look at: general
+        assert kind_of(token + finish) == kind_of(finish) == GENERAL
+        assert kind_of(token + b"data: [DONE]\n\n") == GENERAL
+        assert kind_of(token + token[:20]) == GENERAL  # an unfinished event
+        assert kind_of(token.replace(b"\n\n", b"\ndata: x\n\n")) == GENERAL  # two lines
 
 
 def test_the_c_twin_refuses_what_is_not_bytes():
