@@ -12,18 +12,34 @@ again for the write that follows it.
 
 from __future__ import annotations
 
+import asyncio
+from typing import Protocol
+
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from ..core.push import WRITE, Writer
 
 
-def writer(cycle: RequestResponseCycle) -> Writer:
+class Closing(Protocol):
+    """What says whether the connection is closing, cheaper than asking through the
+    transport uvicorn holds (the guarded protocol's wrapper, a Python call an event)."""
+
+    lingering: bool
+
+
+def writer(
+    cycle: RequestResponseCycle,
+    real: asyncio.Transport | None = None,
+    guard: Closing | None = None,
+) -> Writer:
     """The cycle's answer written without waiting: `ready()` says whether a chunk can go
     now (a started, chunked, non-HEAD answer to a client that is there and not slow),
     and `put(body, framed=None)` writes `body` as one chunk, right after a `ready()` that
     said yes (nothing between them can change the answer's state). `framed`, when given,
     is that chunk already framed as this writer frames it (``%x\\r\\n``, the body,
-    ``\\r\\n``), and is written as it is."""
+    ``\\r\\n``), and is written as it is. With `real` (the connection's own transport)
+    and `guard` (whose ``lingering`` says it is closing), closing is asked of them
+    directly rather than through the transport the cycle holds."""
     flow, transport = cycle.flow, cycle.transport
     send = transport.write
 
@@ -37,6 +53,20 @@ def writer(cycle: RequestResponseCycle) -> Writer:
             or transport.is_closing()
         )
 
+    if real is not None and guard is not None:
+        is_closing = real.is_closing
+
+        def ready() -> bool:
+            return not (
+                flow.write_paused
+                or cycle.disconnected
+                or cycle.response_complete
+                or not cycle.response_started
+                or not cycle.chunked_encoding
+                or guard.lingering
+                or is_closing()
+            )
+
     def never() -> bool:
         return False  # a HEAD answer has no body to write
 
@@ -46,6 +76,11 @@ def writer(cycle: RequestResponseCycle) -> Writer:
     return Writer(never if cycle.scope["method"] == "HEAD" else ready, put)
 
 
-def install(cycle: RequestResponseCycle) -> None:
+def install(
+    cycle: RequestResponseCycle,
+    real: asyncio.Transport | None = None,
+    guard: Closing | None = None,
+) -> None:
     """Offer the cycle's application the writer, as a scope extension."""
-    cycle.scope.setdefault("extensions", {})[WRITE] = writer(cycle)  # type: ignore[assignment]
+    extensions = cycle.scope.setdefault("extensions", {})
+    extensions[WRITE] = writer(cycle, real, guard)  # type: ignore[assignment]

@@ -369,7 +369,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if cycle is before:
             return
         self.body_left = _content_length(self.headers)
-        install(cycle)  # the phasewatch.write extension (proxy.runtime.direct)
+        install(cycle, self.real, self)  # the phasewatch.write extension (runtime.direct)
         if self.parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:
             # this connection can carry no further request

@@ -1,0 +1,119 @@
+"""The server's synchronous writer (proxy.runtime.direct, the ``phasewatch.write``
+extension) on the real guarded protocol, over loopback: ready only while a chunked answer
+is under way to a client that is there, what it puts reaches the client in order with
+what ``send`` sends, and a HEAD answer never takes a write."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import uvicorn
+
+from proxy.core.push import WRITE
+from proxy.runtime.protocol import guarded_protocol
+
+from ..support.servers import free_port
+
+
+def _serve(app, port: int) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=guarded_protocol(64 * 1024, 10.0, lambda reason: None),
+        lifespan="off",
+        log_config=None,
+    )
+    return uvicorn.Server(config)
+
+
+def _exchange(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while not out.endswith(b"0\r\n\r\n") and not (
+            request.startswith(b"HEAD") and out.endswith(b"\r\n\r\n")
+        ):
+            got = s.recv(65536)
+            if not got:
+                break
+            out += got
+        return out
+
+
+def test_the_writer_is_ready_only_while_a_chunked_answer_is_under_way():
+    seen: list[tuple[str, str, bool]] = []
+
+    async def app(scope, receive, send):
+        writer = scope["extensions"][WRITE]
+        method = scope["method"]
+        seen.append((method, "before the head", writer.ready()))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        seen.append((method, "head sent", writer.ready()))
+        if writer.ready():
+            writer.put(b"pushed ")
+            writer.put(b"framed ", b"7\r\nframed \r\n")
+        await send({"type": "http.response.body", "body": b"sent", "more_body": False})
+        seen.append((method, "answer complete", writer.ready()))
+
+    async def main() -> tuple[bytes, bytes]:
+        port = free_port()
+        server = _serve(app, port)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            get = await asyncio.to_thread(_exchange, port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await asyncio.to_thread(_exchange, port, b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n")
+        finally:
+            server.should_exit = True
+            await task
+        return get, head
+
+    get, head = asyncio.run(main())
+    assert get.split(b"\r\n\r\n", 1)[1] == (
+        b"7\r\npushed \r\n7\r\nframed \r\n4\r\nsent\r\n0\r\n\r\n"
+    ), get
+    assert b"pushed" not in head
+    assert seen == [
+        ("GET", "before the head", False),
+        ("GET", "head sent", True),
+        ("GET", "answer complete", False),
+        ("HEAD", "before the head", False),
+        ("HEAD", "head sent", False),
+        ("HEAD", "answer complete", False),
+    ]
+
+
+def test_the_writer_is_not_ready_once_the_client_has_gone():
+    states: list[bool] = []
+    gone = asyncio.Event()
+
+    async def app(scope, receive, send):
+        writer = scope["extensions"][WRITE]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        states.append(writer.ready())
+        await receive()  # the request's body
+        await receive()  # returns once the client has left
+        states.append(writer.ready())
+        gone.set()
+
+    async def main() -> None:
+        port = free_port()
+        server = _serve(app, port)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            reader, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+            w.close()
+            await asyncio.wait_for(gone.wait(), 30)
+        finally:
+            server.should_exit = True
+            await task
+
+    asyncio.run(main())
+    assert states == [True, False]
