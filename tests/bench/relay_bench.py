@@ -219,13 +219,18 @@ def start_phasewatch(
 
 
 def baseline_worktree(rev: str) -> Path:
-    """A temporary checkout of `rev` (the code before a change), removed at exit."""
+    """A temporary checkout of `rev` (the code before a change), removed at exit, its C
+    parts built where it has any (setup.py), as an install of it would have them."""
     d = Path(tempfile.mkdtemp(prefix=f"pw-bench-{rev.replace('/', '_')}-"))
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(d), rev],
         check=True,
         capture_output=True,
     )
+    if (d / "setup.py").exists():
+        subprocess.run(
+            [PY, "setup.py", "-q", "build_ext", "--inplace"], cwd=d, check=True, capture_output=True
+        )
     return d
 
 
