@@ -46,6 +46,8 @@ def token_kind_py(chunk: bytes) -> int:
     the output pattern must look at) or GENERAL (see the module)."""
     if chunk[-2:] != b"\n\n" or chunk.find(b"\r") >= 0:
         return GENERAL
+    if chunk.find(b"\n") == len(chunk) - 2:  # one event, how engines write them at pace
+        return _event_kind(chunk)
     events = chunk[:-2].split(b"\n\n")
     if any(ev.find(b"\n") >= 0 for ev in events):
         return GENERAL  # a line that does not end its event
