@@ -13,6 +13,7 @@ again for the write that follows it.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Protocol
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -42,14 +43,18 @@ def writer(
     directly rather than through the transport the cycle holds."""
     flow, transport = cycle.flow, cycle.transport
     send = transport.write
+    # the cycle's scope holds this writer: a strong reference back would make every
+    # answer's cycle, scope and headers garbage only the collector could free
+    alive = weakref.ref(cycle)
 
     def ready() -> bool:
-        return not (
+        c = alive()
+        return c is not None and not (
             flow.write_paused
-            or cycle.disconnected
-            or cycle.response_complete
-            or not cycle.response_started
-            or not cycle.chunked_encoding
+            or c.disconnected
+            or c.response_complete
+            or not c.response_started
+            or not c.chunked_encoding
             or transport.is_closing()
         )
 
@@ -57,12 +62,13 @@ def writer(
         is_closing = real.is_closing
 
         def ready() -> bool:
-            return not (
+            c = alive()
+            return c is not None and not (
                 flow.write_paused
-                or cycle.disconnected
-                or cycle.response_complete
-                or not cycle.response_started
-                or not cycle.chunked_encoding
+                or c.disconnected
+                or c.response_complete
+                or not c.response_started
+                or not c.chunked_encoding
                 or guard.lingering
                 or is_closing()
             )

@@ -117,3 +117,45 @@ def test_the_writer_is_not_ready_once_the_client_has_gone():
 
     asyncio.run(main())
     assert states == [True, False]
+
+
+def test_a_finished_answer_needs_no_garbage_collector():
+    """The writer sits in its cycle's scope and refers back to the cycle weakly: once the
+    connection's next request has begun, the last answer's cycle (its scope, headers and
+    writer) is freed at once, not left for the collector (which it would otherwise keep
+    busy, one cycle of objects a request)."""
+    import gc
+    import weakref
+
+    cycles: list[weakref.ref] = []
+
+    async def app(scope, receive, send):
+        cycles.append(weakref.ref(send.__self__))  # the RequestResponseCycle
+        assert scope["extensions"][WRITE].ready() is False
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+    async def main() -> list[bool]:
+        port = free_port()
+        server = _serve(app, port)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for _ in range(2):
+                w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                await reader.readuntil(b"0\r\n\r\n")
+            await asyncio.sleep(0.05)  # the second answer's task ends
+            return [ref() is None for ref in cycles]
+        finally:
+            w.close()
+            server.should_exit = True
+            await task
+
+    gc.disable()
+    try:
+        freed = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert freed[0] is True, "the first answer's cycle outlived its request"
