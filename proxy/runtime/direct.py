@@ -28,21 +28,18 @@ class Closing(Protocol):
     lingering: bool
 
 
-def writer(
-    cycle: RequestResponseCycle,
-    real: asyncio.Transport | None = None,
-    guard: Closing | None = None,
-) -> Writer:
+def writer(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing) -> Writer:
     """The cycle's answer written without waiting: `ready()` says whether a chunk can go
     now (a started, chunked, non-HEAD answer to a client that is there and not slow),
     and `put(body, framed=None)` writes `body` as one chunk, right after a `ready()` that
     said yes (nothing between them can change the answer's state). `framed`, when given,
     is that chunk already framed as this writer frames it (``%x\\r\\n``, the body,
-    ``\\r\\n``), and is written as it is. With `real` (the connection's own transport)
-    and `guard` (whose ``lingering`` says it is closing), closing is asked of them
-    directly rather than through the transport the cycle holds."""
-    flow, transport = cycle.flow, cycle.transport
-    send = transport.write
+    ``\\r\\n``), and is written as it is. Whether the connection is closing is asked
+    of `real` (its own transport) and `guard` (its ``lingering``) directly, rather than
+    through the transport the cycle holds."""
+    flow = cycle.flow
+    send = cycle.transport.write
+    is_closing = real.is_closing
     # the cycle's scope holds this writer: a strong reference back would make every
     # answer's cycle, scope and headers garbage only the collector could free
     alive = weakref.ref(cycle)
@@ -55,23 +52,9 @@ def writer(
             or c.response_complete
             or not c.response_started
             or not c.chunked_encoding
-            or transport.is_closing()
+            or guard.lingering
+            or is_closing()
         )
-
-    if real is not None and guard is not None:
-        is_closing = real.is_closing
-
-        def ready() -> bool:
-            c = alive()
-            return c is not None and not (
-                flow.write_paused
-                or c.disconnected
-                or c.response_complete
-                or not c.response_started
-                or not c.chunked_encoding
-                or guard.lingering
-                or is_closing()
-            )
 
     def never() -> bool:
         return False  # a HEAD answer has no body to write
@@ -82,11 +65,7 @@ def writer(
     return Writer(never if cycle.scope["method"] == "HEAD" else ready, put)
 
 
-def install(
-    cycle: RequestResponseCycle,
-    real: asyncio.Transport | None = None,
-    guard: Closing | None = None,
-) -> None:
+def install(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing) -> None:
     """Offer the cycle's application the writer, as a scope extension."""
     extensions = cycle.scope.setdefault("extensions", {})
     extensions[WRITE] = writer(cycle, real, guard)  # type: ignore[assignment]

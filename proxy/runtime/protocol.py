@@ -369,6 +369,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if cycle is before:
             return
         self.body_left = _content_length(self.headers)
+        assert self.real is not None  # set by connection_made, before any byte is parsed
         install(cycle, self.real, self)  # the phasewatch.write extension (runtime.direct)
         if self.parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:

@@ -6,7 +6,9 @@ what ``send`` sends, and a HEAD answer never takes a write."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import uvicorn
 
@@ -26,6 +28,21 @@ def _serve(app, port: int) -> uvicorn.Server:
         log_config=None,
     )
     return uvicorn.Server(config)
+
+
+@contextlib.asynccontextmanager
+async def served(app) -> AsyncIterator[int]:
+    """`app` served on a loopback port (yielded) by uvicorn with the guarded protocol."""
+    port = free_port()
+    server = _serve(app, port)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await task
 
 
 def _exchange(port: int, request: bytes) -> bytes:
@@ -58,17 +75,9 @@ def test_the_writer_is_ready_only_while_a_chunked_answer_is_under_way():
         seen.append((method, "answer complete", writer.ready()))
 
     async def main() -> tuple[bytes, bytes]:
-        port = free_port()
-        server = _serve(app, port)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        try:
+        async with served(app) as port:
             get = await asyncio.to_thread(_exchange, port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
             head = await asyncio.to_thread(_exchange, port, b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n")
-        finally:
-            server.should_exit = True
-            await task
         return get, head
 
     get, head = asyncio.run(main())
@@ -100,20 +109,12 @@ def test_the_writer_is_not_ready_once_the_client_has_gone():
         gone.set()
 
     async def main() -> None:
-        port = free_port()
-        server = _serve(app, port)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        try:
+        async with served(app) as port:
             reader, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
             await reader.readuntil(b"\r\n\r\n")
             w.close()
             await asyncio.wait_for(gone.wait(), 30)
-        finally:
-            server.should_exit = True
-            await task
 
     asyncio.run(main())
     assert states == [True, False]
@@ -136,22 +137,19 @@ def test_a_finished_answer_needs_no_garbage_collector():
         await send({"type": "http.response.body", "body": b"ok", "more_body": False})
 
     async def main() -> list[bool]:
-        port = free_port()
-        server = _serve(app, port)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        reader, w = await asyncio.open_connection("127.0.0.1", port)
-        try:
+        async with served(app) as port:
+            reader, w = await asyncio.open_connection("127.0.0.1", port)
             for _ in range(2):
                 w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
                 await reader.readuntil(b"0\r\n\r\n")
-            await asyncio.sleep(0.05)  # the second answer's task ends
-            return [ref() is None for ref in cycles]
-        finally:
+            # the first answer's task ends at its last send; wait for that, not a time
+            for _ in range(500):
+                if cycles[0]() is None:
+                    break
+                await asyncio.sleep(0.01)
+            freed = [ref() is None for ref in cycles]
             w.close()
-            server.should_exit = True
-            await task
+            return freed
 
     gc.disable()
     try:
