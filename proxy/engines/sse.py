@@ -53,10 +53,12 @@ class SSETap(Tap):
             # plain token events, one a read at pace: their questions asked in one
             # call (proxy.engines.token_read)
             kind = token_kind(chunk)
-            if kind > 0:
-                output = self._output
+            if kind == 1:  # the paced read: one event, no loop to set up
+                self._output(now)
+                return chunk
+            if kind > 1:
                 for _ in range(kind):
-                    output(now)
+                    self._output(now)
                 return chunk
             if kind == PATTERN:
                 if OUTPUT_RE.search(chunk) is not None:
