@@ -1,4 +1,5 @@
-/* proxy.engines._sse: token_kind(), the C twin of proxy.engines.token_read.token_kind_py.
+/* proxy.engines._sse: token_kind() and token_runs(), the C twins of
+   proxy.engines.token_read.token_kind_py and token_runs_py.
 
    Why C: a stream's every read is asked the same few questions (whole events? token
    deltas? usage? a finish reason?), and in CPython 3.11 each bytes.find or slice the
@@ -78,10 +79,59 @@ token_kind(PyObject *module, PyObject *chunk)
     return PyLong_FromLong(kind_of(PyBytes_AS_STRING(chunk), PyBytes_GET_SIZE(chunk)));
 }
 
+/* The runs of plain token events that begin and end a read of LF-only events (events
+   found as the tap's framer finds them: at each next blank line). */
+static PyObject *
+token_runs(PyObject *module, PyObject *chunk)
+{
+    const char *d, *p, *nl;
+    Py_ssize_t n, pos = 0, end, lead = 0, lead_end = 0, tail = 0, tail_start;
+    int leading = 1, plain;
+
+    if (!PyBytes_Check(chunk)) {
+        PyErr_Format(PyExc_TypeError, "token_runs() takes bytes, not %.100s",
+                     Py_TYPE(chunk)->tp_name);
+        return NULL;
+    }
+    d = PyBytes_AS_STRING(chunk);
+    n = PyBytes_GET_SIZE(chunk);
+    tail_start = n;
+    if (memchr(d, '\r', (size_t)n) == NULL) {
+        while (pos < n) {
+            p = memmem(d + pos, (size_t)(n - pos), "\n\n", 2);
+            if (p == NULL) break; /* an unfinished event ends the read */
+            end = p - d + 2;
+            nl = memchr(d + pos, '\n', (size_t)(end - pos)); /* found: the event has one */
+            plain = nl - d == end - 2 && event_kind(d + pos, end - pos) == 1;
+            if (plain && leading) {
+                lead++;
+                lead_end = end;
+            } else if (plain) {
+                if (tail == 0) tail_start = pos;
+                tail++;
+            } else {
+                leading = 0;
+                tail = 0;
+                tail_start = n;
+            }
+            pos = end;
+        }
+        if (pos < n) { /* no trailing run before an unfinished event */
+            tail = 0;
+            tail_start = n;
+        }
+    }
+    return Py_BuildValue("(nnnn)", lead, lead_end, tail, tail_start);
+}
+
 static PyMethodDef methods[] = {
     {"token_kind", token_kind, METH_O,
      "token_kind(chunk) -> n >= 1 (n plain token events with output), -2 (one plain "
      "event: ask OUTPUT_RE) or -1 (the general path)."},
+    {"token_runs", token_runs, METH_O,
+     "token_runs(chunk) -> (lead, lead_end, tail, tail_start): the plain token events "
+     "that begin the read (how many, where they end) and that end it (how many, where "
+     "they begin)."},
     {NULL, NULL, 0, NULL},
 };
 

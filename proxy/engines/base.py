@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
     from .probe import Prober
 
+#: The gap bucket of two events that arrive in one read.
+_ZERO_GAP = bisect_left(GAP_BUCKETS, 0.0)
+
 
 @dataclass(slots=True)
 class Prepared:
@@ -124,6 +127,14 @@ class Tap:
         self._last_out = now
         m.t_last = now
         m.output_events += 1
+
+    def _outputs(self, now: float, n: int) -> None:
+        """`n` (>= 1) events carrying output passed together at `now`: what `n` calls of
+        :meth:`_output` record (every event after the first a zero gap), in one call."""
+        self._output(now)
+        if n > 1:
+            self.gap_counts[_ZERO_GAP] += n - 1
+            self.marks.output_events += n - 1
 
     def _event(self, ev: bytes, now: float) -> None:  # pragma: no cover - abstract
         """Look at one whole event (its terminator included)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ..measure.timeline import Marks
 from .base import EMPTY_CHOICES_RE, OUTPUT_RE, Tap, has_usage, is_finish, is_output
 from .framing import MAX_EVENT_BYTES, Raw
-from .token_read import PATTERN, token_kind
+from .token_read import PATTERN, token_kind, token_runs
 
 _FP_RE = re.compile(rb'"system_fingerprint":("(?:[^"\\]|\\.)*"|null)')
 
@@ -57,13 +57,43 @@ class SSETap(Tap):
                 self._output(now)
                 return chunk
             if kind > 1:
-                for _ in range(kind):
-                    self._output(now)
+                self._outputs(now, kind)
                 return chunk
             if kind == PATTERN:
                 if OUTPUT_RE.search(chunk) is not None:
                     self._output(now)
                 return chunk
+            lead, lead_end, tail, tail_start = token_runs(chunk)
+            if lead or tail:
+                return self._around(chunk, now, lead, lead_end, tail, tail_start)
+        return self._general(chunk, now)
+
+    def _around(
+        self, chunk: bytes, now: float, lead: int, lead_end: int, tail: int, tail_start: int
+    ) -> bytes:
+        """A read of plain token events around others (the role event first, the finish,
+        usage and ``[DONE]`` last): the token events are counted and forwarded as they
+        came, the others go through the general path. Nothing is held before the read;
+        the trailing run too goes through the general path when its events must wait
+        behind a held one."""
+        if lead:
+            self._outputs(now, lead)
+        middle = chunk[lead_end:tail_start]
+        out = self._general(middle, now)
+        rest = chunk[tail_start:]
+        if tail and self._held:
+            rest = self._general(rest, now)
+        else:
+            if tail:
+                self._outputs(now, tail)
+            if out is middle:  # nothing changed: the read goes out as it came
+                return chunk
+        return chunk[:lead_end] + out + rest
+
+    def _general(self, chunk: bytes, now: float) -> bytes:
+        """Any read, event by event (a read of whole events with no finish reason and no
+        usage is forwarded as it came)."""
+        fr = self._fr
         pieces = fr.split(chunk)
         if not pieces:
             return b""
@@ -76,15 +106,28 @@ class SSETap(Tap):
         ):
             return self._pass(pieces, chunk, now)
         for ev in pieces:
-            if ev[:8] == b'data: {"' and ev[8:14] != b'error"':
+            kind = token_kind(ev)  # one event: 1, PATTERN or GENERAL
+            if kind == 1:
+                self._output(now)
+            elif kind == PATTERN:
                 # the same answer as for its payload: "data: " holds no quote
-                if is_output(ev):
+                if OUTPUT_RE.search(ev) is not None:
                     self._output(now)
             else:
-                self._classify(ev, now)  # _KEEP: no finish reason, no usage in this read
+                self._examine(ev, now)  # _KEEP: no finish reason, no usage in this read
         return chunk
 
     def _classify(self, ev: bytes, now: float) -> int:
+        """What one whole event is (its output counted, its payload kept where it
+        matters): a plain token delta is told in one call (:func:`token_kind`, the
+        event's questions asked at once), any other event by :meth:`_examine`."""
+        if token_kind(ev) == 1:
+            self._output(now)
+            return _KEEP
+        return self._examine(ev, now)
+
+    def _examine(self, ev: bytes, now: float) -> int:
+        """:meth:`_classify` in Python, question by question (the reference)."""
         if ev[:1] == b":":  # comment (keep-alive)
             return _KEEP
         p = ev.find(b"data:")

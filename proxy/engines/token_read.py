@@ -4,11 +4,12 @@ An engine writes one event per read at pace, a few at full speed, nearly all of 
 token deltas. The SSE tap asks each read the same questions (whole single-line LF-only
 events? each ``data: {"`` and not an error? no usage key? no finish reason but one
 ``null``? output, by substring?) and forwards a read of plain token events as it came.
-:func:`token_kind` answers them all in one call: in C where it was built (``_sse.c``, a
+:func:`token_kind` answers them all in one call (and :func:`token_runs` finds the token
+events around the others in a read that mixes them): in C where it was built (``_sse.c``, a
 tenth of the cost: in CPython 3.11 each bytes search or slice the Python version makes
 costs more in argument parsing and objects than in searching), else as
-:func:`token_kind_py`, the reference. Tests hold the two to the same answers on any
-input.
+:func:`token_kind_py` and :func:`token_runs_py`, the references. Tests hold each pair to
+the same answers on any input.
 """
 
 from __future__ import annotations
@@ -59,7 +60,43 @@ def token_kind_py(chunk: bytes) -> int:
     return len(events)
 
 
+def token_runs_py(chunk: bytes) -> tuple[int, int, int, int]:
+    """``(lead, lead_end, tail, tail_start)``: the plain token events (each with output)
+    that begin a read, and where they end; those that end it, and where they begin (a
+    read that ends inside an event has none). Events are found as the tap's framer
+    finds them in LF-only bytes, at each next blank line; a read with a CR has no runs.
+    Why: at full speed a read holds many events, of which the first (the role) or the
+    last few (the finish reason, usage, ``[DONE]``) need the tap's general path; the
+    token events around them need only counting."""
+    n = len(chunk)
+    lead = lead_end = tail = 0
+    tail_start = n
+    if chunk.find(b"\r") >= 0:
+        return lead, lead_end, tail, tail_start
+    leading = True
+    pos = 0
+    while (i := chunk.find(b"\n\n", pos)) >= 0:
+        end = i + 2
+        ev = chunk[pos:end]
+        plain = ev.find(b"\n") == len(ev) - 2 and _event_kind(ev) == 1
+        if plain and leading:
+            lead += 1
+            lead_end = end
+        elif plain:
+            if tail == 0:
+                tail_start = pos
+            tail += 1
+        else:
+            leading = False
+            tail, tail_start = 0, n
+        pos = end
+    if pos < n:  # no trailing run before an unfinished event
+        tail, tail_start = 0, n
+    return lead, lead_end, tail, tail_start
+
+
 try:
-    from ._sse import token_kind
+    from ._sse import token_kind, token_runs
 except ImportError:  # built without a compiler: the same answers, in Python
     token_kind = token_kind_py
+    token_runs = token_runs_py

@@ -56,12 +56,16 @@ TERMINATORS = [b"\n\n", b"\r\n\r\n", b"\n\r\n"]
 
 
 class PerEvent(SSETap):
-    """The per-event path the once-per-read one must agree with."""
+    """The per-event path the once-per-read one must agree with: every event asked its
+    questions one by one, in Python (no read or event told at once by ``token_kind``)."""
 
     __slots__ = ()
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         return Tap.feed(self, chunk, now)
+
+    _classify = SSETap._examine
+    _event = SSETap._examine  # type: ignore[assignment]
 
 
 def _state(tap: SSETap) -> tuple:
@@ -140,3 +144,47 @@ def test_a_read_of_token_deltas_is_classified_once():
         last = EVENTS[6] + b"\n\n"  # a finish reason: classified, and held while stripping
         assert tap.feed(last, 100.5) == (b"" if strip else last)
         assert tap.classified == 1 and tap.finish_seen
+
+
+_LF_EVENTS = [ev for ev in EVENTS if b"\n" not in ev]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.integers(0, len(_LF_EVENTS) - 1), max_size=4),
+    st.integers(0, 6),
+    st.integers(0, 6),
+    st.integers(0, 2),
+    st.booleans(),
+    st.lists(st.integers(min_value=0, max_value=3000), max_size=3),
+)
+def test_a_read_of_token_events_around_others_equals_per_event(
+    picks, before, after, reads_of, strip, cuts
+):
+    """How a full-speed stream reads: token deltas around the role event, a finish
+    reason, usage, ``[DONE]`` (in LF-only SSE, where the token runs are counted at once),
+    cut anywhere or not: forwarded and measured as event by event."""
+    token = EVENTS[1] + b"\n\n"
+    middle = b"".join(_LF_EVENTS[i] + b"\n\n" for i in picks)
+    read = token * before + middle + token * after
+    reads = [read] * (reads_of + 1)
+    if cuts:
+        reads = splits(b"".join(reads), cuts)
+    fast = SSETap(Marks(t_recv=0.0), strip=strip)
+    slow = PerEvent(Marks(t_recv=0.0), strip=strip)
+    assert _run(fast, reads, "end") == _run(slow, reads, "end")
+
+
+def test_the_token_events_around_a_role_event_are_not_looked_at_one_by_one():
+    token = EVENTS[1] + b"\n\n"
+    role, finish = EVENTS[0] + b"\n\n", EVENTS[6] + b"\n\n"
+    for strip in (False, True):
+        tap = Counting(Marks(t_recv=0.0), strip=strip)
+        first = role + token * 5
+        assert tap.feed(first, 100.0) is first  # forwarded as it came
+        assert tap.classified == 0 and tap.marks.output_events == 5
+        last = token * 3 + finish + b"data: [DONE]\n\n"
+        out = tap.feed(last, 100.5)
+        assert tap.classified == 2  # the finish event and [DONE], not the tokens
+        assert tap.marks.output_events == 9 and tap.done
+        assert out == (token * 3 if strip else last)  # the finish waits for usage when stripping

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from proxy.engines import _sse, token_read
 from proxy.engines.base import OUTPUT_RE, is_output
-from proxy.engines.token_read import GENERAL, PATTERN, token_kind_py
+from proxy.engines.token_read import GENERAL, PATTERN, token_kind_py, token_runs_py
 
 from .test_tap_once_per_read import EVENTS, TERMINATORS
 
@@ -59,6 +59,7 @@ def test_the_c_twin_is_the_one_that_runs():
     """setup.py builds it wherever a compiler is at hand (here, and CI); the Python
     version stands in only where none is."""
     assert token_read.token_kind is _sse.token_kind
+    assert token_read.token_runs is _sse.token_runs
 
 
 @settings(max_examples=3000, deadline=None)
@@ -124,3 +125,76 @@ def test_plain_token_events_are_taken_in_one_call():
 def test_the_c_twin_refuses_what_is_not_bytes():
     with pytest.raises(TypeError):
         _sse.token_kind("data: {}\n\n")  # type: ignore[arg-type]
+
+
+# --- token_runs: the token events around the others in a read ------------------------------
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_READS)
+def test_the_runs_twin_answers_as_the_python_version(read):
+    assert _sse.token_runs(read) == token_runs_py(read)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED, _READS), min_size=1, max_size=8))
+def test_the_runs_twin_answers_as_the_python_version_on_mixed_reads(parts):
+    read = b"".join(parts)
+    assert _sse.token_runs(read) == token_runs_py(read)
+
+
+def _events(read: bytes) -> list[bytes]:
+    """The read's whole events as the tap's framer finds them (LF only), and the rest."""
+    out, pos = [], 0
+    while (i := read.find(b"\n\n", pos)) >= 0:
+        out.append(read[pos : i + 2])
+        pos = i + 2
+    return out + ([read[pos:]] if pos < len(read) else [])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED, _READS), min_size=1, max_size=8))
+@pytest.mark.parametrize("runs_of", [_sse.token_runs, token_runs_py])
+def test_the_runs_are_the_plain_token_events_at_either_end(runs_of, parts):
+    """Event by event (token_kind on each): the leading run is the plain events before the
+    first other one; the trailing run the plain events after the last other one, when
+    the read ends with a whole event; a read with a CR has none."""
+    read = b"".join(parts)
+    lead, lead_end, tail, tail_start = runs_of(read)
+    if b"\r" in read:
+        assert (lead, lead_end, tail, tail_start) == (0, 0, 0, len(read))
+        return
+    events = _events(read)
+    plain = [ev.endswith(b"\n\n") and token_kind_py(ev) == 1 for ev in events]
+    first_other = plain.index(False) if False in plain else len(plain)
+    assert lead == first_other
+    assert lead_end == sum(len(ev) for ev in events[:lead])
+    if lead == len(events) or not read.endswith(b"\n\n"):
+        assert (tail, tail_start) == (0, len(read))
+        return
+    last_other = len(plain) - 1 - plain[::-1].index(False)
+    assert tail == len(plain) - 1 - last_other
+    assert tail_start == (
+        len(read) - sum(len(ev) for ev in events[last_other + 1 :]) if tail else len(read)
+    )
+
+
+def test_the_runs_around_a_role_event_and_a_stream_end():
+    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    finish = _TOKEN.replace(b"null", b'"stop"')
+    done = b"data: [DONE]\n\n"
+    for runs_of in (_sse.token_runs, token_runs_py):
+        first = role + _TOKEN * 3
+        assert runs_of(first) == (0, 0, 3, len(role))
+        last = _TOKEN * 2 + finish + done
+        assert runs_of(last) == (2, 2 * len(_TOKEN), 0, len(last))
+        cut = _TOKEN * 2 + _TOKEN[:10]  # an unfinished event: no trailing run
+        assert runs_of(cut) == (2, 2 * len(_TOKEN), 0, len(cut))
+        both = _TOKEN + done + _TOKEN
+        assert runs_of(both) == (1, len(_TOKEN), 1, len(_TOKEN) + len(done))
+        assert runs_of(_TOKEN.replace(b"\n\n", b"\r\n\r\n") * 2) == (0, 0, 0, 2 * len(_TOKEN) + 4)
+
+
+def test_the_runs_twin_refuses_what_is_not_bytes():
+    with pytest.raises(TypeError):
+        _sse.token_runs("data: {}\n\n")  # type: ignore[arg-type]
