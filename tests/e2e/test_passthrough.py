@@ -67,7 +67,8 @@ def test_bytes_equal_direct(replay, source, served):
     )
     served_before = len(app.served)
     via = httpx.request(cap.method, proxy.url + cap.path, content=cap.request_body, headers=headers)
-    assert app.served[served_before:] == [served]
+    # (phasewatch's own readiness probes of the engine's /health may interleave)
+    assert [name for name in app.served[served_before:] if name != "health"] == [served]
     assert via.status_code == direct.status_code
     assert _headers(via) == _headers(direct)
     assert via.content == direct.content == cap_body(app, source)
