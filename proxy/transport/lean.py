@@ -529,9 +529,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             if conn is not None:
                 return conn
             if not self.max_connections or self._open < self.max_connections:
-                return await self._connect(
-                    _named(method, url, request), key, timeouts.get("connect")
-                )
+                return await self._connect(method, url, request, key, timeouts.get("connect"))
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             wait = timeouts.get("pool")
@@ -554,7 +552,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     request=_named(method, url, request),
                 ) from None
 
-    async def _connect(self, request: httpx.Request, key: tuple, timeout: float | None) -> _Conn:
+    async def _connect(
+        self,
+        method: str,
+        url: httpx.URL,
+        request: httpx.Request | None,
+        key: tuple,
+        timeout: float | None,
+    ) -> _Conn:
         scheme, host, port = key
         ssl = None
         if scheme == "https":
@@ -578,12 +583,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._open -= 1
             self._wake_one()
             raise httpx.ConnectTimeout(
-                f"connecting to {host}:{port} timed out", request=request
+                f"connecting to {host}:{port} timed out", request=_named(method, url, request)
             ) from None
         except (OSError, _ssl.SSLError) as exc:
             self._open -= 1
             self._wake_one()
-            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
+            raise httpx.ConnectError(
+                str(exc) or type(exc).__name__, request=_named(method, url, request)
+            ) from None
         except BaseException:
             self._open -= 1
             self._wake_one()

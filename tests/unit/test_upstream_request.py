@@ -7,6 +7,7 @@ same bytes on the wire as that request through ``handle_async_request``."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 from hypothesis import given, settings
@@ -132,3 +133,26 @@ def test_the_parts_put_the_httpx_request_on_the_wire(method, target, headers, bo
 
     ours, theirs = asyncio.run(_sent_bytes(by_parts, by_httpx))
     assert ours == theirs
+
+
+def test_an_error_of_a_request_sent_as_its_parts_names_that_request():
+    """httpx's errors carry their request; one sent without an ``httpx.Request`` gets one
+    made for the error, with its method and URL."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = httpx.URL(f"http://127.0.0.1:{port}/v1/chat/completions")
+
+    async def send():
+        transport = LeanTransport()
+        try:
+            await transport.send("POST", url, [(b"Host", url.netloc)], b"{}", {"connect": 5.0})
+        finally:
+            await transport.aclose()
+
+    try:
+        asyncio.run(send())
+    except httpx.ConnectError as exc:
+        assert exc.request.method == "POST" and exc.request.url == url
+    else:
+        raise AssertionError("a closed port accepted a connection")
