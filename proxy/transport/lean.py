@@ -41,6 +41,7 @@ import httptools
 import httpx
 
 from .options import IDEMPOTENT, ClientOptions
+from .wire import chunked_only, request_wire, whole_chunk
 
 log = logging.getLogger(__name__)
 
@@ -50,50 +51,6 @@ _HIGH_WATER = 256 * 1024
 #: A body sink: takes a piece of the body (True: taken) and, when the read was exactly one
 #: chunk, that chunk as it came (its size line, the piece, its CRLF), else None.
 Sink = Callable[[bytes, "bytes | None"], bool]
-
-
-def whole_chunk_py(data: bytes) -> bytes | None:
-    """The body piece of `data` when `data` is exactly one chunk of a chunked body, its
-    size in lowercase hex without leading zeros and no extension (the form a proxy
-    writes itself), else None (the parser takes it). :func:`whole_chunk` is this, in C
-    where it was built (``_chunk.c``: the same answers, a fraction of the cost)."""
-    i = data.find(b"\r\n", 0, 10)
-    size = len(data) - i - 4
-    if i <= 0 or size <= 0 or data[-2:] != b"\r\n" or b"%x" % size != data[:i]:
-        return None
-    return data[i + 2 : -2]
-
-
-try:
-    from ._chunk import whole_chunk
-except ImportError:  # built without a compiler: the same answers, in Python
-    whole_chunk = whole_chunk_py
-
-
-def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether the body is chunked and nothing else frames it (one Transfer-Encoding,
-    exactly ``chunked``; no Content-Length)."""
-    seen = False
-    for k, v in headers:
-        k = k.lower()
-        if k == b"transfer-encoding":
-            if seen or v.strip().lower() != b"chunked":
-                return False
-            seen = True
-        elif k == b"content-length":
-            return False
-    return seen
-
-
-def request_wire(
-    method: str, raw_path: bytes, fields: Iterable[tuple[bytes, bytes]], body: bytes
-) -> bytes:
-    """A request's bytes as they go on the wire: its line, `fields` as given, its body."""
-    head = [method.encode(), b" ", raw_path, b" HTTP/1.1\r\n"]
-    for k, v in fields:
-        head += [k, b": ", v, b"\r\n"]
-    head.append(b"\r\n")
-    return b"".join(head) + body
 
 
 def _named(method: str, url: httpx.URL, request: httpx.Request | None) -> httpx.Request:
@@ -269,7 +226,7 @@ class _Conn(asyncio.Protocol):
             self.complete = True  # no body (HEAD is closed after: its Content-Length lies)
             self.keep_alive = False
         else:
-            self.edge = _chunked(self.headers)
+            self.edge = chunked_only(self.headers)
 
     def on_chunk_header(self) -> None:
         self.edge = False

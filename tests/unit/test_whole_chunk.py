@@ -1,4 +1,4 @@
-"""The lean transport's one-chunk reads (proxy.transport.lean.whole_chunk): a read that is
+"""The lean transport's one-chunk reads (proxy.transport.wire.whole_chunk): a read that is
 exactly one chunk of a chunked body skips the parser and reaches the push sink with its
 framing, which the server may write as it came. Whatever the reads' boundaries and the
 engine's framing (uppercase or zero-padded sizes, extensions, a size line split across
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.transport import _chunk, lean
-from proxy.transport.lean import whole_chunk, whole_chunk_py
+from proxy.transport.wire import whole_chunk, whole_chunk_py
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -97,7 +97,7 @@ def _feed(reads: list[bytes]) -> tuple[bytes, list[tuple[bytes, bytes | None]], 
         pool = lean.LeanTransport()
         conn = lean._Conn(pool, ("http", "engine", 80))
         conn.connection_made(_Wire())  # type: ignore[arg-type]
-        conn.start(httpx.Request("POST", "http://engine/v1/chat/completions"), None)
+        conn.start("POST", httpx.URL("http://engine/v1/chat/completions"), None, None)
         got: list[tuple[bytes, bytes | None]] = []
 
         def sink(body: bytes, framed: bytes | None = None) -> bool:

@@ -1,0 +1,55 @@
+"""What an HTTP/1.1 exchange is on the wire, for the lean transport: a request's bytes, and
+what a response's framing says (a chunked body; a read that is exactly one chunk).
+
+:func:`whole_chunk` is asked of every read of a paced stream: in C where it was built
+(``_chunk.c``), else as :func:`whole_chunk_py`, its reference; tests hold the two to the
+same answers on any input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def whole_chunk_py(data: bytes) -> bytes | None:
+    """The body piece of `data` when `data` is exactly one chunk of a chunked body, its
+    size in lowercase hex without leading zeros and no extension (the form a proxy
+    writes itself), else None (the parser takes it). :func:`whole_chunk` is this, in C
+    where it was built (``_chunk.c``: the same answers, a fraction of the cost)."""
+    i = data.find(b"\r\n", 0, 10)
+    size = len(data) - i - 4
+    if i <= 0 or size <= 0 or data[-2:] != b"\r\n" or b"%x" % size != data[:i]:
+        return None
+    return data[i + 2 : -2]
+
+
+try:
+    from ._chunk import whole_chunk
+except ImportError:  # built without a compiler: the same answers, in Python
+    whole_chunk = whole_chunk_py
+
+
+def chunked_only(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the body is chunked and nothing else frames it (one Transfer-Encoding,
+    exactly ``chunked``; no Content-Length)."""
+    seen = False
+    for k, v in headers:
+        k = k.lower()
+        if k == b"transfer-encoding":
+            if seen or v.strip().lower() != b"chunked":
+                return False
+            seen = True
+        elif k == b"content-length":
+            return False
+    return seen
+
+
+def request_wire(
+    method: str, raw_path: bytes, fields: Iterable[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    """A request's bytes as they go on the wire: its line, `fields` as given, its body."""
+    head = [method.encode(), b" ", raw_path, b" HTTP/1.1\r\n"]
+    for k, v in fields:
+        head += [k, b": ", v, b"\r\n"]
+    head.append(b"\r\n")
+    return b"".join(head) + body
