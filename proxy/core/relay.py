@@ -38,7 +38,7 @@ from .limited import LimitedLog
 from .push import WRITE
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
-from .reply import Reply
+from .reply import GONE, Reply
 from .respond import Responder, raw_body
 from .routing import Route, Router
 from .upstream_call import UpstreamCall
@@ -215,7 +215,7 @@ class Relay:
         self, scope: Scope, receive: Receive, send: Send, route: Route, body: bytes
     ) -> None:
         """Relay an unmeasured request as it is."""
-        reply = Reply(send)
+        reply = Reply(send, gone=(scope.get("extensions") or {}).get(GONE))
         resp = None
         async with reply.watching(receive):
             try:
@@ -251,7 +251,8 @@ class Relay:
         self, scope: Scope, receive: Receive, send: Send, ex: Exchange, route: Route
     ) -> None:
         """Admit, send and relay one measured request, then record it."""
-        reply = Reply(send, self._echo(ex), (scope.get("extensions") or {}).get(WRITE))
+        extensions = scope.get("extensions") or {}
+        reply = Reply(send, self._echo(ex), extensions.get(WRITE), extensions.get(GONE))
         admitted = Admitted(self.recorder.metrics, ex)
         try:
             async with reply.watching(receive):

@@ -4,11 +4,18 @@ A client that hangs up cancels its exchange at once (which closes the upstream c
 so the engine stops generating), unless its answer is already complete: the last message
 of an answer goes out through :meth:`Reply.end` or :meth:`Reply.error`, which mark it
 finished first, so a client that leaves after that has had its whole answer.
+
+How the hang-up is seen: where the server offers it, through the ``phasewatch.gone``
+ASGI extension (:data:`GONE`), a callback the server's protocol calls when the connection
+is lost; elsewhere, a watcher task waiting on ASGI ``receive`` for ``http.disconnect``.
+Why the extension: the watcher is one more task created, stepped and cancelled per
+request, on the path before the upstream write.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 
 from .asgi import Receive, Send
@@ -16,25 +23,50 @@ from .errors import ErrorShape, send_error
 from .headers import Headers
 from .push import Writer
 
+#: The ASGI scope extension of the server's hang-up hook (proxy.runtime.direct).
+GONE = "phasewatch.gone"
+
+#: The hook's value: ``watch(callback)`` has the server call `callback` once, from its
+#: protocol, when the client's connection is lost before its answer is complete (at once
+#: when it is lost already); ``watch(None)`` takes it back.
+Watch = Callable[[Callable[[], None] | None], None]
+
 
 class Reply:
-    """What goes back to one client: its ASGI `send` (and the server's `writer`, where it
-    offers one), the headers every error of the proxy's own carries (`echo`: x-request-id
-    with --echo-request-id), whether the last message went, and whether the client left
-    before it."""
+    """What goes back to one client: its ASGI `send` (and the server's `writer` and hang-up
+    hook `gone`, where it offers them), the headers every error of the proxy's own carries
+    (`echo`: x-request-id with --echo-request-id), whether the last message went, and
+    whether the client left before it."""
 
-    __slots__ = ("_task", "_watcher", "disconnected", "echo", "finished", "send", "writer")
+    __slots__ = (
+        "_hooked",
+        "_task",
+        "_watcher",
+        "disconnected",
+        "echo",
+        "finished",
+        "gone",
+        "send",
+        "writer",
+    )
 
     def __init__(
-        self, send: Send, echo: Headers | None = None, writer: Writer | None = None
+        self,
+        send: Send,
+        echo: Headers | None = None,
+        writer: Writer | None = None,
+        gone: Watch | None = None,
     ) -> None:
         self.send = send
         #: The server's synchronous writer (the ``phasewatch.write`` extension), if any.
         self.writer = writer
+        #: The server's hang-up hook (the ``phasewatch.gone`` extension), if any.
+        self.gone = gone
         self.echo: Headers = echo or []
         self.finished = False
         self.disconnected = False
         self._watcher: asyncio.Task[None] | None = None
+        self._hooked = False
         self._task: asyncio.Task[None] | None = None
 
     async def end(self, body: bytes = b"") -> None:
@@ -66,6 +98,17 @@ class Reply:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
+        if self._hooked:
+            self._hooked = False
+            assert self.gone is not None
+            self.gone(None)
+
+    def _hung_up(self) -> None:
+        """The server says the client's connection is lost (the hook's callback)."""
+        self._hooked = False
+        if not self.finished and self._task is not None:
+            self.disconnected = True
+            self._task.cancel()
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -88,7 +131,11 @@ class _Watching:
         reply = self.reply
         reply._task = asyncio.current_task()
         assert reply._task is not None
-        reply._watcher = asyncio.create_task(reply._watch(self.receive))
+        if reply.gone is not None:
+            reply._hooked = True
+            reply.gone(reply._hung_up)
+        else:
+            reply._watcher = asyncio.create_task(reply._watch(self.receive))
         return reply
 
     async def __aexit__(

@@ -1,5 +1,6 @@
-"""A response's body written in the caller's own callback: the ``phasewatch.write``
-ASGI extension.
+"""What the server offers the relay beside ASGI: the ``phasewatch.write`` extension (a
+response's body written in the caller's own callback) and ``phasewatch.gone`` (a hang-up
+told by a callback, without a watcher task: :mod:`proxy.core.reply`).
 
 Why: a paced stream's event would otherwise cost a task hop to reach the client (the
 upstream connection wakes the relay task, which awaits ``send``). The relay can instead
@@ -14,11 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from ..core.push import WRITE, Writer
+from ..core.reply import GONE, Watch
+
+#: The cycle's attribute holding the relay's hang-up callback (read by the protocol).
+HUNG_UP = "phasewatch_gone"
 
 
 class Closing(Protocol):
@@ -65,7 +71,43 @@ def writer(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing)
     return Writer(never if cycle.scope["method"] == "HEAD" else ready, put)
 
 
+def watcher(cycle: RequestResponseCycle) -> Watch:
+    """The cycle's hang-up hook: ``watch(callback)`` keeps `callback` on the cycle, where
+    the protocol's ``connection_lost`` finds it (:func:`hung_up`); when the client is gone
+    already, it is called at once. Registering resumes a paused read, as uvicorn's
+    ``receive`` does for an application waiting on it, so that a hang-up is seen."""
+    alive = weakref.ref(cycle)
+
+    def watch(callback: Callable[[], None] | None) -> None:
+        c = alive()
+        if c is None:
+            return
+        setattr(c, HUNG_UP, callback)
+        if callback is None:
+            return
+        if c.disconnected:
+            hung_up(c)
+            return
+        c.flow.resume_reading()
+
+    return watch
+
+
+def hung_up(*cycles: RequestResponseCycle | None) -> None:
+    """Each of `cycles` whose client is gone has its hang-up callback, if one waits,
+    called (once)."""
+    for cycle in cycles:
+        if cycle is None or not cycle.disconnected:
+            continue
+        callback = getattr(cycle, HUNG_UP, None)
+        if callback is not None:
+            setattr(cycle, HUNG_UP, None)
+            callback()
+
+
 def install(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing) -> None:
-    """Offer the cycle's application the writer, as a scope extension."""
+    """Offer the cycle's application the writer and the hang-up hook, as scope
+    extensions."""
     extensions = cycle.scope.setdefault("extensions", {})
     extensions[WRITE] = writer(cycle, real, guard)  # type: ignore[assignment]
+    extensions[GONE] = watcher(cycle)  # type: ignore[assignment]

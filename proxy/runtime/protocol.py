@@ -64,7 +64,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from ..core.errors import json_error
 from ..core.limited import LimitedLog
 from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
-from .direct import install
+from .direct import hung_up, install
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.held = b""
         self.pending = None
         super().connection_lost(exc)
+        hung_up(running, self.cycle)  # the relay's hang-up hooks (runtime.direct)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering or self.stopped:
@@ -545,6 +546,7 @@ class GuardedProtocol(HttpToolsProtocol):
                 # left, and its answer is this one
                 message.disconnected = True
                 message.message_event.set()
+                hung_up(message)
         self._answer_in_turn(answer)
 
     def _answer_in_turn(self, answer: bytes) -> None:

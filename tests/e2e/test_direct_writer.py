@@ -1,7 +1,9 @@
-"""The server's synchronous writer (proxy.runtime.direct, the ``phasewatch.write``
-extension) on the real guarded protocol, over loopback: ready only while a chunked answer
-is under way to a client that is there, what it puts reaches the client in order with
-what ``send`` sends, and a HEAD answer never takes a write."""
+"""What the server offers the relay beside ASGI (proxy.runtime.direct), on the real guarded
+protocol over loopback. The synchronous writer (``phasewatch.write``): ready only while a
+chunked answer is under way to a client that is there, what it puts reaches the client in
+order with what ``send`` sends, and a HEAD answer never takes a write. The hang-up hook
+(``phasewatch.gone``): the relay's callback is called once when the client leaves while it
+watches, never after it stops watching, and a reply watching through it needs no task."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from proxy.core.push import WRITE
+from proxy.core.reply import GONE, Reply
 from proxy.runtime.protocol import guarded_protocol
 
 from ..support.servers import free_port
@@ -143,6 +146,102 @@ def test_a_finished_answer_needs_no_garbage_collector():
                 w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
                 await reader.readuntil(b"0\r\n\r\n")
             # the first answer's task ends at its last send; wait for that, not a time
+            for _ in range(500):
+                if cycles[0]() is None:
+                    break
+                await asyncio.sleep(0.01)
+            freed = [ref() is None for ref in cycles]
+            w.close()
+            return freed
+
+    gc.disable()
+    try:
+        freed = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert freed[0] is True, "the first answer's cycle outlived its request"
+
+
+def test_a_hang_up_calls_the_watching_relay_back_once():
+    calls: list[str] = []
+    done = asyncio.Event()
+
+    async def app(scope, receive, send):
+        watch = scope["extensions"][GONE]
+        await receive()  # the request's (empty) body
+        path = scope["path"]
+        watch(lambda: calls.append(path))
+        if path == "/unwatched":
+            watch(None)  # taken back: a hang-up now calls nothing
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        assert (await receive())["type"] == "http.disconnect"  # once the client has left
+        done.set()
+
+    async def main() -> None:
+        async with served(app) as port:
+            for path in (b"/watched", b"/unwatched"):
+                done.clear()
+                reader, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+                await reader.readuntil(b"\r\n\r\n")
+                w.close()
+                await asyncio.wait_for(done.wait(), 30)
+
+    asyncio.run(main())
+    assert calls == ["/watched"]
+
+
+def test_a_reply_watching_through_the_hook_is_cancelled_by_a_hang_up_without_a_task():
+    seen: dict[str, object] = {}
+    done = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await receive()
+        reply = Reply(send, gone=scope["extensions"][GONE])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        before = asyncio.all_tasks()
+        async with reply.watching(receive):
+            seen["tasks added"] = len(asyncio.all_tasks() - before)
+            await asyncio.sleep(60)  # the engine's long prefill; the client leaves
+            seen["slept through"] = True
+        seen["disconnected"] = reply.disconnected
+        done.set()
+
+    async def main() -> None:
+        async with served(app) as port:
+            reader, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+            w.close()
+            await asyncio.wait_for(done.wait(), 30)
+
+    asyncio.run(main())
+    assert seen == {"tasks added": 0, "disconnected": True}
+
+
+def test_a_watched_answer_needs_no_garbage_collector():
+    """The reply's callback sits on the cycle while it watches (the callback refers to the
+    reply, the reply to the cycle's send): a finished answer's cycle is freed at once, not
+    left for the collector."""
+    import gc
+    import weakref
+
+    cycles: list[weakref.ref] = []
+
+    async def app(scope, receive, send):
+        cycles.append(weakref.ref(send.__self__))
+        await receive()
+        reply = Reply(send, gone=scope["extensions"][GONE])
+        async with reply.watching(receive):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await reply.end(b"ok")
+
+    async def main() -> list[bool]:
+        async with served(app) as port:
+            reader, w = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(2):
+                w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                await reader.readuntil(b"0\r\n\r\n")
             for _ in range(500):
                 if cycles[0]() is None:
                     break
