@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
+import weakref
 from collections.abc import AsyncIterator
 
 import uvicorn
@@ -128,9 +130,6 @@ def test_a_finished_answer_needs_no_garbage_collector():
     connection's next request has begun, the last answer's cycle (its scope, headers and
     writer) is freed at once, not left for the collector (which it would otherwise keep
     busy, one cycle of objects a request)."""
-    import gc
-    import weakref
-
     cycles: list[weakref.ref] = []
 
     async def app(scope, receive, send):
@@ -139,27 +138,7 @@ def test_a_finished_answer_needs_no_garbage_collector():
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok", "more_body": False})
 
-    async def main() -> list[bool]:
-        async with served(app) as port:
-            reader, w = await asyncio.open_connection("127.0.0.1", port)
-            for _ in range(2):
-                w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-                await reader.readuntil(b"0\r\n\r\n")
-            # the first answer's task ends at its last send; wait for that, not a time
-            for _ in range(500):
-                if cycles[0]() is None:
-                    break
-                await asyncio.sleep(0.01)
-            freed = [ref() is None for ref in cycles]
-            w.close()
-            return freed
-
-    gc.disable()
-    try:
-        freed = asyncio.run(main())
-    finally:
-        gc.enable()
-    assert freed[0] is True, "the first answer's cycle outlived its request"
+    assert _first_cycle_freed(app, cycles), "the first answer's cycle outlived its request"
 
 
 def test_a_hang_up_calls_the_watching_relay_back_once():
@@ -223,9 +202,6 @@ def test_a_watched_answer_needs_no_garbage_collector():
     """The reply's callback sits on the cycle while it watches (the callback refers to the
     reply, the reply to the cycle's send): a finished answer's cycle is freed at once, not
     left for the collector."""
-    import gc
-    import weakref
-
     cycles: list[weakref.ref] = []
 
     async def app(scope, receive, send):
@@ -236,23 +212,31 @@ def test_a_watched_answer_needs_no_garbage_collector():
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await reply.end(b"ok")
 
-    async def main() -> list[bool]:
+    assert _first_cycle_freed(app, cycles), "the first answer's cycle outlived its request"
+
+
+def _first_cycle_freed(app, cycles: list) -> bool:
+    """Two requests on one connection to `app` (which keeps a weak reference to each
+    request's cycle in `cycles`), the collector off: whether the first answer's cycle was
+    freed once the second request had begun."""
+
+    async def main() -> bool:
         async with served(app) as port:
             reader, w = await asyncio.open_connection("127.0.0.1", port)
             for _ in range(2):
                 w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
                 await reader.readuntil(b"0\r\n\r\n")
+            # the first answer's task ends at its last send; wait for that, not a time
             for _ in range(500):
                 if cycles[0]() is None:
                     break
                 await asyncio.sleep(0.01)
-            freed = [ref() is None for ref in cycles]
+            freed = cycles[0]() is None
             w.close()
             return freed
 
     gc.disable()
     try:
-        freed = asyncio.run(main())
+        return asyncio.run(main())
     finally:
         gc.enable()
-    assert freed[0] is True, "the first answer's cycle outlived its request"
