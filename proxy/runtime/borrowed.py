@@ -9,8 +9,9 @@ parser, ``_unset_keepalive_if_required``, ``send_400_response``), its per-connec
 pausing), the upgrade hooks it is told not to follow (``_should_upgrade``,
 ``_unsupported_upgrade_warning``), and a cycle's state (``keep_alive``, ``more_body``,
 ``response_started``, ``response_complete``, ``disconnected``, ``message_event``; and for
-the direct writer, :mod:`proxy.runtime.direct`, its ``flow``, ``transport``, ``scope``
-and ``chunked_encoding``). These
+the direct writer and the hang-up hook, :mod:`proxy.runtime.direct`, its ``flow`` (and
+``resume_reading``), ``transport``, ``scope`` and ``chunked_encoding``, and room on it
+for an attribute of phasewatch's own). These
 are private and change between uvicorn releases: ``pyproject.toml`` bounds uvicorn to the
 minor versions the hostile-wire tests pass on, and ``tests/e2e/test_protocol_borrowed.py``
 fails loudly when one of them is gone.
@@ -64,5 +65,5 @@ BORROWED: dict[str, tuple[str, ...]] = {
         "scope",
         "chunked_encoding",
     ),
-    "FlowControl": ("read_paused", "write_paused"),
+    "FlowControl": ("read_paused", "write_paused", "resume_reading"),
 }

@@ -88,6 +88,8 @@ def test_the_borrowed_state_exists_on_a_live_connection():
         assert isinstance(cycle, RequestResponseCycle)
         missing = [n for n in BORROWED["RequestResponseCycle"] if not hasattr(cycle, n)]
         assert not missing, f"uvicorn's RequestResponseCycle lost {missing}"
+        # the hang-up hook keeps the relay's callback on the cycle (runtime.direct)
+        assert hasattr(cycle, "__dict__"), "uvicorn's RequestResponseCycle has no room left"
         for _ in range(100):  # bounded: the app's task runs on this loop
             if cycle.response_complete:
                 break
