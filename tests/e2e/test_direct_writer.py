@@ -50,6 +50,16 @@ async def served(app) -> AsyncIterator[int]:
         await task
 
 
+async def _leave_after_head(port: int, done: asyncio.Event, path: bytes = b"/") -> None:
+    """A GET of `path` whose client reads the answer's head and leaves; returns once the
+    application has set `done`."""
+    reader, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    w.close()
+    await asyncio.wait_for(done.wait(), 30)
+
+
 def _exchange(port: int, request: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(request)
@@ -115,11 +125,7 @@ def test_the_writer_is_not_ready_once_the_client_has_gone():
 
     async def main() -> None:
         async with served(app) as port:
-            reader, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-            await reader.readuntil(b"\r\n\r\n")
-            w.close()
-            await asyncio.wait_for(gone.wait(), 30)
+            await _leave_after_head(port, gone)
 
     asyncio.run(main())
     assert states == [True, False]
@@ -160,11 +166,7 @@ def test_a_hang_up_calls_the_watching_relay_back_once():
         async with served(app) as port:
             for path in (b"/watched", b"/unwatched"):
                 done.clear()
-                reader, w = await asyncio.open_connection("127.0.0.1", port)
-                w.write(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
-                await reader.readuntil(b"\r\n\r\n")
-                w.close()
-                await asyncio.wait_for(done.wait(), 30)
+                await _leave_after_head(port, done, path)
 
     asyncio.run(main())
     assert calls == ["/watched"]
@@ -188,11 +190,7 @@ def test_a_reply_watching_through_the_hook_is_cancelled_by_a_hang_up_without_a_t
 
     async def main() -> None:
         async with served(app) as port:
-            reader, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-            await reader.readuntil(b"\r\n\r\n")
-            w.close()
-            await asyncio.wait_for(done.wait(), 30)
+            await _leave_after_head(port, done)
 
     asyncio.run(main())
     assert seen == {"tasks added": 0, "disconnected": True}
