@@ -15,7 +15,9 @@ Scenarios: (a) concurrency 1, 64-token streams: TTFT, added vs direct at p50/p99
 (b) concurrency 64 and 256, 256-token streams with no inter-token delay: events/s and the
 proxy's CPU per 1,000 events (utime+stime from /proc, every process of the proxy);
 (c) 256 and 32 streams paced at 50 tok/s: client-seen decode rate, p99 inter-event gap,
-CPU per event; (d) peak RSS (VmHWM) of the proxy's largest process. Medians over --rounds.
+CPU per event, context switches per event; (d) peak RSS (VmHWM) of the proxy's largest
+process; (e) 2-token streams over 8 connections: CPU per request, the part of (c)'s cost
+that is the request's own rather than its events'. Medians over --rounds.
 The client is a raw asyncio protocol (uvloop when installed) counting events on bytes.
 It asserts nothing: a benchmark, not a test.
 
@@ -48,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
+#: Connections of the (e) scenario (short requests back to back on each).
+SHORT_CONCURRENCY = 8
 
 
 # --- processes ---------------------------------------------------------------------------
@@ -91,6 +95,20 @@ def cpu_seconds(pids: list[int]) -> float:
             continue
         total += int(f[11]) + int(f[12])
     return total / TICK
+
+
+def context_switches(pids: list[int]) -> int:
+    """Times the processes stopped running (slept, or were preempted), summed: on a paced
+    stream, about one wake-up per event for a proxy that handles each alone."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
 
 
 def peak_rss_mib(pids: list[int]) -> float:
@@ -554,19 +572,22 @@ async def scenario_load(
     spread: float = 0.0,
     shards: int = 1,
 ) -> dict:
-    """(b)/(c): one contender under load; CPU from /proc of all its processes."""
+    """(b)/(c)/(e): one contender under load; CPU and context switches from /proc of
+    all its processes."""
     pids = t.pids()
-    cpu0 = cpu_seconds(pids)
+    cpu0, cs0 = cpu_seconds(pids), context_switches(pids)
     streams, wall = await run_load(
         t.url, concurrency, per_conn, tokens, interval, interval > 0, spread, shards=shards
     )
-    cpu = cpu_seconds(pids) - cpu0
+    cpu, cs = cpu_seconds(pids) - cpu0, context_switches(pids) - cs0
     events = sum(s.events for s in streams)
     res = {
         "events": events,
         "wall": wall,
         "eps": events / wall,
         "us_per_event": cpu * 1e6 / events if pids else float("nan"),
+        "us_per_stream": cpu * 1e6 / len(streams) if pids and streams else float("nan"),
+        "cs_per_event": cs / events if pids else float("nan"),
         "bad": sum(not s.ok for s in streams),
     }
     if interval > 0:
@@ -794,6 +815,13 @@ async def bench(args) -> int:
                         shards=args.client_procs,
                     )
                     loads.setdefault((f"paced{n_paced}", t.name), []).append(r)
+            if args.short_requests:
+                for t in order:
+                    # what a request costs apart from its events: 2-token streams
+                    r = await scenario_load(
+                        t, SHORT_CONCURRENCY, max(1, args.short_requests // SHORT_CONCURRENCY), 2
+                    )
+                    loads.setdefault(("short", t.name), []).append(r)
             print(
                 f"(round {rnd + 1}/{args.rounds}: {time.perf_counter() - t_round:.1f} s)",
                 flush=True,
@@ -895,6 +923,25 @@ async def bench(args) -> int:
                     "",
                 )
             )
+            rows.append(
+                (
+                    f"(c) p{n_paced} context switches/event",
+                    {n: med([r["cs_per_event"] for r in loads[(p, n)]]) for n in names if n != d},
+                    "",
+                )
+            )
+        if args.short_requests:
+            rows.append(
+                (
+                    f"(e) c{SHORT_CONCURRENCY} CPU µs/request, 2-token streams",
+                    {
+                        n: med([r["us_per_stream"] for r in loads[("short", n)]])
+                        for n in names
+                        if n != d
+                    },
+                    "",
+                )
+            )
         rows.append(("(d) peak RSS MiB/proc", {t.name: peak_rss_mib(t.pids()) for t in procs}, ""))
         goals = [
             ("(a) added TTFT p50 ms", "≤ 0.5"),
@@ -916,7 +963,9 @@ async def bench(args) -> int:
             f"streams, {args.streams} per concurrency level, no delay; (c) "
             f"{'/'.join(map(str, args.paced_streams))} "
             f"connections × {args.paced_repeat} streams × {args.paced_tokens} tokens at "
-            f"{args.paced_rate:g} tok/s, starts spread (steady state); "
+            f"{args.paced_rate:g} tok/s, starts spread (steady state); (e) "
+            f"{args.short_requests} 2-token streams over {SHORT_CONCURRENCY} connections "
+            "(the per-request cost, apart from the events); "
             f"{os.cpu_count()} CPUs{f'; INCOMPLETE STREAMS: {bad}' if bad else ''}"
         )
         print(
@@ -1014,12 +1063,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--paced-rate", type=float, default=50.0)
     p.add_argument(
+        "--short-requests",
+        type=int,
+        default=2000,
+        help="(e) 2-token streams per contender and round, for the cost of a request "
+        "apart from its events; 0 skips (e) [2000]",
+    )
+    p.add_argument(
         "--otel", action="store_true", help="also measure what --otel adds (spans to a local sink)"
     )
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.ttft_requests, args.concurrency, args.streams = 1, 5, [8], 8
         args.tokens, args.paced_streams, args.paced_tokens, args.paced_repeat = 32, [8], 10, 1
+        args.short_requests = 40
     try:
         import uvloop
 

@@ -31,6 +31,8 @@ def test_relay_benchmark_smoke():
         "(c) p8 CPU µs/event",
         "(c) p8 decode tok/s mean",
         "(c) p8 gap p99 ms",
+        "(c) p8 context switches/event",
+        "(e) c8 CPU µs/request, 2-token streams",
         "(d) peak RSS MiB/proc",
     ):
         assert re.search(re.escape(row) + r"\s+\S", out), (row, out)
