@@ -33,6 +33,9 @@ WRITE = "phasewatch.write"
 PUSH = "phasewatch.push"
 
 Feed = Callable[[bytes, float], bytes]
+#: A tap's paced-read shortcut: `token(chunk, now)` is True when it counted `chunk` as
+#: one event to forward as it came (``SSETap.token_read``).
+Token = Callable[[bytes, float], bool]
 Install = Callable[[Sink | None], None]
 
 
@@ -44,28 +47,47 @@ class Writer(NamedTuple):
     #: `put(body, framed=None)`: write `body` as one chunk, right after `ready()` said
     #: yes; `framed` is `body` already framed as the answer's chunk (written as it is).
     put: Callable[..., None]
+    #: `write(framed)`: what ``put(body, framed)`` does, given only `framed` (the
+    #: server's own write, no Python frame of its own); None where the server has none.
+    write: Callable[[bytes], None] | None = None
 
 
 class Push:
     """One stream's sink, installed on its upstream connection (see the module)."""
 
-    __slots__ = ("busy", "feed", "held", "install", "put", "ready", "said")
+    __slots__ = ("busy", "feed", "held", "install", "put", "ready", "said", "token", "write")
 
-    def __init__(self, install: Install, feed: Feed, writer: Writer, said: LimitedLog) -> None:
+    def __init__(
+        self,
+        install: Install,
+        feed: Feed,
+        writer: Writer,
+        said: LimitedLog,
+        token: Token | None = None,
+    ) -> None:
         self.install, self.feed, self.said = install, feed, said
-        self.ready, self.put = writer
+        self.ready, self.put, self.write = writer
+        #: The tap's shortcut for a paced read (``SSETap.token_read``), used with the
+        #: server's own write where both exist: one Python call per such event.
+        self.token = token
         self.busy = False
         self.held: list[bytes] = []
 
     @classmethod
     def of(
-        cls, resp: httpx.Response, feed: Feed, writer: Writer | None, said: LimitedLog
+        cls,
+        resp: httpx.Response,
+        feed: Feed,
+        writer: Writer | None,
+        said: LimitedLog,
+        token: Token | None = None,
     ) -> Push | None:
-        """The push path for `resp`'s body, installed; None where either side lacks it."""
+        """The push path for `resp`'s body, installed; None where either side lacks it.
+        `token`: the tap's paced-read shortcut, if it has one (see :class:`Push`)."""
         install = resp.extensions.get(PUSH)
         if writer is None or install is None:
             return None
-        push = cls(install, feed, writer, said)
+        push = cls(install, feed, writer, said, token)
         install(push.sink)
         return push
 
@@ -80,7 +102,13 @@ class Push:
         try:
             if not self.ready():
                 return False
-            out = self.feed(chunk, time.monotonic())
+            now = time.monotonic()
+            token, write = self.token, self.write
+            if token is not None and write is not None and framed is not None and token(chunk, now):
+                out = chunk  # counted: from here it is output, held if the write fails
+                write(framed)
+                return True
+            out = self.feed(chunk, now)
             if out:  # nothing since ready() could have changed the answer's state
                 self.put(out, framed if out is chunk else None)
         except Exception as exc:  # noqa: BLE001 - never into the transport's callback

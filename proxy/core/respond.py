@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator
 import httpx
 
 from ..engines import Tap
+from ..engines.sse import SSETap
 from .asgi import Send
 from .coding import Decoded, codings, decodable, decode_whole
 from .errors import describe
 from .exchange import Exchange
 from .headers import Headers, response_headers, without
 from .limited import LimitedLog
-from .push import Push
+from .push import Push, Token
 from .relay_options import RelayOptions
 from .reply import Reply
 
@@ -42,6 +43,11 @@ def raw_body(resp: httpx.Response) -> AsyncIterator[bytes]:
         return resp.aiter_raw()
     resp.is_stream_consumed = True
     return stream.__aiter__()
+
+
+def _token(tap: Tap) -> Token | None:
+    """The tap's paced-read shortcut for the push path, where it has one."""
+    return tap.token_read if isinstance(tap, SSETap) else None
 
 
 class Responder:
@@ -77,7 +83,9 @@ class Responder:
                     tail = await self._stream_decoded(send, resp, decoded)
                 else:
                     push = (
-                        Push.of(resp, tap.feed, reply.writer, self.said) if source is tap else None
+                        Push.of(resp, tap.feed, reply.writer, self.said, _token(tap))
+                        if source is tap
+                        else None
                     )
                     tail = await self._stream(send, resp, source, push)
                 if not sealed:

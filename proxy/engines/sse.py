@@ -10,8 +10,10 @@ what that added (see :class:`SSETap`).
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Callable
 
+from ..measure.buckets import GAP_BUCKETS
 from ..measure.timeline import Marks
 from .base import EMPTY_CHOICES_RE, OUTPUT_RE, Tap, has_usage, is_finish, is_output
 from .framing import MAX_EVENT_BYTES, Raw
@@ -67,6 +69,37 @@ class SSETap(Tap):
             if lead or tail:
                 return self._around(chunk, now, lead, lead_end, tail, tail_start)
         return self._general(chunk, now)
+
+    def token_read(self, chunk: bytes, now: float) -> bool:
+        """Whether `chunk` is a paced read that :meth:`feed` forwards as it came: one
+        plain token event, nothing held, nothing rewritten. Then it is counted, as
+        `feed` counts it, and True (the caller forwards `chunk`); otherwise False with
+        nothing done (the caller feeds it). The push path's one Python call per paced
+        event: the framer's state and the output mark are read and written here rather
+        than through `holding()` and `_output()` (a paced event is mostly the cost of
+        its Python frames, run cold)."""
+        fr = self._fr
+        if (
+            self._held
+            or self.rewrite is not None
+            or fr._held
+            or fr._skip
+            or fr.lines
+            or token_kind(chunk) != 1
+        ):
+            return False
+        # _output(now), inlined
+        m = self.marks
+        if m.t_first is None:
+            m.t_first = now
+        else:
+            gap = now - self._last_out
+            self.gap_counts[bisect_left(GAP_BUCKETS, gap)] += 1
+            self.gap_sum += gap
+        self._last_out = now
+        m.t_last = now
+        m.output_events += 1
+        return True
 
     def _around(
         self, chunk: bytes, now: float, lead: int, lead_end: int, tail: int, tail_start: int

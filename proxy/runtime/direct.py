@@ -68,7 +68,7 @@ def writer(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing)
     def put(body: bytes, framed: bytes | None = None) -> None:
         send(framed if framed is not None else b"%x\r\n%b\r\n" % (len(body), body))
 
-    return Writer(never if cycle.scope["method"] == "HEAD" else ready, put)
+    return Writer(never if cycle.scope["method"] == "HEAD" else ready, put, send)
 
 
 def watcher(cycle: RequestResponseCycle) -> Watch:

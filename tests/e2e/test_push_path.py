@@ -16,6 +16,7 @@ from proxy.core.limited import LimitedLog
 from proxy.core.push import WRITE, Push, Writer
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
+from proxy.transport.wire import whole_chunk
 from tests.unit.test_relay_unit import CHAT
 
 EVENTS = [
@@ -51,11 +52,16 @@ def anything(body: bytes) -> None:
 
 
 async def relayed(
-    ready: Callable[[], bool], put: Callable[[bytes], None] = anything
+    ready: Callable[[], bool],
+    put: Callable[[bytes], None] = anything,
+    own_write: bool = False,
+    finished: list | None = None,
 ) -> tuple[list[tuple[str, bytes]], list[dict]]:
     """One streamed chat through the relay, the server's writer `ready` when it says so
     and its writes going to `put` (which may raise); what reached the client, in order,
-    as ("send"|"write"|"framed", bytes), and the ASGI messages."""
+    as ("send"|"write"|"framed"|"own", bytes), and the ASGI messages. `own_write`: the
+    writer offers its own write of framed chunks too (as the server's does); `finished`
+    gets the recorded exchange."""
     server = await asyncio.start_server(engine, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     metrics = Metrics()
@@ -65,9 +71,10 @@ async def relayed(
     upstream.models = {"m"}
     upstreams = Upstreams([upstream])
     upstreams.probed = True
-    relay = Relay(
-        upstreams, Recorder(metrics, access_lines=False), RelayOptions(max_body_bytes=1 << 20)
-    )
+    recorder = Recorder(metrics, access_lines=False)
+    if finished is not None:
+        recorder.listeners.append(lambda ex, f: finished.append(ex))
+    relay = Relay(upstreams, recorder, RelayOptions(max_body_bytes=1 << 20))
     wire: list[tuple[str, bytes]] = []
     messages: list[dict] = []
     started = False
@@ -86,6 +93,13 @@ async def relayed(
             misuse.append(framed)
         wire.append(("framed" if framed is not None else "write", body))
 
+    def own(framed: bytes) -> None:
+        body = whole_chunk(framed)
+        if body is None or not can_write():  # a whole chunk, right after ready() said yes
+            misuse.append(framed)
+        put(body or b"")
+        wire.append(("own", body or b""))
+
     scope = {
         "type": "http",
         "method": "POST",
@@ -93,7 +107,7 @@ async def relayed(
         "raw_path": b"/v1/chat/completions",
         "query_string": b"",
         "headers": [(b"content-type", b"application/json")],
-        "extensions": {WRITE: Writer(can_write, direct)},
+        "extensions": {WRITE: Writer(can_write, direct, own if own_write else None)},
     }
     first = True
 
@@ -130,6 +144,44 @@ def test_events_go_out_from_the_callback_in_order():
     assert sum(1 for how, _ in wire if how != "send") >= len(EVENTS) // 2, wire
     assert any(how == "framed" for how, _ in wire), wire
     assert messages[-1]["more_body"] is False
+
+
+def test_paced_token_events_go_out_in_one_call_through_the_servers_own_write():
+    """With the server's own write of framed chunks (as ``runtime.direct`` offers it),
+    each read that is one plain token event goes out through it as it came, counted by
+    the tap's shortcut exactly as without it: same bytes, same measurement."""
+    plain_done: list = []
+    plain, _ = asyncio.run(relayed(lambda: True, finished=plain_done))
+    own_done: list = []
+    wire, messages = asyncio.run(relayed(lambda: True, own_write=True, finished=own_done))
+    assert b"".join(b for _, b in wire) == b"".join(EVENTS)
+    assert sum(1 for how, _ in wire if how == "own") >= 10, wire  # the 20 token events
+    assert not any(how == "own" for how, _ in plain)
+    (a,), (b,) = plain_done, own_done
+    assert a.marks.output_events == b.marks.output_events == 21  # role + 20 tokens
+    assert a.gaps is not None and b.gaps is not None
+    assert sum(a.gaps[0]) == sum(b.gaps[0]) == 20
+    assert messages[-1]["more_body"] is False
+
+
+def test_a_failing_own_write_holds_the_counted_event_for_the_task(caplog):
+    """The server's write failing after the tap counted the event: the event goes out
+    from the task (first), counted once; the push path is given up, said once."""
+    calls = 0
+
+    def flaky(body: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("boom")
+
+    done: list = []
+    with caplog.at_level(logging.WARNING):
+        wire, _ = asyncio.run(relayed(lambda: True, flaky, own_write=True, finished=done))
+    assert b"".join(b for _, b in wire) == b"".join(EVENTS)  # nothing lost, nothing twice
+    assert any(how == "own" for how, _ in wire) and any(how == "send" for how, _ in wire)
+    assert done[0].marks.output_events == 21
+    assert len([r for r in caplog.records if "push path failed" in r.getMessage()]) == 1
 
 
 def test_a_writer_that_cannot_write_leaves_it_to_the_task():

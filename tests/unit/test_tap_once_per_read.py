@@ -8,7 +8,7 @@ measures must be what the per-event path (``Tap.feed``: split, then every event)
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.engines.base import Tap
@@ -188,3 +188,65 @@ def test_the_token_events_around_a_role_event_are_not_looked_at_one_by_one():
         assert tap.classified == 2  # the finish event and [DONE], not the tokens
         assert tap.marks.output_events == 9 and tap.done
         assert out == (token * 3 if strip else last)  # the finish waits for usage when stripping
+
+
+class Shortcut(SSETap):
+    """The push path's way through the tap: each read offered to ``token_read`` first
+    (forwarded as it came when it says yes), to ``feed`` otherwise."""
+
+    __slots__ = ("shortcuts",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shortcuts = 0
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        if self.token_read(chunk, now):
+            self.shortcuts += 1
+            return chunk
+        return super().feed(chunk, now)
+
+
+@settings(max_examples=400, deadline=None)
+@example(picks=[(6, b"\n\n"), (1, b"\n\n")], cuts=[], strip=True, rewrite=False, limit=1 << 20)
+@given(
+    st.lists(st.tuples(st.integers(0, len(EVENTS) - 1), st.sampled_from(TERMINATORS)), max_size=30),
+    st.lists(st.integers(min_value=0, max_value=5000), max_size=6),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([1 << 20, 120]),
+)
+def test_the_paced_read_shortcut_forwards_and_measures_as_feed(picks, cuts, strip, rewrite, limit):
+    """``SSETap.token_read`` (the push path's one call per paced event) takes only a read
+    that ``feed`` forwards as it came, and counts it as ``feed`` does: reads one event
+    each or cut anywhere, stripping or not, with a rewrite (Ollama's) or not, events
+    held or passed through oversized before it."""
+    events = [EVENTS[i] + end for i, end in picks]
+    reads = splits(b"".join(events), cuts) if cuts else events
+    short = Shortcut(Marks(t_recv=0.0), strip=strip, limit=limit)
+    plain = SSETap(Marks(t_recv=0.0), strip=strip, limit=limit)
+    if rewrite:
+        short.rewrite = plain.rewrite = lambda ev: ev.replace(b"tok", b"TOK")
+    assert _run(short, reads, "end") == _run(plain, reads, "end")
+    if rewrite:
+        assert short.shortcuts == 0
+
+
+def test_the_paced_read_shortcut_takes_a_lone_token_event_only():
+    token = EVENTS[1] + b"\n\n"
+    tap = SSETap(Marks(t_recv=0.0))
+    assert tap.token_read(token, 100.0) and tap.token_read(token, 100.02)
+    assert tap.marks.output_events == 2 and tap.marks.t_first == 100.0
+    assert tap.marks.t_last == 100.02 and abs(tap.gap_sum - 0.02) < 1e-9
+    for other in (token * 2, EVENTS[0] + b"\n\n", EVENTS[6] + b"\n\n", b"data: [DONE]\n\n"):
+        assert not tap.token_read(other, 101.0)
+    assert tap.marks.output_events == 2  # a refused read is not counted
+    assert tap.feed(token[:40], 101.0) == b""  # half an event held by the framer:
+    assert not tap.token_read(token, 101.0)  # the next read must join it, not pass alone
+    assert tap.marks.output_events == 2
+    # a finish event held while stripping (until the usage event): a token read after it
+    # waits behind it too, as feed holds it
+    stripping = SSETap(Marks(t_recv=0.0), strip=True)
+    assert stripping.feed(EVENTS[6] + b"\n\n", 100.0) == b""
+    assert not stripping.token_read(token, 100.02)
+    assert stripping.marks.output_events == 1
