@@ -60,6 +60,13 @@ class StatusPage:
         self._power_last: dict[str, tuple[float, float]] = {}  # GPU -> (sum, count) seen
         self._summary: tuple[float, int, dict] | None = None
         self._finished = 0  # requests seen by on_request
+        for u in upstreams.all:  # the cached summary must not outlive an up/down change
+            u.on_change.append(self._upstream_changed)
+
+    def _upstream_changed(self, _upstream: object) -> None:
+        """An upstream went up or down: the next summary says so (readiness and the
+        up gauge already do), rather than the one cached for up to a second."""
+        self._summary = None
 
     # --- the recorder's listener (once per finished request) -------------------------
 
