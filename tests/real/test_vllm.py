@@ -357,15 +357,20 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
             )
             continue
         p1, _ = wait_for(
-            lambda: (p := _pw_sums(vllm_proxy.url))["aborted"] > p0["aborted"] and p,
+            lambda: (p := _pw_sums(vllm_proxy.url))["requests"] > p0["requests"] and p,
             5.0,
-            what="phasewatch counting the request aborted",
+            what="phasewatch recording the request",
         )
-        assert p1["aborted"] - p0["aborted"] == 1
-        assert p1["requests"] - p0["requests"] == 1
         time.sleep(0.5)
         v1 = _vllm_sums(vllm.url)
         generated = v1["generation_tokens_total"] - v0["generation_tokens_total"]
+        if generated >= 480 and p1["aborted"] == p0["aborted"]:
+            # vLLM's running gauge lags its engine: it had generated the whole answer, and
+            # phasewatch, rightly, counted a complete request; the engine's count says so
+            print(f"\ntry {attempt}: vLLM had generated all 480 tokens when the client hung up")
+            continue
+        assert p1["aborted"] - p0["aborted"] == 1, (p0, p1, generated)
+        assert p1["requests"] - p0["requests"] == 1
         assert generated < 480, f"vLLM generated {generated} of 480 tokens: not cancelled"
         # vLLM itself counts no abort: a TTFT observation with no e2e observation.
         print(
