@@ -325,8 +325,9 @@ def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words,
 def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
     """Hang up after 4 events of a 480-token answer. A try counts only if vLLM was still
     generating when the client hung up (when its API server falls behind, the client's
-    4th event can come after the engine finished): up to 5 tries."""
-    for attempt in range(5):
+    4th event can come after the engine finished; seen four times in a row on a quiet
+    machine): up to 10 tries."""
+    for attempt in range(10):
         v0, p0 = _vllm_sums(vllm.url), _pw_sums(vllm_proxy.url)
         assert v0["num_requests_running"] == 0
         running = {}
@@ -364,14 +365,16 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
         time.sleep(0.5)
         v1 = _vllm_sums(vllm.url)
         generated = v1["generation_tokens_total"] - v0["generation_tokens_total"]
-        if generated >= 480 and p1["aborted"] == p0["aborted"]:
-            # vLLM's running gauge lags its engine: it had generated the whole answer, and
-            # phasewatch, rightly, counted a complete request; the engine's count says so
-            print(f"\ntry {attempt}: vLLM had generated all 480 tokens when the client hung up")
+        if generated >= 480:
+            # vLLM's running gauge lags its engine, which can run ahead of its API server:
+            # it had generated the whole answer before the hang-up reached it (a try that
+            # shows nothing; in none of the tries stopping early fails below)
+            print(f"\ntry {attempt}: vLLM had generated all 480 tokens before the close")
             continue
+        # vLLM stopped early, which only phasewatch closing its connection can cause: the
+        # request is counted aborted, once
         assert p1["aborted"] - p0["aborted"] == 1, (p0, p1, generated)
         assert p1["requests"] - p0["requests"] == 1
-        assert generated < 480, f"vLLM generated {generated} of 480 tokens: not cancelled"
         # vLLM itself counts no abort: a TTFT observation with no e2e observation.
         print(
             f"\nvLLM idle {idle_after * 1000:.0f} ms after the hang-up, {generated:.0f} of "
@@ -381,7 +384,7 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
             f"{v1['e2e_request_latency_seconds_count'] - v0['e2e_request_latency_seconds_count']:.0f}"
         )
         return
-    pytest.fail("in 5 tries vLLM never was still generating when the client hung up")
+    pytest.fail("in 10 tries vLLM never stopped early when the client hung up")
 
 
 # --- per-request figures under concurrency --------------------------------------------------
