@@ -16,6 +16,7 @@ import bisect
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -28,7 +29,12 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    Exemplar,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.gc_collector import GCCollector
 
 from .buckets import (
@@ -609,17 +615,22 @@ def observe_counts(child, counts: list[int], total: float) -> None:
         child._sum.inc(total)
 
 
-def observe(child: Histogram, amount: float) -> None:
-    """``child.observe(amount)`` (no exemplar), its bucket found by bisection. Why: the
-    library walks its bounds one by one in Python and checks observability on every
-    call; the recorder makes about a dozen observations a request. Same private
-    attributes and version cap as :func:`observe_counts`; a NaN (no bucket takes it)
-    goes to the library."""
+def observe(child: Histogram, amount: float, exemplar: dict[str, str] | None = None) -> None:
+    """``child.observe(amount, exemplar)``, its bucket found by bisection. Why: the
+    library walks its bounds one by one in Python, checks observability and validates
+    the exemplar's label names on every call; the recorder makes about a dozen
+    observations a request, three with an exemplar. An `exemplar` must be one
+    ``proxy.measure.recorder.exemplar`` made (valid names, within the length limit: a
+    test holds it to the library's validation). Same private attributes and version cap
+    as :func:`observe_counts`; a NaN (no bucket takes it) goes to the library."""
     if amount != amount:
-        child.observe(amount)
+        child.observe(amount, exemplar)
         return
     child._sum.inc(amount)
-    child._buckets[bisect.bisect_left(child._upper_bounds, amount)].inc(1)
+    bucket = child._buckets[bisect.bisect_left(child._upper_bounds, amount)]
+    bucket.inc(1)
+    if exemplar:
+        bucket.set_exemplar(Exemplar(exemplar, amount, time.time()))
 
 
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)

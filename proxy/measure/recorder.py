@@ -156,8 +156,10 @@ class Recorder:
 
         child(m.requests_total, *base, ex.endpoint, ex.outcome, client).inc()
         if f.request_seconds is not None:
-            child(m.request_seconds, *base, ex.endpoint, ex.outcome).observe(
-                f.request_seconds, marker
+            observe(
+                child(m.request_seconds, *base, ex.endpoint, ex.outcome),
+                f.request_seconds,
+                marker,
             )
         if ex.outcome == "rejected":
             return
@@ -173,7 +175,7 @@ class Recorder:
             child(m.aborts_total, *base, ex.abort_phase or "unknown").inc()
 
         if f.ttft is not None:
-            child(m.ttft_seconds, *base, band).observe(f.ttft, marker)
+            observe(child(m.ttft_seconds, *base, band), f.ttft, marker)
         gaps = ex.gaps
         if gaps is not None and ex.marks.output_events > 1:
             observe_counts(child(m.inter_token_seconds, *base), gaps[0], gaps[1])
@@ -189,7 +191,7 @@ class Recorder:
             for source, value in f.decode_seconds.items():
                 observe(child(m.decode_seconds, *base, source, band), value)
             for source, value in f.decode_tps.items():
-                child(m.decode_tokens_per_second, *base, source, band).observe(value, marker)
+                observe(child(m.decode_tokens_per_second, *base, source, band), value, marker)
             for source, value in f.tpot.items():
                 observe(child(m.time_per_output_token_seconds, *base, source), value)
             kv = ex.kv
