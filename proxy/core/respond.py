@@ -32,6 +32,10 @@ from .reply import Reply
 #: Largest non-streamed measured response kept for reading its usage.
 MAX_KEPT_BODY = 16 * 1024 * 1024
 
+#: The upstream response extension saying whether its body is over, every byte of it
+#: read (proxy.transport.lean): a stream's last read then goes out with the answer's end.
+ENDED = "phasewatch.ended"
+
 
 def raw_body(resp: httpx.Response) -> AsyncIterator[bytes]:
     """`resp`'s body as its transport hands it over. Why not ``aiter_raw``: it wraps
@@ -219,18 +223,26 @@ class Responder:
     ) -> bytes:
         """The per-event loop, the hottest code in the product: feed each chunk to the tap
         (or to its decoder) and forward what it lets through; with `push`, only what the
-        upstream connection's callback did not take (proxy.core.push). Returns the rest."""
+        upstream connection's callback did not take (proxy.core.push). Returns the rest:
+        where the transport says so (:data:`ENDED`), the body's last read is part of it,
+        so that it goes out with the answer's end in one write (the client is woken once
+        for both, and the proxy writes once)."""
         feed, monotonic = source.feed, time.monotonic
+        ended = resp.extensions.get(ENDED)
+        last = b""
         async for chunk in raw_body(resp):
             held = push.take() if push is not None else b""  # the callback's output first
             out = feed(chunk, monotonic())
             if held:
                 out = held + out
+            if ended is not None and ended():
+                last = out  # nothing follows: the iterator's next step ends the body
+                continue
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             if push is not None:
                 push.busy = False
-        return (push.take() if push is not None else b"") + source.end(monotonic())
+        return last + (push.take() if push is not None else b"") + source.end(monotonic())
 
     async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
         """A coded stream decoded for the client (usage was injected, the engine coded its

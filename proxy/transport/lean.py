@@ -151,7 +151,9 @@ class _Conn(asyncio.Protocol):
             return
         if self.edge and data[-2:] != b"\r\n":
             self.edge = False  # a chunk's size line begun: the parser holds it
-        if sink is not None and self.chunks and self.error is None:
+        if sink is not None and self.chunks and self.error is None and not self.complete:
+            # (the body's last read is left to the reader, woken for the end anyway: it
+            # may send both in one write)
             chunks = self.chunks
             if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks), None):
                 chunks.clear()
@@ -368,6 +370,11 @@ class _Conn(asyncio.Protocol):
         (None: to the reader again). The reader is woken only for bytes the sink
         refused (returned False for), the end or an error."""
         self.sink = sink
+
+    def ended(self) -> bool:
+        """The answer's body is complete and every byte of it was taken: the reader's
+        next step ends it."""
+        return self.complete and not self.chunks and self.error is None
 
     def finish(self) -> None:
         self.sink = None
@@ -625,6 +632,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": conn.reason,
                 "phasewatch.push": conn.push,
+                "phasewatch.ended": conn.ended,
             },
         )
 

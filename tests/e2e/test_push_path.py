@@ -47,6 +47,30 @@ async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     writer.close()
 
 
+async def engine_ending_with_its_last_events(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """The engine above, but its last three events and the body's end in one write (as
+    an engine that finishes, sends usage and ``[DONE]`` at once)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    for event in EVENTS[:-3]:
+        writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.005)
+    writer.write(b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in EVENTS[-3:]) + b"0\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
 def anything(body: bytes) -> None:
     """A client socket that takes every write."""
 
@@ -56,13 +80,14 @@ async def relayed(
     put: Callable[[bytes], None] = anything,
     own_write: bool = False,
     finished: list | None = None,
+    serve=engine,
 ) -> tuple[list[tuple[str, bytes]], list[dict]]:
     """One streamed chat through the relay, the server's writer `ready` when it says so
     and its writes going to `put` (which may raise); what reached the client, in order,
     as ("send"|"write"|"framed"|"own", bytes), and the ASGI messages. `own_write`: the
     writer offers its own write of framed chunks too (as the server's does); `finished`
-    gets the recorded exchange."""
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    gets the recorded exchange; `serve` is the engine."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     metrics = Metrics()
     upstream = Upstream(
@@ -162,6 +187,32 @@ def test_paced_token_events_go_out_in_one_call_through_the_servers_own_write():
     assert a.gaps is not None and b.gaps is not None
     assert sum(a.gaps[0]) == sum(b.gaps[0]) == 20
     assert messages[-1]["more_body"] is False
+
+
+def test_the_last_read_goes_out_with_the_end_in_one_message():
+    """When the engine's last read holds the body's end, what it lets through goes out
+    in the answer's final message (one write, the client woken once), measured as
+    ever; a body whose end comes in a read of its own ends with an empty final message."""
+    for own_write in (False, True):
+        done: list = []
+        wire, messages = asyncio.run(
+            relayed(
+                lambda: True,
+                own_write=own_write,
+                finished=done,
+                serve=engine_ending_with_its_last_events,
+            )
+        )
+        assert b"".join(b for _, b in wire) == b"".join(EVENTS)
+        assert messages[-1] == {
+            "type": "http.response.body",
+            "body": b"".join(EVENTS[-3:]),
+            "more_body": False,
+        }
+        assert not any(EVENTS[-1] in m.get("body", b"") for m in messages[:-1])
+        assert done[0].marks.output_events == 21 and done[0].tap.done
+    _, messages = asyncio.run(relayed(lambda: True))
+    assert messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 def test_a_failing_own_write_holds_the_counted_event_for_the_task(caplog):
