@@ -33,8 +33,13 @@ from .reply import Reply
 MAX_KEPT_BODY = 16 * 1024 * 1024
 
 #: The upstream response extension saying whether its body is over, every byte of it
-#: read (proxy.transport.lean): a stream's last read then goes out with the answer's end.
+#: read (proxy.transport.lean): a stream's last read then goes out with the answer's end,
+#: in one write (the client woken once for both). Where a transport has none, `_never`.
 ENDED = "phasewatch.ended"
+
+
+def _never() -> bool:
+    return False
 
 
 def raw_body(resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -222,23 +227,18 @@ class Responder:
         self, send: Send, resp: httpx.Response, source: Tap | Decoded, push: Push | None
     ) -> bytes:
         """The per-event loop, the hottest code in the product: feed each chunk to the tap
-        (or to its decoder) and forward what it lets through; with `push`, only what the
-        upstream connection's callback did not take (proxy.core.push). Returns the rest:
-        where the transport says so (:data:`ENDED`), the body's last read is part of it,
-        so that it goes out with the answer's end in one write (the client is woken once
-        for both, and the proxy writes once)."""
+        (or its decoder), forward what it lets through (with `push`, what the connection's
+        callback did not take: proxy.core.push); return the rest, the last read with it."""
         feed, monotonic = source.feed, time.monotonic
-        ended = resp.extensions.get(ENDED)
-        last = b""
+        ended, last = resp.extensions.get(ENDED, _never), b""
         async for chunk in raw_body(resp):
             held = push.take() if push is not None else b""  # the callback's output first
             out = feed(chunk, monotonic())
             if held:
                 out = held + out
-            if ended is not None and ended():
-                last = out  # nothing follows: the iterator's next step ends the body
-                continue
-            if out:
+            if ended():  # nothing follows: it goes out with the end, in one write
+                last = out
+            elif out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             if push is not None:
                 push.busy = False
