@@ -76,3 +76,17 @@ def encoded(raw_headers: Iterable[tuple[bytes, bytes]]) -> bool:
 def without(headers: Headers, *names: bytes) -> Headers:
     """`headers` less the fields named (lower-case names)."""
     return [h for h in headers if h[0] not in names]
+
+
+def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """A request body's length, when its head gives one (a parser has checked it)."""
+    length = None
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
+            try:
+                length = int(value)
+            except ValueError:
+                return None
+    return length

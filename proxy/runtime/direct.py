@@ -44,7 +44,7 @@ def writer(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing)
     of `real` (its own transport) and `guard` (its ``lingering``) directly, rather than
     through the transport the cycle holds."""
     flow = cycle.flow
-    send = cycle.transport.write
+    send = real.write  # never the cycle's (proxy.runtime.handoff)
     is_closing = real.is_closing
     # the cycle's scope holds this writer: a strong reference back would make every
     # answer's cycle, scope and headers garbage only the collector could free

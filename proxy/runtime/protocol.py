@@ -44,10 +44,9 @@ And two fixes to how a connection ends:
   ``--header-timeout``, then closes.
 
 Each refusal counts in ``phasewatch_rejected_total{reason}`` and is said in the log (at
-most one line per reason per 10 s, with how many it folded in).
-
-What this module takes from uvicorn's private protocol, and why, is in one place:
-:mod:`proxy.runtime.borrowed`.
+most one line per reason per 10 s, with how many it folded in). What this module takes
+from uvicorn's private protocol, and why: :mod:`proxy.runtime.borrowed`; the hand-off
+after an answer's first write: :mod:`proxy.runtime.handoff`.
 """
 
 from __future__ import annotations
@@ -62,9 +61,11 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from ..core.errors import json_error
+from ..core.headers import content_length
 from ..core.limited import LimitedLog
 from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
 from .direct import hung_up, install
+from .handoff import arm
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +370,7 @@ class GuardedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is before:
             return
-        self.body_left = _content_length(self.headers)
+        self.body_left = content_length(self.headers)
         assert self.real is not None  # set by connection_made, before any byte is parsed
         install(cycle, self.real, self)  # the phasewatch.write extension (runtime.direct)
         if self.parser.should_upgrade():
@@ -378,6 +379,7 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.keep_alive = False
         if not (self.pipeline and self.pipeline[0][0] is cycle):
             self.running = cycle  # started at once
+            arm(self)  # after install: the relay's writer never goes through the hand-off
         elif len(self.pipeline) > self.max_pipelined:
             self.pipeline.popleft()  # never started
             self._refuse_pipeline(f"more than {self.max_pipelined} requests read ahead")
@@ -408,6 +410,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
             self.running = following  # uvicorn started the next queued request
+            arm(self)
         if self.transport.is_closing() or self.lingering:
             return
         if self.pending is not None:
@@ -609,20 +612,6 @@ class GuardedProtocol(HttpToolsProtocol):
 
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "unknown"
-
-
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The body's length, when the head gives one (the parser has checked it)."""
-    length = None
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            return None
-        if name == b"content-length":
-            try:
-                length = int(value)
-            except ValueError:
-                return None
-    return length
 
 
 def guarded_protocol(
