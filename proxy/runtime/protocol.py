@@ -138,6 +138,8 @@ class GuardedProtocol(HttpToolsProtocol):
     #: holds about two upstream reads of its stream), and how many may.
     stalled: ClassVar[dict[GuardedProtocol, None]] = {}
     max_stalled = 64
+    #: Whether an answer's first writes go through the hand-off (--handoff).
+    handoff = True
     #: Called with the reason of each refusal (the metrics counter).
     on_reject: Callable[[str], None] = staticmethod(lambda reason: None)
     refusals = LimitedLog(log)
@@ -379,7 +381,8 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.keep_alive = False
         if not (self.pipeline and self.pipeline[0][0] is cycle):
             self.running = cycle  # started at once
-            arm(self)  # after install: the relay's writer never goes through the hand-off
+            if self.handoff:
+                arm(self)  # its head and first body go through runtime.handoff
         elif len(self.pipeline) > self.max_pipelined:
             self.pipeline.popleft()  # never started
             self._refuse_pipeline(f"more than {self.max_pipelined} requests read ahead")
@@ -410,7 +413,8 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
             self.running = following  # uvicorn started the next queued request
-            arm(self)
+            if self.handoff:
+                arm(self)
         if self.transport.is_closing() or self.lingering:
             return
         if self.pending is not None:
@@ -621,6 +625,7 @@ def guarded_protocol(
     max_pipelined: int = 16,
     max_held: int = 64 * 1024,
     max_stalled: int = 64,
+    handoff: bool = True,
 ) -> type[GuardedProtocol]:
     """The protocol class for one server, with its limits and its refusal counter."""
     return type(
@@ -633,6 +638,7 @@ def guarded_protocol(
             "max_held": max_held,
             "stalled": {},
             "max_stalled": max_stalled,
+            "handoff": handoff,
             "on_reject": staticmethod(on_reject),
             "refusals": LimitedLog(log),
         },

@@ -346,6 +346,12 @@ class Settings(BaseSettings):
         description="Answers, per worker, that may wait on clients that stopped reading "
         "(each holds about 2 MiB); beyond, the one waiting longest is closed.",
     )
+    handoff: bool = Field(
+        True,
+        description="Yield the CPU once after an answer's head and first body are written "
+        "while it is the only request in flight, so a client on the same machine reads its "
+        "first token at once; --no-handoff where busy processes share the proxy's CPUs.",
+    )
 
     # Fleets: pools of upstreams serving one model, health, model management
     balance: Literal["least-loaded", "round-robin", "random"] = Field(
