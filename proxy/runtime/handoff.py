@@ -10,8 +10,9 @@ queued on the proxy's CPU in 138 of 150 requests, and waited a median 290 us the
 So uvicorn's writes of an answer's head and first body go through :func:`arm`'s hand-off,
 which then yields the CPU once (``os.sched_yield``), keeping that promise, and hands the
 writes back. Only while the answer's request is the server's only one in flight: under
-load the proxy gives no time away (``--no-handoff`` turns it off). The relay's own writes (``proxy.runtime.direct``) never
-go through it: a paced event goes out with nothing after it to wait for.
+load the proxy gives no time away (``--no-handoff`` turns it off). The relay's own writes
+(``proxy.runtime.direct``) never go through it: a paced event goes out with nothing after
+it to wait for.
 """
 
 from __future__ import annotations
