@@ -1,24 +1,19 @@
 """The hand-off after an answer's first body write (proxy.runtime.handoff), on the real
 guarded protocol over loopback: the CPU is yielded once per answer, right after its head
 and first body went out through uvicorn, only while that request is the server's only
-one in flight, and never for the relay's own writes."""
+one in flight, never for the relay's own writes, and never with ``--no-handoff``."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
-import uvicorn
 
 from proxy.core.push import WRITE
 from proxy.runtime import handoff
-from proxy.runtime.protocol import guarded_protocol
 from proxy.settings import Settings
 
-from ..support.servers import free_port
 from .test_direct_writer import served
 
 
@@ -111,26 +106,6 @@ def test_the_relays_own_writes_never_go_through_the_hand_off(yields):
     assert yields.at == ["sent"]
 
 
-@contextlib.asynccontextmanager
-async def served_without_handoff(app) -> AsyncIterator[int]:
-    """`app` served as by ``phasewatch serve --no-handoff``."""
-    port = free_port()
-    limits = Settings(handoff=False).server_limits()
-    protocol = guarded_protocol(64 * 1024, 10.0, lambda reason: None, handoff=limits.handoff)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_config=None
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        await task
-
-
 def test_no_handoff_never_yields(yields):
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -138,7 +113,8 @@ def test_no_handoff_never_yields(yields):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def main() -> bytes:
-        async with served_without_handoff(app) as port:
+        # as `phasewatch serve --no-handoff` builds its server
+        async with served(app, handoff=Settings(handoff=False).server_limits().handoff) as port:
             return await asyncio.to_thread(_get, port)
 
     assert asyncio.run(main()).endswith(b"1\r\nx\r\n0\r\n\r\n")
