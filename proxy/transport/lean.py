@@ -368,7 +368,8 @@ class _Conn(asyncio.Protocol):
     def push(self, sink: Sink | None) -> None:
         """Give body bytes to `sink` as they are parsed, in the connection's callback
         (None: to the reader again). The reader is woken only for bytes the sink
-        refused (returned False for), the end or an error."""
+        refused (returned False for), the end (with the body's last read, never offered
+        to the sink: :meth:`ended`) or an error."""
         self.sink = sink
 
     def ended(self) -> bool:
