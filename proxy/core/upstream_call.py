@@ -25,6 +25,10 @@ from .limited import LimitedLog
 from .routing import Route
 from .upstreams import Upstream, failure_reason
 
+#: The ASGI scope extension of the server's hand-off after a request is written upstream
+#: (proxy.runtime.handoff): a callable, called once the request is on the wire.
+HANDOFF = "phasewatch.handoff"
+
 #: Called before a request that could not be sent goes to the next member of its pool
 #: (the measured path moves its admission there); it may raise the failure again.
 Moving = Callable[[Upstream, UpstreamFailure], Awaitable[None]]
@@ -77,7 +81,8 @@ class UpstreamCall:
     ) -> httpx.Response:
         """Send the request upstream and return the response with its body unread;
         `extra` headers (the trace context, with --otel) replace the client's of the
-        same name."""
+        same name. Where the server offers its hand-off (:data:`HANDOFF`), the lean
+        transport calls it once the request is written."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
         headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
@@ -97,7 +102,14 @@ class UpstreamCall:
             marks.t_sent = time.monotonic()
         try:
             if isinstance(transport, LeanTransport):  # the request as its parts
-                resp = await transport.send(method, url, fields, body, extensions["timeout"])
+                resp = await transport.send(
+                    method,
+                    url,
+                    fields,
+                    body,
+                    extensions["timeout"],
+                    written=(scope.get("extensions") or {}).get(HANDOFF),
+                )
             else:
                 resp = await transport.handle_async_request(
                     upstream_request(method, url, fields, body, extensions)

@@ -1,6 +1,7 @@
 """What the server offers the relay beside ASGI: the ``phasewatch.write`` extension (a
-response's body written in the caller's own callback) and ``phasewatch.gone`` (a hang-up
-told by a callback, without a watcher task: :mod:`proxy.core.reply`).
+response's body written in the caller's own callback), ``phasewatch.gone`` (a hang-up
+told by a callback, without a watcher task: :mod:`proxy.core.reply`) and, with
+``--handoff``, ``phasewatch.handoff`` (:mod:`proxy.runtime.handoff`).
 
 Why: a paced stream's event would otherwise cost a task hop to reach the client (the
 upstream connection wakes the relay task, which awaits ``send``). The relay can instead
@@ -22,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from ..core.push import WRITE, Writer
 from ..core.reply import GONE, Watch
+from ..core.upstream_call import HANDOFF
 
 #: The cycle's attribute holding the relay's hang-up callback (read by the protocol).
 HUNG_UP = "phasewatch_gone"
@@ -105,9 +107,16 @@ def hung_up(*cycles: RequestResponseCycle | None) -> None:
             callback()
 
 
-def install(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing) -> None:
+def install(
+    cycle: RequestResponseCycle,
+    real: asyncio.Transport,
+    guard: Closing,
+    handoff: Callable[[], None] | None = None,
+) -> None:
     """Offer the cycle's application the writer and the hang-up hook, as scope
-    extensions."""
+    extensions, and `handoff` (proxy.runtime.handoff) where it is on."""
     extensions = cycle.scope.setdefault("extensions", {})
     extensions[WRITE] = writer(cycle, real, guard)  # type: ignore[assignment]
     extensions[GONE] = watcher(cycle)  # type: ignore[assignment]
+    if handoff is not None:
+        extensions[HANDOFF] = handoff  # type: ignore[assignment]

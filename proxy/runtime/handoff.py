@@ -1,4 +1,5 @@
-"""The hand-off after an answer's first body write, while no other request is in flight.
+"""The hand-offs after a request's upstream write and after its answer's first body
+write, while no other request is in flight.
 
 Why: a write to a local socket wakes its reader on the writer's CPU (a sync wake-up: the
 kernel expects the writer to wait next), so a client on the same machine waits for the
@@ -13,13 +14,18 @@ writes back. Only while the answer's request is the server's only one in flight:
 load the proxy gives no time away (``--no-handoff`` turns it off). The relay's own writes
 (``proxy.runtime.direct``) never go through it: a paced event goes out with nothing after
 it to wait for.
+
+The same holds one step earlier: the request's write to the engine wakes the engine on the
+proxy's CPU, where it waits for the proxy to finish its turn. So the server also offers
+the relay :func:`after_request`'s hand-off, called once the request is written upstream
+(the ``phasewatch.handoff`` extension, on the same terms): the engine starts on it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 _yield = getattr(os, "sched_yield", lambda: None)
@@ -58,3 +64,14 @@ def arm(server: Server) -> None:
                 _yield()
 
     facade.write = write
+
+
+def after_request(in_flight: Collection[object]) -> Callable[[], None]:
+    """The hand-off after a request is written upstream: the CPU is yielded once, while
+    that request is the only one of `in_flight` (the server's requests)."""
+
+    def written() -> None:
+        if len(in_flight) <= 1:
+            _yield()
+
+    return written

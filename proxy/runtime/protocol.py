@@ -65,7 +65,7 @@ from ..core.headers import content_length
 from ..core.limited import LimitedLog
 from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
 from .direct import hung_up, install
-from .handoff import arm
+from .handoff import after_request, arm
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.stopped = False  # refused or upgraded: nothing more is parsed
         self.pending: bytes | None = None  # a refusal, written once the queued answers are out
         self.running: RequestResponseCycle | None = None  # the cycle being answered
+        self.written = after_request(self.tasks) if self.handoff else None
 
     # --- the connection -----------------------------------------------------------------
 
@@ -374,7 +375,7 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         self.body_left = content_length(self.headers)
         assert self.real is not None  # set by connection_made, before any byte is parsed
-        install(cycle, self.real, self)  # the phasewatch.write extension (runtime.direct)
+        install(cycle, self.real, self, self.written)  # extensions (runtime.direct)
         if self.parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:
             # this connection can carry no further request

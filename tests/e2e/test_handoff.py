@@ -1,16 +1,21 @@
-"""The hand-off after an answer's first body write (proxy.runtime.handoff), on the real
-guarded protocol over loopback: the CPU is yielded once per answer, right after its head
-and first body went out through uvicorn, only while that request is the server's only
-one in flight, never for the relay's own writes, and never with ``--no-handoff``."""
+"""The hand-offs (proxy.runtime.handoff), on the real guarded protocol over loopback: the
+CPU is yielded once per answer, right after its head and first body went out through
+uvicorn, and once per request written upstream (through the real relay and lean
+transport), only while that request is the server's only one in flight, never for the
+relay's own writes, and never with ``--no-handoff``."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 
+from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.core.push import WRITE
+from proxy.measure.metrics import Metrics
+from proxy.measure.recorder import Recorder
 from proxy.runtime import handoff
 from proxy.settings import Settings
 
@@ -120,3 +125,120 @@ def test_no_handoff_never_yields(yields):
     assert asyncio.run(main()).endswith(b"1\r\nx\r\n0\r\n\r\n")
     assert yields.at == []
     assert Settings().server_limits().handoff is True  # on unless turned off
+
+
+# --- the hand-off after a request is written upstream ------------------------------------
+
+SSE = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+
+
+class Engine(threading.Thread):
+    """A blocking engine on its own thread: it reads one request, then answers (with
+    `wait`, only once the proxy has yielded, or after 10 s, so that a failing test ends)."""
+
+    def __init__(self, yielded: threading.Event, wait: bool) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.yielded = yielded
+        self.wait = wait
+        self.got = threading.Event()  # the whole request is here
+        self.answered = threading.Event()
+
+    def run(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.got.set()
+            if self.wait:
+                self.yielded.wait(10)
+            self.answered.set()
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+                + b"%x\r\n%b\r\n" % (len(SSE), SSE)
+                + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+            )
+
+
+def _relay_to(port: int) -> Relay:
+    metrics = Metrics()
+    upstream = Upstream(
+        UpstreamSpec("eng", f"http://127.0.0.1:{port}", engine="vllm"), UpstreamOptions(), metrics
+    )
+    upstream.models = {"m"}
+    upstreams = Upstreams([upstream])
+    upstreams.probed = True
+    return Relay(upstreams, Recorder(metrics, access_lines=False), RelayOptions())
+
+
+def _chat(port: int) -> bytes:
+    body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}'
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        out = b""
+        while not out.endswith(b"0\r\n\r\n"):
+            got = s.recv(65536)
+            if not got:
+                break
+            out += got
+        return out
+
+
+def _through_the_relay(monkeypatch, handoff_on: bool) -> tuple[bytes, list[tuple[bool, bool]]]:
+    """One streamed chat through the real relay and lean transport on the guarded
+    protocol; each yield as (the request was at the engine, the engine had answered)."""
+    yielded = threading.Event()
+    engine = Engine(yielded, wait=handoff_on)
+    seen: list[tuple[bool, bool]] = []
+
+    def recorded() -> None:
+        # blocking on the engine's thread: a yield before the request's write never sees it
+        seen.append((engine.got.wait(10), engine.answered.is_set()))
+        yielded.set()
+
+    monkeypatch.setattr(handoff, "_yield", recorded)
+    engine.start()
+
+    async def main() -> bytes:
+        async with served(_relay_to(engine.port), handoff=handoff_on) as port:
+            return await asyncio.to_thread(_chat, port)
+
+    answer = asyncio.run(main())
+    yielded.set()
+    engine.join(10)
+    return answer, seen
+
+
+def test_a_request_alone_hands_off_once_written_upstream_and_once_answered(monkeypatch):
+    answer, seen = _through_the_relay(monkeypatch, handoff_on=True)
+    assert SSE in answer and answer.endswith(b"0\r\n\r\n"), answer
+    # the first yield: the request at the engine, not yet answered; the second: the answer's
+    assert seen == [(True, False), (True, True)]
+
+
+def test_no_handoff_means_no_hand_off_upstream_either(monkeypatch):
+    answer, seen = _through_the_relay(monkeypatch, handoff_on=False)
+    assert SSE in answer and answer.endswith(b"0\r\n\r\n"), answer
+    assert seen == []
+
+
+def test_the_upstream_hand_off_yields_only_for_the_only_request_in_flight(yields):
+    yields.where = "alone"
+    handoff.after_request({"one"})()
+    yields.where = "two in flight"
+    handoff.after_request({"one", "two"})()
+    assert yields.at == ["alone"]
