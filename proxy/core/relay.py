@@ -33,7 +33,7 @@ from .clients import Clients
 from .errors import ErrorShape, UpstreamFailure, describe
 from .exchange import Exchange
 from .gate import QueueFull, QueueTimeout
-from .headers import IDENTITY, Headers, request_id, response_headers
+from .headers import IDENTITY, Headers, content_length, request_id, response_headers
 from .limited import LimitedLog
 from .push import WRITE
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
@@ -60,14 +60,6 @@ UNAUTHENTICATED = Refusal(
 )
 #: After SIGTERM: in-flight requests finish, new measured ones are refused.
 DRAINING = Refusal(503, "phasewatch is shutting down", "unavailable", quiet=True)
-
-
-def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The request's Content-Length (the server already refused a malformed one)."""
-    for k, v in headers:
-        if k == b"content-length" and v.isdigit():
-            return int(v)
-    return None
 
 
 class Relay:
@@ -120,7 +112,7 @@ class Relay:
                 await held.read(
                     receive,
                     self.options.max_body_bytes,
-                    _declared_length(headers),
+                    content_length(headers),
                     self.options.body_timeout,
                 ),
                 key_client,
