@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from .access import Access
 from .exchange import Exchange
+from .fleet import Upstreams
 from .gate import AdmissionGate, QueueFull, QueueTimeout
 from .relay import Relay
 from .relay_options import RelayOptions
-from .upstreams import OTHER, UNKNOWN, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from .upstreams import OTHER, UNKNOWN, Upstream, UpstreamOptions, UpstreamSpec
 
 __all__ = [
     "OTHER",

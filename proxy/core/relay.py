@@ -32,6 +32,7 @@ from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
 from .errors import ErrorShape, UpstreamFailure, describe
 from .exchange import Exchange
+from .fleet import Upstreams
 from .gate import QueueFull, QueueTimeout
 from .headers import IDENTITY, Headers, content_length, request_id, response_headers
 from .limited import LimitedLog
@@ -42,7 +43,7 @@ from .reply import GONE, Reply
 from .respond import Responder, raw_body
 from .routing import Route, Router
 from .upstream_call import UpstreamCall
-from .upstreams import Upstream, Upstreams
+from .upstreams import Upstream
 
 log = logging.getLogger(__name__)
 

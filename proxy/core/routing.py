@@ -21,7 +21,8 @@ from .pool import PoolDown
 from .refusals import RETRY_AFTER, Refusal, Refused
 
 if TYPE_CHECKING:
-    from .upstreams import Upstream, Upstreams
+    from .fleet import Upstreams
+    from .upstreams import Upstream
 
 
 @dataclass(slots=True)

@@ -27,7 +27,8 @@ from ..core.host import Board, Host
 from ..core.supervisor import every
 
 if TYPE_CHECKING:
-    from ..core.upstreams import Upstream, Upstreams
+    from ..core.fleet import Upstreams
+    from ..core.upstreams import Upstream
     from ..engines import EngineReading
     from ..measure.metrics import Metrics
 

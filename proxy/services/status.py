@@ -24,7 +24,7 @@ from ..measure.summary import Samples, build
 
 if TYPE_CHECKING:
     from ..core.exchange import Exchange
-    from ..core.upstreams import Upstreams
+    from ..core.fleet import Upstreams
     from ..measure.metrics import Metrics
     from ..measure.timeline import Figures
 

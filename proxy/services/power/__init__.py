@@ -26,8 +26,8 @@ from .sources import (
 )
 
 if TYPE_CHECKING:
+    from ...core.fleet import Upstreams
     from ...core.host import Host
-    from ...core.upstreams import Upstreams
 
 log = logging.getLogger(__name__)
 
