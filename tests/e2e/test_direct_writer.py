@@ -61,7 +61,9 @@ async def _leave_after_head(port: int, done: asyncio.Event, path: bytes = b"/") 
     await asyncio.wait_for(done.wait(), 30)
 
 
-def _exchange(port: int, request: bytes) -> bytes:
+def exchange(port: int, request: bytes) -> bytes:
+    """`request` sent on a new connection; the answer read to its chunked end (a HEAD
+    answer: to its head)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(request)
         out = b""
@@ -92,8 +94,8 @@ def test_the_writer_is_ready_only_while_a_chunked_answer_is_under_way():
 
     async def main() -> tuple[bytes, bytes]:
         async with served(app) as port:
-            get = await asyncio.to_thread(_exchange, port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-            head = await asyncio.to_thread(_exchange, port, b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n")
+            get = await asyncio.to_thread(exchange, port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await asyncio.to_thread(exchange, port, b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n")
         return get, head
 
     get, head = asyncio.run(main())

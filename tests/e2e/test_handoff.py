@@ -12,26 +12,16 @@ import threading
 
 import pytest
 
-from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.core.push import WRITE
-from proxy.measure.metrics import Metrics
-from proxy.measure.recorder import Recorder
 from proxy.runtime import handoff
 from proxy.settings import Settings
 
-from .test_direct_writer import served
+from .test_direct_writer import exchange, served
+from .test_push_path import relay_to
 
 
 def _get(port: int) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-        out = b""
-        while not out.endswith(b"0\r\n\r\n"):
-            got = s.recv(65536)
-            if not got:
-                break
-            out += got
-        return out
+    return exchange(port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
 
 
 class Yields:
@@ -171,31 +161,13 @@ class Engine(threading.Thread):
             )
 
 
-def _relay_to(port: int) -> Relay:
-    metrics = Metrics()
-    upstream = Upstream(
-        UpstreamSpec("eng", f"http://127.0.0.1:{port}", engine="vllm"), UpstreamOptions(), metrics
-    )
-    upstream.models = {"m"}
-    upstreams = Upstreams([upstream])
-    upstreams.probed = True
-    return Relay(upstreams, Recorder(metrics, access_lines=False), RelayOptions())
-
-
 def _chat(port: int) -> bytes:
     body = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}'
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(body), body)
-        )
-        out = b""
-        while not out.endswith(b"0\r\n\r\n"):
-            got = s.recv(65536)
-            if not got:
-                break
-            out += got
-        return out
+    return exchange(
+        port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(body), body),
+    )
 
 
 def _through_the_relay(monkeypatch, handoff_on: bool) -> tuple[bytes, list[tuple[bool, bool]]]:
@@ -214,7 +186,7 @@ def _through_the_relay(monkeypatch, handoff_on: bool) -> tuple[bytes, list[tuple
     engine.start()
 
     async def main() -> bytes:
-        async with served(_relay_to(engine.port), handoff=handoff_on) as port:
+        async with served(relay_to(engine.port), handoff=handoff_on) as port:
             return await asyncio.to_thread(_chat, port)
 
     answer = asyncio.run(main())

@@ -71,6 +71,22 @@ async def engine_ending_with_its_last_events(
     writer.close()
 
 
+def relay_to(port: int, finished: list | None = None) -> Relay:
+    """The relay to a vLLM engine on `port` serving model "m" (`finished` gets each
+    recorded exchange)."""
+    metrics = Metrics()
+    upstream = Upstream(
+        UpstreamSpec("eng", f"http://127.0.0.1:{port}", engine="vllm"), UpstreamOptions(), metrics
+    )
+    upstream.models = {"m"}
+    upstreams = Upstreams([upstream])
+    upstreams.probed = True
+    recorder = Recorder(metrics, access_lines=False)
+    if finished is not None:
+        recorder.listeners.append(lambda ex, f: finished.append(ex))
+    return Relay(upstreams, recorder, RelayOptions(max_body_bytes=1 << 20))
+
+
 def anything(body: bytes) -> None:
     """A client socket that takes every write."""
 
@@ -88,18 +104,7 @@ async def relayed(
     writer offers its own write of framed chunks too (as the server's does); `finished`
     gets the recorded exchange; `serve` is the engine."""
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    metrics = Metrics()
-    upstream = Upstream(
-        UpstreamSpec("eng", f"http://127.0.0.1:{port}", engine="vllm"), UpstreamOptions(), metrics
-    )
-    upstream.models = {"m"}
-    upstreams = Upstreams([upstream])
-    upstreams.probed = True
-    recorder = Recorder(metrics, access_lines=False)
-    if finished is not None:
-        recorder.listeners.append(lambda ex, f: finished.append(ex))
-    relay = Relay(upstreams, recorder, RelayOptions(max_body_bytes=1 << 20))
+    relay = relay_to(server.sockets[0].getsockname()[1], finished)
     wire: list[tuple[str, bytes]] = []
     messages: list[dict] = []
     started = False
@@ -155,7 +160,7 @@ async def relayed(
         await relay(scope, receive, send)
     finally:
         server.close()
-        await upstream.aclose()
+        await relay.upstreams.all[0].aclose()
     assert not misuse, misuse
     return wire, messages
 
