@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import httpx
 
-from ..transport.lean import Sink
+from ..transport.connection import Sink
 from .limited import LimitedLog
 
 #: The ASGI scope extension of the server's synchronous writer (proxy.runtime.direct).

@@ -1,4 +1,4 @@
-/* proxy.transport._chunk: whole_chunk(), the C twin of proxy.transport.lean.whole_chunk_py.
+/* proxy.transport._chunk: whole_chunk(), the C twin of proxy.transport.wire.whole_chunk_py.
 
    Why C: every read of a paced stream is asked whether it is exactly one chunk in the
    form a server writes; in CPython 3.11 the search, the slices and the formatting the
@@ -53,7 +53,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_chunk", "C twin of proxy.transport.lean.whole_chunk_py.", 0,
+    PyModuleDef_HEAD_INIT, "_chunk", "C twin of proxy.transport.wire.whole_chunk_py.", 0,
     methods,
 };
 

@@ -4,10 +4,10 @@ Why: profiling the relay with 256 paced streams put over half of the proxy's CPU
 httpx's default transport (httpcore's pool scanning every connection on each release,
 anyio and h11 per chunk). This transport keeps httpx's API (the relay sees an
 ``httpx.Response`` with ``aiter_raw``, ``aclose`` and httpx's exceptions) and moves bytes
-with an asyncio protocol and httptools' C parser: one callback and one future wake-up per
-body chunk, and a LIFO list of idle keep-alive connections. A reader may take the body
-in the connection's own callback instead (the ``phasewatch.push`` response extension:
-no task wake-up per chunk).
+with an asyncio protocol and httptools' C parser (:mod:`.connection`): one callback and
+one future wake-up per body chunk, and a LIFO list of idle keep-alive connections. A
+reader may take the body in the connection's own callback instead (the
+``phasewatch.push`` response extension: no task wake-up per chunk).
 
 What it promises, like the library clients it is tested beside:
 
@@ -35,370 +35,20 @@ import ssl as _ssl
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import cast
 
-import httptools
 import httpx
 
+from .connection import Connection, Stale, named
 from .options import IDEMPOTENT, ClientOptions
-from .wire import chunked_only, request_wire, whole_chunk
+from .wire import request_wire
 
 log = logging.getLogger(__name__)
-
-_HIGH_WATER = 256 * 1024
-
-
-#: A body sink: takes a piece of the body (True: taken) and, when the read was exactly one
-#: chunk, that chunk as it came (its size line, the piece, its CRLF), else None.
-Sink = Callable[[bytes, "bytes | None"], bool]
-
-
-def _named(method: str, url: httpx.URL, request: httpx.Request | None) -> httpx.Request:
-    """The request an error names: the one given, else one made for the error alone."""
-    return request if request is not None else httpx.Request(method, url)
-
-
-class _Stale(Exception):
-    """A connection closed before any response byte came."""
-
-
-class _Conn(asyncio.Protocol):
-    """One upstream connection, one response at a time."""
-
-    transport: asyncio.Transport  # set by connection_made, before anything uses it
-
-    def __init__(self, pool: LeanTransport, key: tuple) -> None:
-        self.pool = pool
-        self.key = key
-        self.parser = httptools.HttpResponseParser(self)
-        self.loop = asyncio.get_running_loop()
-        self.closed = False
-        self.idle_since = 0.0
-        self.write_paused = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.reason = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.head_bytes = 0
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.complete = False
-        self.keep_alive = False
-        self.unexpected = False
-        self.error: Exception | None = None
-        self.waiter: asyncio.Future | None = None
-        self.got_bytes = False
-        self.head = False
-        self.paused = False
-        self.last = 0.0
-        self.timeout: float | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        #: A request was sent and its answer is awaited or being read.
-        self.asked = False
-        self.method = ""
-        self.url: httpx.URL | None = None
-        self._request: httpx.Request | None = None
-        #: Takes body bytes as they are parsed (True: taken), instead of the reader task;
-        #: for a read that is exactly one chunk, that chunk's bytes as they came go with
-        #: them (:func:`whole_chunk`).
-        self.sink: Sink | None = None
-        #: The parser stands between two chunks of a chunked body (nothing of one held).
-        self.edge = False
-
-    # --- asyncio.Protocol ---------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        if not self.asked or self.complete:
-            # nothing was asked: an unsolicited response or trailing bytes
-            self.unexpected = True
-            self.transport.close()
-            return
-        self.got_bytes = True
-        self.last = self.loop.time()
-        sink = self.sink
-        if sink is not None and self.edge and not self.chunks and self.error is None:
-            # a paced stream's read is one whole chunk: it needs no parser (which stays
-            # between chunks), and the sink may pass its framing on as it came
-            body = whole_chunk(data)
-            if body is not None and sink(body, data):
-                return
-        self.edge = False
-        counting = not self.headers_done
-        if counting:
-            self.head_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._upgraded()
-        except httptools.HttpParserError as exc:
-            if not self.complete:
-                self._fail(
-                    httpx.RemoteProtocolError(
-                        f"malformed response from upstream: {exc}", request=self.request
-                    )
-                )
-            self.unexpected = True
-            self.transport.close()
-            return
-        if counting and self.head_bytes > self.pool.max_head_bytes and not self.headers_done:
-            self._head_too_large()
-            return
-        if self.edge and data[-2:] != b"\r\n":
-            self.edge = False  # a chunk's size line begun: the parser holds it
-        if sink is not None and self.chunks and self.error is None and not self.complete:
-            # (the body's last read is left to the reader, woken for the end anyway: it
-            # may send both in one write)
-            chunks = self.chunks
-            if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks), None):
-                chunks.clear()
-                self.size = 0
-        if self.size > _HIGH_WATER and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-        waiter = self.waiter
-        if waiter is not None and (
-            self.chunks or self.complete or (self.headers_done and self.sink is None)
-        ):
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def eof_received(self):
-        return False  # close our side too
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        self.pool._lost()
-        if not self.asked or self.complete:
-            return
-        if exc is None and self.headers_done and self._close_delimited():
-            self.complete = True  # the body ends with the connection (a clean close only)
-            self._wake()
-        elif not self.got_bytes:
-            self._fail(_Stale())
-        else:
-            why = f": {exc}" if exc else ""
-            self._fail(
-                httpx.RemoteProtocolError(
-                    f"upstream closed the connection before the response ended{why}",
-                    request=self.request,
-                )
-            )
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        self._wake()
-
-    # --- httptools callbacks ------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        if self.complete:
-            self.unexpected = True  # a second response to one request
-
-    def on_status(self, status: bytes) -> None:
-        if not self.complete:
-            self.reason += status
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.headers_done:  # trailers and a second response's head are dropped
-            self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        if self.complete:
-            return
-        status = self.parser.get_status_code()
-        if status < 200 and status != 101:  # 1xx: another head follows
-            self.headers, self.reason = [], b""
-            return
-        self.status = status
-        self.headers_done = True
-        if sum(len(k) + len(v) + 4 for k, v in self.headers) > self.pool.max_head_bytes:
-            self._head_too_large()
-            return
-        if self.head or status in (204, 304):
-            self.complete = True  # no body (HEAD is closed after: its Content-Length lies)
-            self.keep_alive = False
-        else:
-            self.edge = chunked_only(self.headers)
-
-    def on_chunk_header(self) -> None:
-        self.edge = False
-
-    def on_chunk_complete(self) -> None:
-        self.edge = True
-
-    def on_body(self, body: bytes) -> None:
-        if not self.complete:
-            self.chunks.append(body)
-            self.size += len(body)
-
-    def on_message_complete(self) -> None:
-        if self.status == 0 or (self.complete and not self.head):  # 1xx, or a second one
-            return
-        self.complete = True
-        self.keep_alive = self.parser.should_keep_alive() and not self.head
-
-    # --- helpers --------------------------------------------------------------------------
-
-    def _upgraded(self) -> None:
-        """A 101 (or a CONNECT answer): the bytes after it are another protocol."""
-        self.status = self.status or self.parser.get_status_code()
-        self.headers_done = self.complete = True
-        self.keep_alive = False
-        self.unexpected = True
-
-    def _head_too_large(self) -> None:
-        if self.error is not None:
-            return
-        limit = self.pool.max_head_bytes
-        log.warning(
-            "upstream response head over the limit; connection closed",
-            extra={"fields": {"limit_bytes": limit, "upstream": self.pool.name}},
-        )
-        self.headers_done = False
-        self._fail(
-            httpx.RemoteProtocolError(
-                f"upstream response head over {limit} bytes (--upstream-max-head-bytes)",
-                request=self.request,
-            )
-        )
-        self.unexpected = True
-        self.transport.close()
-
-    def _close_delimited(self) -> bool:
-        for k, v in self.headers:
-            k = k.lower()
-            if k == b"content-length" or (k == b"transfer-encoding" and b"chunked" in v.lower()):
-                return False
-        return True
-
-    def _fail(self, exc: Exception) -> None:
-        if self.error is None:
-            self.error = exc
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _on_timer(self) -> None:
-        self.timer = None
-        if self.complete or self.error is not None or self.timeout is None:
-            return
-        due = self.last + self.timeout
-        now = self.loop.time()
-        if self.waiter is not None and now >= due:
-            self._fail(
-                httpx.ReadTimeout(
-                    f"upstream sent nothing for {self.timeout:g}s", request=self.request
-                )
-            )
-        else:  # data came since, or the client is slow to take it: look again later
-            self.timer = self.loop.call_at(due if due > now else now + self.timeout, self._on_timer)
-
-    @property
-    def request(self) -> httpx.Request:
-        """The request being answered, as the errors that name it take it (made for them
-        when it was sent without one: :meth:`LeanTransport.send`)."""
-        if self._request is None:
-            assert self.url is not None  # asked only after start()
-            self._request = httpx.Request(self.method, self.url)
-        return self._request
-
-    def start(
-        self,
-        method: str,
-        url: httpx.URL,
-        request: httpx.Request | None,
-        read_timeout: float | None,
-    ) -> None:
-        self._reset()
-        self.asked = True
-        self.method, self.url, self._request = method, url, request
-        self.head = method == "HEAD"
-        self.timeout = read_timeout
-        self.last = self.loop.time()
-        if read_timeout is not None:
-            self.timer = self.loop.call_at(self.last + read_timeout, self._on_timer)
-
-    async def wait(self) -> None:
-        """Until something new arrived (data, the end, an error, room to write)."""
-        self.waiter = self.loop.create_future()
-        await self.waiter
-
-    async def drain(self, timeout: float | None) -> None:
-        """Until the request is written (or the engine answered or failed first)."""
-        if not self.write_paused:
-            return
-        deadline = None if timeout is None else self.loop.time() + timeout
-        while self.write_paused and not self.headers_done and self.error is None:
-            left = None if deadline is None else deadline - self.loop.time()
-            if left is not None and left <= 0:
-                raise httpx.WriteTimeout(
-                    f"upstream took no request bytes for {timeout:g}s", request=self.request
-                )
-            try:
-                await asyncio.wait_for(self.wait(), left)
-            except TimeoutError:
-                continue
-
-    def take(self) -> bytes:
-        chunks = self.chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self.size = 0
-        if self.paused:
-            self.paused = False
-            self.last = self.loop.time()
-            self.transport.resume_reading()
-        return data
-
-    def push(self, sink: Sink | None) -> None:
-        """Give body bytes to `sink` as they are parsed, in the connection's callback
-        (None: to the reader again). The reader is woken only for bytes the sink
-        refused (returned False for), the end (with the body's last read, never offered
-        to the sink: :meth:`ended`) or an error."""
-        self.sink = sink
-
-    def ended(self) -> bool:
-        """The answer's body is complete and every byte of it was taken: the reader's
-        next step ends it."""
-        return self.complete and not self.chunks and self.error is None
-
-    def finish(self) -> None:
-        self.sink = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.asked = False
-        self._request = None
-
-    def reusable(self) -> bool:
-        return (
-            self.complete
-            and self.keep_alive
-            and not self.closed
-            and not self.unexpected
-            and not self.chunks
-        )
 
 
 class _Body(httpx.AsyncByteStream):
     __slots__ = ("conn", "pool", "released")
 
-    def __init__(self, conn: _Conn, pool: LeanTransport) -> None:
+    def __init__(self, conn: Connection, pool: LeanTransport) -> None:
         self.conn = conn
         self.pool = pool
         self.released = False
@@ -447,18 +97,19 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self.keepalive_expiry = options.keepalive_expiry
         self.max_head_bytes = options.max_head_bytes
         self._ssl = ssl_context
-        self._idle: dict[tuple, deque[_Conn]] = {}
+        self._idle: dict[tuple, deque[Connection]] = {}
         self._open = 0  # connections open (busy and idle), counted against max_connections
         self._waiters: deque[asyncio.Future] = deque()
 
     # --- the pool -------------------------------------------------------------------------
 
-    def _put(self, conn: _Conn) -> None:
+    def _put(self, conn: Connection) -> None:
         conn.idle_since = time.monotonic()
         self._idle.setdefault(conn.key, deque()).append(conn)
         self._wake_one()
 
-    def _lost(self) -> None:
+    def on_closed(self) -> None:
+        """One of the pool's connections closed: one fewer open, a waiter woken."""
         self._open -= 1
         self._wake_one()
 
@@ -469,7 +120,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 fut.set_result(None)
                 return
 
-    def _get(self, key: tuple) -> _Conn | None:
+    def _get(self, key: tuple) -> Connection | None:
         idle = self._idle.get(key)
         if not idle:
             return None
@@ -488,7 +139,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         request: httpx.Request | None,
         key: tuple,
         timeouts: dict,
-    ) -> _Conn:
+    ) -> Connection:
         while True:
             conn = self._get(key)
             if conn is not None:
@@ -514,7 +165,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise httpx.PoolTimeout(
                     f"all {self.max_connections} connections busy for {wait:g}s "
                     "(--upstream-max-connections)",
-                    request=_named(method, url, request),
+                    request=named(method, url, request),
                 ) from None
 
     async def _connect(
@@ -524,7 +175,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         request: httpx.Request | None,
         key: tuple,
         timeout: float | None,
-    ) -> _Conn:
+    ) -> Connection:
         scheme, host, port = key
         ssl = None
         if scheme == "https":
@@ -536,7 +187,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Conn(self, key),
+                    lambda: Connection(self, key),
                     host,
                     port,
                     ssl=ssl,
@@ -548,13 +199,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._open -= 1
             self._wake_one()
             raise httpx.ConnectTimeout(
-                f"connecting to {host}:{port} timed out", request=_named(method, url, request)
+                f"connecting to {host}:{port} timed out", request=named(method, url, request)
             ) from None
         except (OSError, _ssl.SSLError) as exc:
             self._open -= 1
             self._wake_one()
             raise httpx.ConnectError(
-                str(exc) or type(exc).__name__, request=_named(method, url, request)
+                str(exc) or type(exc).__name__, request=named(method, url, request)
             ) from None
         except BaseException:
             self._open -= 1
@@ -615,14 +266,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     if conn.error is not None:
                         raise conn.error
                     await conn.wait()
-            except _Stale:
+            except Stale:
                 conn.finish()
                 if reused and resend:
                     resend = False
                     continue  # the engine closed an idle connection as we picked it
                 raise httpx.RemoteProtocolError(
                     "upstream closed the connection without a response",
-                    request=_named(method, url, request),
+                    request=named(method, url, request),
                 ) from None
             except BaseException:
                 conn.finish()

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.transport import _chunk, lean
+from proxy.transport import _chunk, connection, lean
 from proxy.transport.wire import whole_chunk, whole_chunk_py
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -95,7 +95,7 @@ class _Wire:
 def _feed(reads: list[bytes]) -> tuple[bytes, list[tuple[bytes, bytes | None]], bool]:
     async def run():
         pool = lean.LeanTransport()
-        conn = lean._Conn(pool, ("http", "engine", 80))
+        conn = connection.Connection(pool, ("http", "engine", 80))
         conn.connection_made(_Wire())  # type: ignore[arg-type]
         conn.start("POST", httpx.URL("http://engine/v1/chat/completions"), None, None)
         got: list[tuple[bytes, bytes | None]] = []
