@@ -1,6 +1,7 @@
 """What a setting's value may be, checked once at start-up: upstream URLs (a base, not an
 endpoint), ``PHASEWATCH_*`` names and their near-misses (a near-miss of an access-control
-setting refuses to start), precision words, named keys, and the files a setting names."""
+setting refuses to start), precision words, named keys, the files a setting names, and
+each item of the list settings (keys, client names, upstreams, pairs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
+from ..measure.kvcache import KV_DTYPE_BYTES, kv_dtype
 from ..measure.precision import PRECISIONS, normalise
 
 
@@ -258,3 +260,108 @@ def named_keys(
             "only such a key may call the engines' model-management endpoints"
         )
     return named
+
+
+# --- the list settings' items, each raising ValueError with what the operator reads -------
+
+
+def check_upstream_keys(value: list[SecretStr]) -> list[SecretStr]:
+    """``--upstream-key``: each ``name=KEY`` (never shown back)."""
+    for item in value:
+        name, _, key = item.get_secret_value().partition("=")
+        if not name or not key:
+            raise ValueError("each upstream key must be name=KEY (value not shown)")
+    return value
+
+
+def check_api_keys(value: list[SecretStr]) -> list[SecretStr]:
+    """``--api-key``: no empty key (it would leave the proxy open), no client name twice."""
+    names: set[str] = set()
+    for item in value:
+        if not item.get_secret_value().strip(" ,\t\r\n"):
+            raise ValueError(
+                "an empty key would leave the proxy open: give a key, or leave the setting out"
+            )
+        name, key = split_named_key(item.get_secret_value())
+        if name is not None:
+            if name in names:
+                raise ValueError(f"client name {name!r} given to two keys")
+            names.add(name)
+        if not key:
+            raise ValueError("an API key must not be empty (value not shown)")
+    return value
+
+
+def check_header_name(value: str | None) -> str | None:
+    """``--client-header``: a header name, lower-cased."""
+    if value is not None:
+        value = value.strip().lower()
+        if not value or not all(c.isalnum() or c in "-_" for c in value):
+            raise ValueError("must be a header name (letters, digits, '-', '_')")
+    return value
+
+
+def check_client_names(value: list[str]) -> list[str]:
+    """``--clients``: names fit for a label value."""
+    for name in value:
+        if not CLIENT_NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"client name {name[:80]!r} must be 1-64 letters, digits, '-', '_' or '.'"
+            )
+    return value
+
+
+def check_upstreams(value: list[str]) -> list[str]:
+    """``--upstream``: each a base URL (:func:`parse_upstream`), none named twice."""
+    names = set()
+    for spec in value:
+        name, url, _ = parse_upstream(spec)
+        key = name or url
+        if key in names:
+            raise ValueError(f"upstream {key!r} given twice")
+        names.add(key)
+    return value
+
+
+def check_pairs(value: list[str], bare: bool = False) -> list[str]:
+    """``name=value`` items (`bare`: a lone value is allowed too)."""
+    for item in value:
+        if bare and "=" not in item and item:
+            continue
+        if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
+            raise ValueError(f"{item!r} is not a name=value pair")
+    return value
+
+
+def check_kv_dtypes(value: list[str]) -> list[str]:
+    """``--kv-cache-dtype``: ``name=dtype`` with a KV-cache type phasewatch knows."""
+    for item in value:
+        name, _, dtype = item.partition("=")
+        if not name or kv_dtype(dtype) is None:
+            raise ValueError(
+                f"{item!r} is not name=dtype with a KV-cache type phasewatch knows "
+                f"({', '.join(KV_DTYPE_BYTES)})"
+            )
+    return value
+
+
+def check_power_gpu(value: list[str]) -> list[str]:
+    """``--power-gpu``: ``GPU=UPSTREAM`` or ``GPU=MODEL``, each GPU once."""
+    seen = set()
+    for item in value:
+        gpu, _, target = item.partition("=")
+        if not gpu.strip() or not target.strip():
+            raise ValueError(f"{item!r} is not a GPU=UPSTREAM or GPU=MODEL pair")
+        if gpu.strip() in seen:
+            raise ValueError(f"GPU {gpu.strip()!r} mapped twice")
+        seen.add(gpu.strip())
+    return value
+
+
+def check_http_url(value: str | None) -> str | None:
+    """An http(s) URL with a host (``--power-dcgm-url``)."""
+    if value is not None:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL")
+    return value

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import (
     Field,
@@ -21,16 +20,22 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ..core.upstreams import UpstreamSpec
 from ..engines import engine_names
-from ..measure.kvcache import KV_DTYPE_BYTES, kv_dtype
 from . import views
 from .checks import (
-    CLIENT_NAME_RE,
     ENV_ALIASES,
     ENV_PREFIX,
     access_near_misses,
+    check_api_keys,
+    check_client_names,
+    check_header_name,
+    check_http_url,
+    check_kv_dtypes,
+    check_pairs,
+    check_power_gpu,
     check_precision,
+    check_upstream_keys,
+    check_upstreams,
     named_keys,
-    parse_upstream,
     split_list,
     split_named_key,
     unknown_variables,
@@ -430,38 +435,17 @@ class Settings(BaseSettings):
     @field_validator("upstream_key")
     @classmethod
     def _check_upstream_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
-        for item in value:
-            name, _, key = item.get_secret_value().partition("=")
-            if not name or not key:
-                raise ValueError("each upstream key must be name=KEY (value not shown)")
-        return value
+        return check_upstream_keys(value)
 
     @field_validator("api_key")
     @classmethod
     def _check_api_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
-        names: set[str] = set()
-        for item in value:
-            if not item.get_secret_value().strip(" ,\t\r\n"):
-                raise ValueError(
-                    "an empty key would leave the proxy open: give a key, or leave the setting out"
-                )
-            name, key = split_named_key(item.get_secret_value())
-            if name is not None:
-                if name in names:
-                    raise ValueError(f"client name {name!r} given to two keys")
-                names.add(name)
-            if not key:
-                raise ValueError("an API key must not be empty (value not shown)")
-        return value
+        return check_api_keys(value)
 
     @field_validator("client_header")
     @classmethod
     def _check_client_header(cls, value: str | None) -> str | None:
-        if value is not None:
-            value = value.strip().lower()
-            if not value or not all(c.isalnum() or c in "-_" for c in value):
-                raise ValueError("must be a header name (letters, digits, '-', '_')")
-        return value
+        return check_header_name(value)
 
     @field_validator("clients", mode="before")
     @classmethod
@@ -473,12 +457,7 @@ class Settings(BaseSettings):
     @field_validator("clients")
     @classmethod
     def _check_clients(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not CLIENT_NAME_RE.fullmatch(name):
-                raise ValueError(
-                    f"client name {name[:80]!r} must be 1-64 letters, digits, '-', '_' or '.'"
-                )
-        return value
+        return check_client_names(value)
 
     @field_validator(
         "upstream",
@@ -500,24 +479,13 @@ class Settings(BaseSettings):
     @field_validator("upstream")
     @classmethod
     def _check_upstreams(cls, value: list[str]) -> list[str]:
-        names = set()
-        for spec in value:
-            name, url, _ = parse_upstream(spec)
-            key = name or url
-            if key in names:
-                raise ValueError(f"upstream {key!r} given twice")
-            names.add(key)
-        return value
+        return check_upstreams(value)
 
     @field_validator("precision", "engine")
     @classmethod
     def _check_pairs(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        for item in value:
-            if info.field_name == "engine" and "=" not in item and item:
-                continue  # a bare engine: for the one upstream (checked in _parse)
-            if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1]:
-                raise ValueError(f"{item!r} is not a name=value pair")
-        return value
+        # a bare engine is for the one upstream (checked in _parse)
+        return check_pairs(value, bare=info.field_name == "engine")
 
     @field_validator("precision")
     @classmethod
@@ -529,14 +497,7 @@ class Settings(BaseSettings):
     @field_validator("kv_cache_dtype")
     @classmethod
     def _check_kv_dtypes(cls, value: list[str]) -> list[str]:
-        for item in value:
-            name, _, dtype = item.partition("=")
-            if not name or kv_dtype(dtype) is None:
-                raise ValueError(
-                    f"{item!r} is not name=dtype with a KV-cache type phasewatch knows "
-                    f"({', '.join(KV_DTYPE_BYTES)})"
-                )
-        return value
+        return check_kv_dtypes(value)
 
     @field_validator("power_gpu", mode="before")
     @classmethod
@@ -546,24 +507,12 @@ class Settings(BaseSettings):
     @field_validator("power_gpu")
     @classmethod
     def _check_power_gpu(cls, value: list[str]) -> list[str]:
-        seen = set()
-        for item in value:
-            gpu, _, target = item.partition("=")
-            if not gpu.strip() or not target.strip():
-                raise ValueError(f"{item!r} is not a GPU=UPSTREAM or GPU=MODEL pair")
-            if gpu.strip() in seen:
-                raise ValueError(f"GPU {gpu.strip()!r} mapped twice")
-            seen.add(gpu.strip())
-        return value
+        return check_power_gpu(value)
 
     @field_validator("power_dcgm_url")
     @classmethod
     def _check_dcgm_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            parts = urlsplit(value)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"{value!r} is not an http(s) URL")
-        return value
+        return check_http_url(value)
 
     # --- the typed views, parsed once -----------------------------------------------------
 
