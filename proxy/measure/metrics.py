@@ -13,11 +13,8 @@ loop never touches a lock in here. Their bucket bounds are in :mod:`proxy.measur
 from __future__ import annotations
 
 import bisect
-import math
 import os
-import threading
 import time
-from collections.abc import Iterator
 from typing import TypeVar
 
 from prometheus_client import (
@@ -30,10 +27,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.core import (
-    CounterMetricFamily,
     Exemplar,
-    HistogramMetricFamily,
-    Metric,
 )
 from prometheus_client.gc_collector import GCCollector
 
@@ -47,6 +41,7 @@ from .buckets import (
     TPOT_BUCKETS,
     WATT_BUCKETS,
 )
+from .engine_series import EngineSeries
 from .labels import LabelBound
 
 # One `_created` series per counter and histogram child doubles the exposition for
@@ -411,7 +406,7 @@ class Metrics:
         #: Bounds every label value taken from the wire.
         self.labels = LabelBound(self.label_values_folded_total)
         #: The engines' own counters and histograms, re-exported as they were scraped.
-        self.engine_series = EngineSeries()
+        self.engine_series = EngineSeries(PREFIX, BASE, ENGINE_COUNTERS, ENGINE_HISTOGRAMS)
         self.exposition.register(self.engine_series)
         self.engine_scrape_up = Gauge(
             PREFIX + "engine_scrape_up",
@@ -500,84 +495,6 @@ ENGINE_HISTOGRAMS = {
         "engine-side part of TTFT.",
     ),
 }
-
-
-class EngineSeries:
-    """A collector re-exporting the counters and histograms an engine exports about
-    itself, with phasewatch's labels, exactly as last scraped (buckets, sums and counts
-    untouched; a restarted engine's counters start again from zero, which rate() reads as
-    a reset). Another process's histogram cannot go through a prometheus-client
-    Histogram, which only observes values; this serves the scraped numbers as they are.
-
-    Under ``--workers N`` the primary scrapes and the others load its snapshot
-    (:meth:`snapshot` / :meth:`load`)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        #: (upstream, model, precision) -> {"counters": {key: v}, "histograms": {key: h}}
-        #: with h = [[le, cumulative], ...], sum, count
-        self._series: dict[tuple[str, str, str], dict] = {}
-
-    def set(
-        self,
-        upstream: str,
-        series: dict[tuple[str, str], tuple[dict[str, float], dict[str, tuple]]],
-    ) -> None:
-        """Replace one upstream's series: {(model, precision): (counters, histograms)}."""
-        with self._lock:
-            for key in [k for k in self._series if k[0] == upstream]:
-                del self._series[key]
-            for (model, precision), (counters, hists) in series.items():
-                self._series[(upstream, model, precision)] = {
-                    "counters": {k: v for k, v in counters.items() if k in ENGINE_COUNTERS},
-                    "histograms": {k: v for k, v in hists.items() if k in ENGINE_HISTOGRAMS},
-                }
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"series": [[list(k), v] for k, v in self._series.items()]}
-
-    def load(self, doc: dict) -> None:
-        items = doc.get("series") if isinstance(doc, dict) else None
-        if not isinstance(items, list):
-            return
-        with self._lock:
-            self._series = {
-                tuple(k): v
-                for k, v in items
-                if isinstance(k, list) and len(k) == 3 and isinstance(v, dict)
-            }
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            series = list(self._series.items())
-        labels = list(BASE)
-        for key, (name, doc) in ENGINE_COUNTERS.items():
-            fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            for base, v in series:
-                if key in v["counters"]:
-                    fam.add_metric(list(base), v["counters"][key])
-            yield fam
-        for key, (name, doc) in ENGINE_HISTOGRAMS.items():
-            hfam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
-            for base, v in series:
-                h = v["histograms"].get(key)
-                if h is None:
-                    continue
-                buckets, total, _count = h
-                hfam.add_metric(
-                    list(base),
-                    [(_le(le), c) for le, c in buckets],
-                    sum_value=total,
-                )
-            yield hfam
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
 def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:

@@ -6,7 +6,7 @@ waiting requests, KV-cache use and size, loaded models) is read by its engine mo
 (:meth:`proxy.engines.base.Dialect.read_state`). Gauges go to the phasewatch_engine_*
 gauges; the engine's own counters and histograms (vLLM's preemptions, its TTFT and
 end-to-end histograms) are re-exported as scraped by
-:class:`proxy.measure.metrics.EngineSeries`; the element type the engine keeps a model's
+:class:`proxy.measure.engine_series.EngineSeries`; the element type the engine keeps a model's
 KV cache in goes to the upstream (its KV bytes per token). A scrape that fails leaves
 everything as it was and sets ``phasewatch_engine_scrape_up`` to 0; series of models that
 went away are removed.
