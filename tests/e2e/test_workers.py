@@ -20,9 +20,21 @@ N = 24
 def stack():
     sim = start_sim("vllm", speed=4.0, deterministic=False, max_num_seqs=64)
     proxy = start_proxy(f"sim={sim.url}", args=["--workers", "2"])
+    # the first health answer comes from whichever worker is up first: wait for both, or
+    # the first requests may all reach the one that is
+    wait_for(lambda: len(_started(proxy.log())) == 2 or None, what="both workers' start-up")
     yield sim, proxy
     proxy.stop()
     sim.stop()
+
+
+def _started(log: str) -> set[str]:
+    """The workers whose application start-up is complete, by the proxy's log."""
+    return {
+        line.split("worker=", 1)[1].split(" ", 1)[0]
+        for line in log.splitlines()
+        if "Application startup complete" in line and "worker=" in line
+    }
 
 
 def _stream(url: str, model: str) -> int:
