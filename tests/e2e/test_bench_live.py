@@ -71,7 +71,10 @@ def test_power_by_phase_through_phasewatch(powered):
     assert all(not m["other_traffic"] for m in r["models"]), r["warnings"]
     for prec, m in by.items():
         pw, profile = m["power"], PROFILES[prec]
-        print(f"\n{prec}: decode {pw['decode_watts']:.1f} W (physics {profile.decode_watts:g})")
+        print(
+            f"\n{prec}: decode {pw['decode_watts']:.1f} W (physics {profile.decode_watts:g}), "
+            f"prefill {pw['prefill_watts']:.1f} W (physics {profile.prefill_watts:g})"
+        )
         assert pw["idle_watts"] == pytest.approx(RTX_4090.idle_watts, abs=0.5)
         assert pw["decode_watts"] == pytest.approx(profile.decode_watts, rel=0.05), prec
         assert pw["decode_watts_stats"]["n"] == 3

@@ -30,6 +30,7 @@ from proxy.services.power import (
     Reading,
     integrate,
     parse_dcgm,
+    phase_integral,
 )
 from proxy.settings import Settings
 
@@ -341,6 +342,32 @@ def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
     assert value(
         metrics, "phasewatch_gpu_power_watts_sum", phase="decode", **hist
     ) == pytest.approx(300.0, rel=0.01)
+
+
+def test_phase_integral_holds_the_inside_samples_to_the_ends():
+    ts, ys = [9.95, 10.05, 10.15, 10.35], [50.0, 400.0, 400.0, 300.0]
+    assert phase_integral(ts, ys, 10.0, 10.25) == pytest.approx(400.0 * 0.25)
+    # what the line through the outside samples would say: the idle draw mixed in
+    assert integrate(ts, ys, 10.0, 10.25) / 0.25 == pytest.approx(372.5)
+    assert phase_integral(ts, ys, 10.2, 10.3) == 0.0  # no sample inside: no measurement
+
+
+def test_a_short_prefill_reads_the_prefill_draw_not_the_idle_before_it(monkeypatch):
+    """A 0.25 s prefill sampled every 0.1 s after an idle GPU: two samples inside, the
+    idle one just before it. The mean is the prefill's draw, not a blend with idle."""
+    up = fake_upstream()
+    sc = Scenario(up, [(10.0, 10.25, 12.0, True)])
+    tr = Trace(sc.power)
+    sampler, _, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
+    tr.now = 0.05
+    sc.advance(tr.now)
+    sampler.tick()
+    run_ticks(sampler, [tr], 13.0, step=lambda rng: 0.1, each=sc.advance)
+    got = sampler.request_power(sc.exchanges[0], 50)
+    assert got["prefill"] == pytest.approx(Scenario.PREFILL, rel=0.001)
+    assert got["decode"] == pytest.approx(Scenario.DECODE, rel=0.001)
+    # the request's energy still follows the trace across its whole life
+    assert got["energy"] == pytest.approx(tr.energy(10.0, 12.0), rel=0.02)
 
 
 def test_a_sample_taken_across_a_state_change_is_in_no_state(monkeypatch):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...measure.metrics import Metrics
-from .energy import RING_SECONDS, EnergyMeter, Ring, integrate
+from .energy import RING_SECONDS, EnergyMeter, Ring, integrate, phase_integral
 from .sampler import GpuMap, Owner, PowerSampler, classify, request_power
 from .shared import SharedInFlight, SharedRings
 from .sources import (
@@ -187,4 +187,5 @@ __all__ = [
     "classify",
     "integrate",
     "parse_dcgm",
+    "phase_integral",
 ]

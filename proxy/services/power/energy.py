@@ -77,6 +77,16 @@ def integrate(ts: list[float], ys: list[float], a: float, b: float) -> float:
     return total + (py + at(b)) / 2.0 * (b - pt)
 
 
+def phase_integral(ts: list[float], ys: list[float], a: float, b: float) -> float:
+    """Integral over [a, b] of the samples inside it only, the first and last held to the
+    ends. A phase starts and ends at a known moment (the request's marks); a sample beyond
+    an end reads the GPU's state before or after it (idle before a prefill), and a line
+    drawn to it would mix that state into the phase's mean: 9 % low on a 0.2 s prefill
+    sampled every 50 ms."""
+    lo, hi = bisect.bisect_left(ts, a), bisect.bisect_right(ts, b)
+    return integrate(ts[lo:hi], ys[lo:hi], a, b)
+
+
 class Ring:
     """Recent samples of one GPU: time, watts, requests in flight. Appended by the sampler
     thread, read by the recorder's listener on the event loop (short critical sections)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...measure.metrics import Metrics
-from .energy import EnergyMeter, Ring, integrate
+from .energy import EnergyMeter, Ring, integrate, phase_integral
 from .sources import PowerUnavailable, Source
 
 log = logging.getLogger(__name__)
@@ -374,8 +374,9 @@ class PowerSampler:
 
 
 def request_power(rings: RingStore, gpus: GpuMap, ex: Any, completion_tokens: int | None) -> dict:
-    """Mean watts over the request's prefill and decode windows (its GPUs summed) and its
-    share of their energy (split evenly among the requests in flight on them)."""
+    """Mean watts over the request's prefill and decode windows (its GPUs summed; each from
+    the samples inside the window) and its share of their energy (split evenly among the
+    requests in flight on them)."""
     mine = [ring for gpu, ring in list(rings.items()) if gpus.serves(gpu, ex)]
     mk = ex.marks
     if not mine or mk.t_sent is None:
@@ -387,7 +388,7 @@ def request_power(rings: RingStore, gpus: GpuMap, ex: Any, completion_tokens: in
         total, inside = 0.0, 0
         for ring in mine:
             ts, ws, _, k = ring.window(a, b)
-            total += integrate(ts, ws, a, b)
+            total += phase_integral(ts, ws, a, b)
             inside = max(inside, k)
         if inside:  # a window between two samples has no measurement of its own
             out[phase] = total / (b - a)
