@@ -1,6 +1,7 @@
 """What phasewatch borrows from uvicorn, and why, in one place.
 
-phasewatch's connection guards (:mod:`proxy.runtime.protocol`) sit inside uvicorn's
+phasewatch's connection guards (:mod:`proxy.runtime.protocol`, and how its connections
+end: :mod:`proxy.runtime.ending`) sit inside uvicorn's
 connection handling, which has no public extension point, so that module subclasses
 ``HttpToolsProtocol`` and uses
 what :data:`BORROWED` lists: its parser callbacks and ``data_received`` pieces (the
