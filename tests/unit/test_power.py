@@ -306,15 +306,22 @@ class Scenario:
                 ex.marks.t_end = last
 
 
-def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
-    up = fake_upstream()
-    sc = Scenario(up, [(10.0, 12.0, 20.0, True)])
+def run_scenario(monkeypatch, upstream, spans, until: float):
+    """`spans` on one GPU sampled every 0.1 s at x.x5 (the steps fall between samples, as
+    they would) until `until`: the scenario, its trace, the sampler and its metrics."""
+    sc = Scenario(upstream, spans)
     tr = Trace(sc.power)
-    sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
-    tr.now = 0.05  # ticks at x.x5: the steps fall between samples, as they would
+    sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[upstream])
+    tr.now = 0.05
     sc.advance(tr.now)
     sampler.tick()
-    run_ticks(sampler, [tr], 30.0, step=lambda rng: 0.1, each=sc.advance)  # to 29.95
+    run_ticks(sampler, [tr], until, step=lambda rng: 0.1, each=sc.advance)
+    return sc, tr, sampler, metrics
+
+
+def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
+    up = fake_upstream()
+    sc, tr, sampler, metrics = run_scenario(monkeypatch, up, [(10.0, 12.0, 20.0, True)], 30.0)
 
     counts = {
         s: total(metrics, "phasewatch_gpu_power_sample_watts_count", state=s)
@@ -356,13 +363,7 @@ def test_a_short_prefill_reads_the_prefill_draw_not_the_idle_before_it(monkeypat
     """A 0.25 s prefill sampled every 0.1 s after an idle GPU: two samples inside, the
     idle one just before it. The mean is the prefill's draw, not a blend with idle."""
     up = fake_upstream()
-    sc = Scenario(up, [(10.0, 10.25, 12.0, True)])
-    tr = Trace(sc.power)
-    sampler, _, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
-    tr.now = 0.05
-    sc.advance(tr.now)
-    sampler.tick()
-    run_ticks(sampler, [tr], 13.0, step=lambda rng: 0.1, each=sc.advance)
+    sc, tr, sampler, _ = run_scenario(monkeypatch, up, [(10.0, 10.25, 12.0, True)], 13.0)
     got = sampler.request_power(sc.exchanges[0], 50)
     assert got["prefill"] == pytest.approx(Scenario.PREFILL, rel=0.001)
     assert got["decode"] == pytest.approx(Scenario.DECODE, rel=0.001)
@@ -415,13 +416,7 @@ def test_energy_is_shared_among_requests_in_flight(monkeypatch):
         (30.0, 30.0, 40.0, False),
         (50.0, 50.01, 50.05, True),
     ]
-    sc = Scenario(up, spans)
-    tr = Trace(sc.power)
-    sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
-    tr.now = 0.05
-    sc.advance(tr.now)
-    sampler.tick()
-    run_ticks(sampler, [tr], 60.0, step=lambda rng: 0.1, each=sc.advance)
+    sc, tr, sampler, metrics = run_scenario(monkeypatch, up, spans, 60.0)
     a, b, c, d = (sampler.request_power(ex, 10) for ex in sc.exchanges)
     # A alone for 5 s, then A and B split 5 s of power.
     alone, shared = tr.energy(10.0, 15.0), tr.energy(15.0, 20.0)
