@@ -6,6 +6,8 @@ One run, one machine, rounds interleaved so every contender sees the same noise:
 - direct:   the client talks to the upstream itself;
 - nginx:    nginx in front of it (proxy_buffering off, HTTP/1.1 keep-alive upstream);
 - plain:    tests/bench/plain_passthrough.py, FastAPI + httpx with no instrumentation;
+- bytes:    tests/bench/byte_relay.py (--byte-relay), a bare uvloop byte relay: no HTTP
+            parsed, nothing measured, the floor of a Python proxy on this loop;
 - pw:CLIENT: ``phasewatch serve --upstream-client CLIENT`` for every client phasewatch
             ships (--clients), the default first; ``pw:CLIENT×N`` with --workers N;
 - REV[:CLIENT]: phasewatch as it was at git revision REV (--baseline, repeatable), run
@@ -197,6 +199,12 @@ def start_plain(upstream: str) -> Proc:
     return spawn(
         "plain", [PY, str(HERE / "plain_passthrough.py"), str(port), upstream], port, "/health"
     )
+
+
+def start_byte_relay(upstream: str) -> Proc:
+    port = free_port()
+    host_port = upstream.removeprefix("http://")
+    return spawn("bytes", [PY, str(HERE / "byte_relay.py"), str(port), host_port], port, "/health")
 
 
 def start_phasewatch(
@@ -767,6 +775,8 @@ async def bench(args) -> int:
             print("(nginx not found: its column is left out)")
         if args.plain:
             procs.append(start_plain(up.url))
+        if args.byte_relay:
+            procs.append(start_byte_relay(up.url))
         for client in args.clients:
             for w in args.workers:
                 procs.append(start_phasewatch(up.url, w, client))
@@ -783,6 +793,8 @@ async def bench(args) -> int:
         names = [t.name for t in targets]
         pw = f"pw:{args.clients[0]}"
         ratios = [(pw, "nginx")] if any(t.name == "nginx" for t in procs) else []
+        if args.byte_relay:
+            ratios.append((pw, "bytes"))
         ratios += [(f"pw:{c}", pw) for c in args.clients[1:] + args.candidates]
         ratios += [(pw, b) for b in baselines]
         if len(baselines) > 1:
@@ -1044,6 +1056,12 @@ def main(argv: list[str] | None = None) -> int:
         dest="plain",
         action="store_false",
         help="leave out the plain FastAPI+httpx passthrough (slow under paced load)",
+    )
+    p.add_argument(
+        "--byte-relay",
+        action="store_true",
+        help="also run a bare uvloop byte relay (tests/bench/byte_relay.py): the floor of "
+        "a Python proxy on this loop, beside which phasewatch's own work is read",
     )
     p.add_argument("--ttft-requests", type=int, default=100)
     p.add_argument("--concurrency", type=_ints, default=[64, 256], help="(b) levels; '' skips (b)")

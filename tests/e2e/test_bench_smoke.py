@@ -12,7 +12,14 @@ from ..support.servers import ROOT
 
 def test_relay_benchmark_smoke():
     res = subprocess.run(
-        [sys.executable, "tests/bench/relay_bench.py", "--smoke", "--workers", "1,2"],
+        [
+            sys.executable,
+            "tests/bench/relay_bench.py",
+            "--smoke",
+            "--workers",
+            "1,2",
+            "--byte-relay",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -21,9 +28,11 @@ def test_relay_benchmark_smoke():
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     head = next(line for line in out.splitlines() if line.strip().startswith("metric"))
-    # the shipped client (also with 2 workers) beside the library candidates
-    for name in ("direct", "plain", "pw:lean", "pw:lean×2", "pw:aiohttp", "pw:httpx"):
+    # the shipped client (also with 2 workers) beside the library candidates and the
+    # byte relay (the floor of a Python proxy), whose ratio column is printed
+    for name in ("direct", "plain", "bytes", "pw:lean", "pw:lean×2", "pw:aiohttp", "pw:httpx"):
         assert name in head, head
+    assert "pw:lean/bytes" in head, head
     for row in (
         "(a) added TTFT p50 ms",
         "(b) c8 events/s",
