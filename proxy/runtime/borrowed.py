@@ -5,7 +5,10 @@ end: :mod:`proxy.runtime.ending`) sit inside uvicorn's
 connection handling, which has no public extension point, so that module subclasses
 ``HttpToolsProtocol`` and uses
 what :data:`BORROWED` lists: its parser callbacks and ``data_received`` pieces (the
-parser, ``_unset_keepalive_if_required``, ``send_400_response``), its per-connection state
+parser, ``_unset_keepalive_if_required``, ``send_400_response``; and, to keep one
+keep-alive timer a connection rather than one an answer, ``on_response_complete``'s steps:
+``_start_asgi_task``, ``timeout_keep_alive``, ``timeout_keep_alive_task``,
+``timeout_keep_alive_handler``, ``server_state``), its per-connection state
 (``cycle``: the last parsed request; ``pipeline``: the queued ones; ``flow``: read
 pausing), the upgrade hooks it is told not to follow (``_should_upgrade``,
 ``_unsupported_upgrade_warning``), and a cycle's state (``keep_alive``, ``more_body``,
@@ -40,6 +43,8 @@ BORROWED: dict[str, tuple[str, ...]] = {
         "_should_upgrade",
         "_unsupported_upgrade_warning",
         "_unset_keepalive_if_required",
+        "_start_asgi_task",
+        "timeout_keep_alive_handler",
     ),
     "protocol state": (
         "parser",
@@ -53,6 +58,8 @@ BORROWED: dict[str, tuple[str, ...]] = {
         "loop",
         "logger",
         "server_state",
+        "timeout_keep_alive",
+        "timeout_keep_alive_task",
     ),
     "RequestResponseCycle": (
         "keep_alive",

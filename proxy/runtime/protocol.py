@@ -136,6 +136,8 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.real: asyncio.Transport | None = None
         self.in_head = True  # the next bytes belong to a request head
+        self.head_open = False  # a head's first bytes are parsed, not yet its end
+        self.idle_since: float | None = None  # kept alive with no request since then
         self.head_bytes = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.lingering = False  # answered and closing: what arrives is dropped
@@ -160,10 +162,16 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self.head_timer, self.linger_timer, self.peer_timer):
+        for timer in (
+            self.head_timer,
+            self.linger_timer,
+            self.peer_timer,
+            self.timeout_keep_alive_task,
+        ):
             if timer is not None:
                 timer.cancel()
         self.head_timer = self.linger_timer = self.peer_timer = None
+        self.timeout_keep_alive_task = None
         running = self.running
         if running is not None and running is not self.cycle and not running.response_complete:
             # uvicorn tells only the last parsed cycle; the one being answered is told too
@@ -185,9 +193,8 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             # keeps within the same bound
             self._hold(self.held + data)
             return
-        if self.in_head and self.head_timer is None:
-            self._arm_head_timer()
         self._feed(data)
+        self._watch_head()
 
     def pause_writing(self) -> None:
         """The client reads slower than its answer comes (its buffers are full): one
@@ -288,6 +295,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     def _resume_held(self) -> None:
         held, self.held = self.held, b""
         self._feed(held)
+        self._watch_head()
         if not self.held and not self.stopped and not self.flow.read_paused:
             assert self.real is not None
             self.real.resume_reading()
@@ -295,6 +303,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     # --- parser callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.head_open = True
         if not self.raw:
             self.head_bytes = 0  # a head that began inside a slice: counted field by field
         self.in_trailers = False
@@ -324,7 +333,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             raise _Refused
 
     def on_headers_complete(self) -> None:
-        self.in_head = False
+        self.in_head = self.head_open = False
         self.raw = False
         self.head_bytes = 0
         if self.head_timer is not None:
@@ -373,7 +382,17 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
 
     def on_response_complete(self) -> None:
         following = self.pipeline[-1][0] if self.pipeline else None
-        super().on_response_complete()
+        # uvicorn's, with the keep-alive deadline of _keep_alive instead of a timer made
+        # at every answer's end and cancelled by the next request's first read
+        self.server_state.total_requests += 1
+        if not self.transport.is_closing():
+            self.idle_since = None
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._keep_alive()
         if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
             self.running = following  # uvicorn started the next queued request
             if self.handoff:
@@ -420,6 +439,45 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         """Bytes after an upgrade request are dropped, without a log line for each."""
 
     # --- the guards ---------------------------------------------------------------------
+
+    def _keep_alive(self) -> None:
+        """The connection is idle from now: closed once it has been for
+        ``timeout_keep_alive``. One timer serves many answers: where one is pending (it
+        fires no later than this deadline), :meth:`_keep_alive_due` looks again then."""
+        self.idle_since = now = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_at(
+                now + self.timeout_keep_alive, self._keep_alive_due
+            )
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        since = self.idle_since
+        if since is None:
+            return  # busy since: the answer's end starts the deadline again
+        due = since + self.timeout_keep_alive
+        if self.loop.time() < due:
+            self.timeout_keep_alive_task = self.loop.call_at(due, self._keep_alive_due)
+            return
+        self.timeout_keep_alive_handler()
+
+    def _unset_keepalive_if_required(self) -> None:
+        """Bytes came (uvicorn calls this on every read): the connection is not idle; the
+        pending keep-alive timer, if any, finds that when it fires."""
+        self.idle_since = None
+
+    def _watch_head(self) -> None:
+        """After a read is parsed: the header deadline starts when bytes of a head wait
+        (a head begun and not complete, or bytes held unparsed). Why not on every read: a
+        head nearly always comes whole in one read, and a deadline armed before it is
+        parsed would only be cancelled by it (a timer made and dropped per request)."""
+        if (
+            self.head_timer is None
+            and self.in_head
+            and (self.head_open or self.held)
+            and not (self.lingering or self.stopped)
+        ):
+            self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
         self.head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
