@@ -52,6 +52,12 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.write_paused = False
+        #: The read deadline's timer and when it fires. It outlives a request: the next
+        #: one on this connection takes it over where it fires no later than that
+        #: request's own deadline (see :meth:`_on_timer`), so a kept-alive connection
+        #: makes a timer a read-timeout period, not one a request.
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -72,7 +78,6 @@ class Connection(asyncio.Protocol):
         self.paused = False
         self.last = 0.0
         self.timeout: float | None = None
-        self.timer: asyncio.TimerHandle | None = None
         #: A request was sent and its answer is awaited or being read.
         self.asked = False
         self.method = ""
@@ -151,6 +156,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self._stop_timer()
         self.pool.on_closed()
         if not self.asked or self.complete:
             return
@@ -272,8 +278,8 @@ class Connection(asyncio.Protocol):
 
     def _on_timer(self) -> None:
         self.timer = None
-        if self.complete or self.error is not None or self.timeout is None:
-            return
+        if not self.asked or self.complete or self.error is not None or self.timeout is None:
+            return  # no answer awaited (the request that armed it is over): dropped
         due = self.last + self.timeout
         now = self.loop.time()
         if self.waiter is not None and now >= due:
@@ -283,7 +289,16 @@ class Connection(asyncio.Protocol):
                 )
             )
         else:  # data came since, or the client is slow to take it: look again later
-            self.timer = self.loop.call_at(due if due > now else now + self.timeout, self._on_timer)
+            self._arm(due if due > now else now + self.timeout)
+
+    def _arm(self, when: float) -> None:
+        self.timer_at = when
+        self.timer = self.loop.call_at(when, self._on_timer)
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     @property
     def request(self) -> httpx.Request:
@@ -306,9 +321,12 @@ class Connection(asyncio.Protocol):
         self.method, self.url, self._request = method, url, request
         self.head = method == "HEAD"
         self.timeout = read_timeout
-        self.last = self.loop.time()
-        if read_timeout is not None:
-            self.timer = self.loop.call_at(self.last + read_timeout, self._on_timer)
+        self.last = now = self.loop.time()
+        if read_timeout is None:
+            self._stop_timer()
+        elif self.timer is None or self.timer_at > now + read_timeout:
+            self._stop_timer()
+            self._arm(now + read_timeout)
 
     async def wait(self) -> None:
         """Until something new arrived (data, the end, an error, room to write)."""
@@ -355,10 +373,7 @@ class Connection(asyncio.Protocol):
         return self.complete and not self.chunks and self.error is None
 
     def finish(self) -> None:
-        self.sink = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.sink = None  # (the read timer stays for the next request: see __init__)
         self.asked = False
         self._request = None
 

@@ -452,6 +452,30 @@ async def test_read_timeout_mid_body(kind):
             await t.aclose()
 
 
+async def test_read_timeout_on_a_reused_connection_keeps_its_own_deadline(kind):
+    """A kept-alive connection's second request times out at its own (shorter) read
+    deadline, not at the first request's (the lean transport keeps one read timer a
+    connection across requests)."""
+
+    def answer(req: Request) -> Reply:
+        if req.target == "/ok":
+            return Reply(response(200, b"ok"))
+        return Reply(then="hang")
+
+    with FakeEngine(answer) as engine:
+        t = transport(kind)
+        try:
+            resp, data = await fetch(t, "POST", engine.url + "/ok", b"{}", read_timeout=60)
+            assert data == b"ok"
+            with pytest.raises(httpx.ReadTimeout):
+                await asyncio.wait_for(
+                    fetch(t, "POST", engine.url + "/x", b"{}", read_timeout=0.3), 20
+                )
+            assert engine.connections == 1  # the second request went on the first's
+        finally:
+            await t.aclose()
+
+
 async def test_write_timeout(request, kind):
     """An engine that accepts and never reads: a large body blocks, then times out."""
     gap(request, kind, "write_timeout")
