@@ -17,9 +17,10 @@ Scenarios: (a) concurrency 1, 64-token streams: TTFT, added vs direct at p50/p99
 (b) concurrency 64 and 256, 256-token streams with no inter-token delay: events/s and the
 proxy's CPU per 1,000 events (utime+stime from /proc, every process of the proxy);
 (c) 256 and 32 streams paced at 50 tok/s: client-seen decode rate, p99 inter-event gap,
-CPU per event, context switches per event; (d) peak RSS (VmHWM) of the proxy's largest
-process; (e) 2-token streams over 8 connections: CPU per request, the part of (c)'s cost
-that is the request's own rather than its events'. Medians over --rounds.
+CPU per event, context switches per event and how many of them were preemptions; (d) peak
+RSS (VmHWM) of the proxy's largest process; (e) 2-token streams over 8 connections: CPU
+per request, the part of (c)'s cost that is the request's own rather than its events'.
+Medians over --rounds.
 The client is a raw asyncio protocol (uvloop when installed) counting events on bytes.
 It asserts nothing: a benchmark, not a test.
 
@@ -99,18 +100,28 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICK
 
 
-def context_switches(pids: list[int]) -> int:
-    """Times the processes stopped running (slept, or were preempted), summed: on a paced
-    stream, about one wake-up per event for a proxy that handles each alone."""
-    total = 0
+def context_switches(pids: list[int]) -> tuple[int, int]:
+    """Times the processes' threads stopped running, summed: (voluntary, involuntary).
+    Voluntary: a thread slept (on a paced stream, about one wake-up per event for a proxy
+    that handles each alone). Involuntary: it was preempted with work left, here mostly
+    by the client its own write has just woken on its CPU."""
+    vol = invol = 0
     for pid in pids:
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
-                    total += int(line.split()[1])
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
-    return total
+        for tid in tids:
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue  # the thread ended
+            for line in status.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    vol += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    invol += int(line.split()[1])
+    return vol, invol
 
 
 def peak_rss_mib(pids: list[int]) -> float:
@@ -583,11 +594,12 @@ async def scenario_load(
     """(b)/(c)/(e): one contender under load; CPU and context switches from /proc of
     all its processes."""
     pids = t.pids()
-    cpu0, cs0 = cpu_seconds(pids), context_switches(pids)
+    cpu0, (vol0, invol0) = cpu_seconds(pids), context_switches(pids)
     streams, wall = await run_load(
         t.url, concurrency, per_conn, tokens, interval, interval > 0, spread, shards=shards
     )
-    cpu, cs = cpu_seconds(pids) - cpu0, context_switches(pids) - cs0
+    vol, invol = context_switches(pids)
+    cpu, vol, invol = cpu_seconds(pids) - cpu0, vol - vol0, invol - invol0
     events = sum(s.events for s in streams)
     res = {
         "events": events,
@@ -595,7 +607,8 @@ async def scenario_load(
         "eps": events / wall,
         "us_per_event": cpu * 1e6 / events if pids else float("nan"),
         "us_per_stream": cpu * 1e6 / len(streams) if pids and streams else float("nan"),
-        "cs_per_event": cs / events if pids else float("nan"),
+        "cs_per_event": (vol + invol) / events if pids else float("nan"),
+        "preempted_per_event": invol / events if pids else float("nan"),
         "bad": sum(not s.ok for s in streams),
     }
     if interval > 0:
@@ -939,6 +952,17 @@ async def bench(args) -> int:
                 (
                     f"(c) p{n_paced} context switches/event",
                     {n: med([r["cs_per_event"] for r in loads[(p, n)]]) for n in names if n != d},
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    f"(c) p{n_paced} preemptions/event",
+                    {
+                        n: med([r["preempted_per_event"] for r in loads[(p, n)]])
+                        for n in names
+                        if n != d
+                    },
                     "",
                 )
             )

@@ -41,6 +41,7 @@ def test_relay_benchmark_smoke():
         "(c) p8 decode tok/s mean",
         "(c) p8 gap p99 ms",
         "(c) p8 context switches/event",
+        "(c) p8 preemptions/event",
         "(e) c8 CPU µs/request, 2-token streams",
         "(d) peak RSS MiB/proc",
     ):
