@@ -682,6 +682,28 @@ def print_table(
             print("  " + "  ".join("-" * w for w in widths))
 
 
+def print_rounds(
+    loads: dict[tuple[str, str], list[dict]],
+    scenarios: list[tuple[str, str]],
+    ratios: list[tuple[str, str]],
+) -> None:
+    """Each round's own ratio of CPU per event, for each (numerator, denominator) pair:
+    within a round the contenders run back to back, so a round's ratio is a paired
+    measurement, and its spread over the rounds says how far the median can be trusted
+    on a machine whose speed drifts between runs. `scenarios`: (load key, row label)."""
+    for a, b in ratios:
+        lines = []
+        for key, label in scenarios:
+            num, den = loads.get((key, a)), loads.get((key, b))
+            if not num or not den:
+                continue
+            per = [ratio(x["us_per_event"], y["us_per_event"]) for x, y in zip(num, den)]
+            lines.append(f"    {label:<24} " + " ".join(per))
+        if lines:
+            print(f"  {a}/{b}, each round's ratio (the contenders back to back):")
+            print("\n".join(lines))
+
+
 # --- what --otel costs (optional: --otel) ----------------------------------------------------
 
 
@@ -1009,6 +1031,13 @@ async def bench(args) -> int:
             "not the upstream); the direct column's events/s is the client+upstream ceiling"
         )
         print_table(names, rows, ratios, goals)
+        print()
+        print_rounds(
+            loads,
+            [(f"c{c}", f"(b) c{c} CPU µs/event") for c in args.concurrency]
+            + [(f"paced{n}", f"(c) p{n} CPU µs/event") for n in args.paced_streams],
+            [(a, b) for a, b in ratios if b != d],
+        )
         print()
         print_table(names, rows, ratios, goals, markdown=True)
         ws = [t.name for t in procs if t.name.startswith(pw)]

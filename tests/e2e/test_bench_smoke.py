@@ -46,5 +46,10 @@ def test_relay_benchmark_smoke():
         "(d) peak RSS MiB/proc",
     ):
         assert re.search(re.escape(row) + r"\s+\S", out), (row, out)
+    # each round's own ratio beside the medians (one round in the smoke run)
+    assert re.search(
+        r"pw:lean/bytes, each round's ratio.*\n\s+\(b\) c8 CPU µs/event\s+(\d+\.\d\d×|—)", out
+    ), out
+    assert re.search(r"\(c\) p8 CPU µs/event\s+(\d+\.\d\d×|—)\n", out), out
     assert "scaling c8:" in out, out
     assert "INCOMPLETE" not in out, out
