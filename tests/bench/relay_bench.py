@@ -1036,7 +1036,7 @@ async def bench(args) -> int:
             loads,
             [(f"c{c}", f"(b) c{c} CPU µs/event") for c in args.concurrency]
             + [(f"paced{n}", f"(c) p{n} CPU µs/event") for n in args.paced_streams],
-            [(a, b) for a, b in ratios if b != d],
+            ratios,
         )
         print()
         print_table(names, rows, ratios, goals, markdown=True)
