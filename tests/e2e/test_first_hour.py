@@ -2,7 +2,8 @@
 a near-miss of an access-control variable refuses to start (not an open proxy), a full
 endpoint URL as upstream is caught at start, both spellings of the TLS file flags work, a
 misspelt flag gets a suggestion and serve's own usage, a bad variable is named as the
-variable, and ``--engine vllm`` needs no name with one upstream."""
+variable, ``--engine vllm`` needs no name with one upstream, and the demo says its power is
+simulated and logs one server start (the proxy's), not the simulator's as well."""
 
 from __future__ import annotations
 
@@ -155,3 +156,32 @@ def test_the_demo_says_its_gpus_and_their_power_are_simulated():
     (line,) = [ln for ln in res.stderr.splitlines() if 'msg="demo:' in ln]
     assert "simulated vllm engine" in line and "3 simulated GPUs" in line, line
     assert "fake dcgm-exporter" in line and "simulated, not measured" in line, line
+
+
+def test_the_demo_logs_one_server_start_and_stop_the_proxys():
+    """The simulator's server shares uvicorn's logger with the proxy's; its lifecycle lines
+    would read as the proxy starting twice. Each appears once, and it is the proxy's: its
+    relaying line comes between waiting for and completing the application's start-up."""
+    from ..support.servers import free_port
+
+    res = run("demo", "--port", str(free_port()), "--rate", "0", "--duration", "2", timeout=90)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stderr.splitlines()
+    lifecycle = [
+        "Started server process",
+        "Waiting for application startup.",
+        "Application startup complete.",
+        "Shutting down",
+        "Waiting for application shutdown.",
+        "Application shutdown complete.",
+        "Finished server process",
+    ]
+    where = {}
+    for text in lifecycle:
+        found = [i for i, ln in enumerate(lines) if "logger=uvicorn.error" in ln and text in ln]
+        assert len(found) == 1, (text, res.stderr[-3000:])
+        where[text] = found[0]
+    (relaying,) = [i for i, ln in enumerate(lines) if "relaying to sim" in ln]
+    assert where["Waiting for application startup."] < relaying, res.stderr[-3000:]
+    assert relaying < where["Application startup complete."], res.stderr[-3000:]
+    assert sorted(where.values()) == [where[t] for t in lifecycle], res.stderr[-3000:]
