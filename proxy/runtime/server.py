@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import gc
 import logging
@@ -170,6 +171,36 @@ class SignalFreeServer(uvicorn.Server):
         yield
 
 
+# uvicorn logs every server's start and stop on one logger, "uvicorn.error", whose level is
+# process-wide: a second server in the process would print each lifecycle line again,
+# which reads as the proxy starting twice. What a secondary server's task (and the tasks
+# it starts, which copy its context) logs is marked by this flag.
+_in_secondary = contextvars.ContextVar("phasewatch_in_secondary_server", default=False)
+
+
+class _QuietSecondary(logging.Filter):
+    """Drops a secondary server's info lines; its warnings and errors still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not _in_secondary.get()
+
+
+_quiet_secondary = _QuietSecondary()
+
+
+class SecondaryServer(SignalFreeServer):
+    """A server beside the main one (the metrics address, the demo's simulator): signals
+    and the start and stop lines are the main server's."""
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        logging.getLogger("uvicorn.error").addFilter(_quiet_secondary)  # once: a no-op after
+        mark = _in_secondary.set(True)
+        try:
+            await super().serve(sockets=sockets)
+        finally:
+            _in_secondary.reset(mark)
+
+
 async def serve(
     app: ProxyApp,
     config: uvicorn.Config,
@@ -181,7 +212,7 @@ async def serve(
     """Serve on `sockets` (bound by :func:`bind`, here or in a parent under --workers),
     and the metrics address on `metrics_sockets` when it has one of its own."""
     main = DrainingServer(config, app, app.settings.shutdown_grace)
-    metrics = SignalFreeServer(metrics_config) if metrics_config is not None else None
+    metrics = SecondaryServer(metrics_config) if metrics_config is not None else None
     metrics_task = (
         asyncio.create_task(metrics.serve(sockets=metrics_sockets)) if metrics is not None else None
     )

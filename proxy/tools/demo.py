@@ -4,38 +4,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import logging
 import signal
 import socket
 import tempfile
 
 from ..app import ProxyApp
-from ..runtime.server import SignalFreeServer, announce, base_url, bind, guard, uvicorn_config
+from ..runtime.server import (
+    SecondaryServer,
+    SignalFreeServer,
+    announce,
+    base_url,
+    bind,
+    guard,
+    uvicorn_config,
+)
 from ..settings import Settings
 from ..sim.command import from_args
 from ..sim.power import gpu_models
 from ..sim.traffic import run_traffic
 
 log = logging.getLogger(__name__)
-
-# uvicorn logs every server's start and stop on one logger ("uvicorn.error"), and its log
-# level is process-wide: without this the demo's two servers print each lifecycle line
-# twice, which reads as the proxy starting twice. Records logged from the simulator's
-# server task (and the tasks it starts, which copy its context) are marked by this flag.
-_in_simulator = contextvars.ContextVar("phasewatch_demo_in_simulator", default=False)
-
-
-class _QuietSimulator(logging.Filter):
-    """Drops the simulator server's info lines; its warnings and errors still show."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not _in_simulator.get()
-
-
-async def _as_simulator(server: SignalFreeServer, sock: socket.socket) -> None:
-    _in_simulator.set(True)  # this task's own context copy: the proxy's is untouched
-    await server.serve(sockets=[sock])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,13 +61,9 @@ async def run_demo(args: argparse.Namespace) -> None:
     own_dir = None if getattr(args, "model_dir", None) else tempfile.TemporaryDirectory()
     model_dir = own_dir.name if own_dir is not None else args.model_dir
     args.model_dir = model_dir
-    quiet = _QuietSimulator()
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    uvicorn_log.addFilter(quiet)
     try:
         await _run(args, sock, sim_sock, model_dir)
     finally:
-        uvicorn_log.removeFilter(quiet)
         if own_dir is not None:
             own_dir.cleanup()
 
@@ -90,7 +75,7 @@ async def _run(
     sim_app = from_args(args)
     sim_config = uvicorn_config(sim_app, "127.0.0.1", sim_port, "warning")
     sim_config.server_header, sim_config.date_header = True, True
-    sim_server = SignalFreeServer(sim_config)
+    sim_server = SecondaryServer(sim_config)
     # power from the simulator's dcgm-exporter lines, each simulated GPU mapped to its model
     power_gpu = [f"{gpu}={model}" for gpu, model in gpu_models(sim_app.engine).items()]
     settings = Settings(
@@ -106,7 +91,7 @@ async def _run(
     proxy_server = SignalFreeServer(
         guard(uvicorn_config(proxy_app, args.host, args.port, "info"), proxy_app)
     )
-    sim_task = asyncio.create_task(_as_simulator(sim_server, sim_sock))
+    sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
     while not sim_server.started:
         if sim_task.done():
             return

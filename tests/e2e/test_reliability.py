@@ -425,6 +425,12 @@ def test_metrics_on_their_own_port():
         assert "phasewatch_requests_total" in own or "phasewatch_upstream_up" in own
         relayed = httpx.get(proxy.url + "/metrics").text  # now the engine's own /metrics
         assert "vllm:num_requests_running" in relayed and "phasewatch_upstream_up" not in relayed
+        proxy.stop()
+        # the metrics server shares uvicorn's logger: its own start and stop lines would
+        # read as the proxy starting twice, so each lifecycle line is there once
+        lines = [ln for ln in proxy.log().splitlines() if "logger=uvicorn.error" in ln]
+        for text in ("Started server process", "Shutting down", "Finished server process"):
+            assert sum(text in ln for ln in lines) == 1, (text, lines)
     finally:
         proxy.stop()
         sim.stop()
