@@ -323,24 +323,21 @@ def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words,
 
 
 def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
-    """Hang up after 4 events of a 480-token answer. A try counts only if vLLM was still
-    generating when the client hung up (when its API server falls behind, the client's
-    4th event can come after the engine finished; seen four times in a row on a quiet
-    machine): up to 10 tries."""
-    for attempt in range(10):
+    """Hang up on a 480-token answer at its first output event. A try counts only if vLLM
+    stopped early, judged by its own generated-token count: when its API server falls
+    behind its engine (a loaded 2-core machine), the engine can finish the whole answer
+    before the close reaches it, and such a try shows nothing. Nothing runs between the
+    first event and the close (a scrape there once let the engine finish in ten tries out
+    of ten; a 2-core machine with three busy loops on it still let it finish in 5 tries of
+    14, never more than 2 in a row): up to 20 tries."""
+    for attempt in range(20):
         v0, p0 = _vllm_sums(vllm.url), _pw_sums(vllm_proxy.url)
         assert v0["num_requests_running"] == 0
-        running = {}
-
-        def check_running():  # the stream is still open: is vLLM still generating it?
-            running["n"] = total(prom(vllm.url), "vllm:num_requests_running")
-
         _, t_close = hang_up_after(
             vllm_proxy.url,
             "/v1/chat/completions",
             chat(max_tokens=480, ignore_eos=True),
-            events=4,
-            before_close=check_running,
+            events=1,
         )
         wait_for(
             lambda: total(prom(vllm.url), "vllm:num_requests_running") == 0,
@@ -349,14 +346,6 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
             what="vllm:num_requests_running back to 0",
         )
         idle_after = time.monotonic() - t_close
-        if running["n"] != 1:
-            print(f"\ntry {attempt}: vLLM had finished before the 4th event reached the client")
-            wait_for(
-                lambda: _pw_sums(vllm_proxy.url)["requests"] > p0["requests"],
-                5.0,
-                what="phasewatch recording the request",
-            )
-            continue
         p1, _ = wait_for(
             lambda: (p := _pw_sums(vllm_proxy.url))["requests"] > p0["requests"] and p,
             5.0,
@@ -366,9 +355,6 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
         v1 = _vllm_sums(vllm.url)
         generated = v1["generation_tokens_total"] - v0["generation_tokens_total"]
         if generated >= 480:
-            # vLLM's running gauge lags its engine, which can run ahead of its API server:
-            # it had generated the whole answer before the hang-up reached it (a try that
-            # shows nothing; in none of the tries stopping early fails below)
             print(f"\ntry {attempt}: vLLM had generated all 480 tokens before the close")
             continue
         # vLLM stopped early, which only phasewatch closing its connection can cause: the
@@ -384,7 +370,7 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
             f"{v1['e2e_request_latency_seconds_count'] - v0['e2e_request_latency_seconds_count']:.0f}"
         )
         return
-    pytest.fail("in 10 tries vLLM never stopped early when the client hung up")
+    pytest.fail("in 20 tries vLLM never stopped early when the client hung up")
 
 
 # --- per-request figures under concurrency --------------------------------------------------
