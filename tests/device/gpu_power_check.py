@@ -430,13 +430,20 @@ def refresh_stats(s: Series, counter: Counter | None, name: str) -> dict:
 # --------------------------------------------------------------------------- square wave
 
 
+def _spread(i: int) -> float:
+    """0 <= x < 0.1 s, evenly spread over i (golden-ratio steps): added to idle gaps so
+    that burst edges do not stay in one phase of a sensor refreshed every 100 ms."""
+    return 0.1 * ((i * 0.6180339887) % 1.0)
+
+
 def square_schedule(quick: bool) -> list[tuple[str, float, float]]:
     """(kind, burst seconds, idle seconds after it)."""
     if quick:
         durs = [(0.1, 0.6), (0.3, 0.6), (2.0, 1.3)]
-        return [(k, d, g) for k in ("compute", "memory") for d, g in durs]
-    durs = [(0.1, 1.5)] * 3 + [(0.3, 1.5)] * 3 + [(1.0, 2.0)] * 2 + [(3.0, 2.5)]
-    return [(k, d, g) for k in ("compute", "memory") for d, g in durs]
+    else:
+        durs = [(0.1, 1.5)] * 3 + [(0.3, 1.5)] * 3 + [(1.0, 2.0)] * 2 + [(3.0, 2.5)]
+    plan = [(k, d, g) for k in ("compute", "memory") for d, g in durs]
+    return [(k, d, g + _spread(i)) for i, (k, d, g) in enumerate(plan)]
 
 
 def run_square(
@@ -777,7 +784,7 @@ def run_phasewatch(
             r = chat(port, prefill_s, decode_s, tokens, timeout=prefill_s + decode_s + 30)
             r.update(prefill_s=prefill_s, decode_s=decode_s, tokens=tokens)
             requests.append(r)
-            time.sleep(gap)
+            time.sleep(gap + _spread(len(requests)))
         # wait until phasewatch observed every request's decode power (or 10 s)
         want = len(requests)
         wait_by = min(deadline, time.monotonic() + 10)
