@@ -17,8 +17,13 @@ import pytest
 
 from ..support.servers import ROOT
 
-#: Run inside an engine's own virtual environment (vLLM's), not phasewatch's.
-ENGINE_SIDE = {"tests/real/tiny_model.py", ".ci/check-llama-server.py"}
+#: Run inside an engine's own virtual environment (vLLM's), or with a GPU machine's own
+#: PyTorch (tests/device), not phasewatch's.
+ENGINE_SIDE = {
+    "tests/real/tiny_model.py",
+    ".ci/check-llama-server.py",
+    "tests/device/gpu_power_check.py",
+}
 
 
 def _name(requirement: str) -> str:

@@ -1,0 +1,1237 @@
+"""What a real NVIDIA GPU's power sensors resolve, and what phasewatch makes of them.
+
+Device command (repository root; .whl/ holds the wheels phasewatch needs that the device
+lacks; timeout 540 s):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 tests/device/gpu_power_check.py --out $OUT/gpu_power.json
+
+Dry run here (fake NVML, CPU torch if importable, else sleeps):
+
+    python3 tests/device/gpu_power_check.py --dry-run --out /tmp/gpu_power.json
+
+Sections, each time-boxed, each written to the JSON as soon as it ends (a failure of one
+is recorded in its ``error`` and the next still runs; a watchdog writes what there is and
+exits if the whole run overstays ``--budget``):
+
+1. ``env``: GPU, driver, torch, pynvml, the phasewatch tree under test.
+2. ``square``: a 1 ms NVML poll (tests/device/nvml_poll.py, its own process) of the
+   instant and average power fields, ``nvmlDeviceGetPowerUsage`` and the energy counter,
+   under a known square wave: compute-bound bf16 matmul bursts (prefill-like) and
+   memory-bound copies (decode-like) of 0.1, 0.3, 1 and 3 s with idle gaps. Per field:
+   refresh period (median interval between value changes), lag (time to 50 % and 90 % of
+   a step), the peak a short burst reaches, and each burst's energy from counter deltas
+   and from integrating each power field, against the counter's energy above idle.
+3. ``phasewatch``: ``python -m proxy serve`` from this tree with NVML power, in front of
+   a torch-backed stand-in engine (tests/device/standin_engine.py) whose prefill and
+   decode last known times; its /metrics (per-phase power, energy, any ``unresolved``
+   counters, parsed generically) and its JSON access-log lines are compared with the
+   power the 1 ms counter poll measured over the same windows.
+
+Unmeasured figures are ``null`` with a reason; NVML errors are recorded, not fatal.
+Exit status: 0 when every section ran, 1 when one failed, 2 when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from array import array
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from standin_engine import MODEL, StandinEngine  # noqa: E402
+
+FAKE_NVML = HERE / "fake_nvml"
+FIELDS = ["instant_w", "average_w", "usage_w", "counter_w"]  # counter_w: counter deltas
+SHORT_NAMES = {
+    "instant_w": "NVML_FI_DEV_POWER_INSTANT",
+    "average_w": "NVML_FI_DEV_POWER_AVERAGE",
+    "usage_w": "nvmlDeviceGetPowerUsage",
+    "counter_w": "nvmlDeviceGetTotalEnergyConsumption (deltas)",
+}
+
+
+# --------------------------------------------------------------------------- output
+
+
+class Report:
+    """The JSON result, rewritten whole (atomically) after every section."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "check": "gpu_power_check",
+            "status": "running",
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        self.lock = threading.Lock()
+
+    def write(self) -> None:
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+            tmp.write_text(json.dumps(self.data, indent=1, default=_json_default) + "\n")
+            os.replace(tmp, self.path)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return str(obj)
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf to None, floats rounded, for JSON."""
+    if isinstance(obj, float):
+        return round(obj, 6) if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _pct(got: float | None, ref: float | None) -> float | None:
+    if got is None or ref is None or not math.isfinite(got) or not math.isfinite(ref) or ref == 0:
+        return None
+    return 100.0 * (got - ref) / ref
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+# --------------------------------------------------------------------------- load
+
+
+class Load:
+    """Known load: ``burst(kind, seconds)`` keeps the device busy with compute-bound
+    ("compute": bf16 matmuls) or memory-bound ("memory": large copies) work for that long
+    and returns its (start, end) in monotonic seconds. With ``activity`` set, each burst is
+    announced there (the fake NVML of the dry run reads it)."""
+
+    def __init__(self, mode: str, activity: Path | None) -> None:
+        self.mode = mode  # "cuda", "cpu-torch" or "sleep"
+        self.activity = activity
+        self.torch: Any = None
+        self.ops: dict[str, Any] = {}
+        self.per_op: dict[str, float] = {}
+        self.info: dict[str, Any] = {"mode": mode}
+        self.spans: list[dict] = []
+
+    def setup(self) -> None:
+        if self.mode == "sleep":
+            return
+        import torch
+
+        self.torch = torch
+        if self.mode == "cuda":
+            dev, n, dtype = "cuda", 8192, torch.bfloat16
+            copy_bytes = 1 << 30
+        else:
+            dev, n, dtype = "cpu", 256, torch.float32
+            copy_bytes = 16 << 20
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        c = torch.empty(n, n, device=dev, dtype=dtype)
+        src = torch.empty(
+            copy_bytes // 2, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float16
+        )
+        src.fill_(1.0)
+        dst = torch.empty_like(src)
+        self.ops = {
+            "compute": lambda: torch.matmul(a, b, out=c),
+            "memory": lambda: dst.copy_(src),
+        }
+        self.info.update(matmul_n=n, dtype=str(dtype), copy_bytes=copy_bytes, device=dev)
+        for kind, op in self.ops.items():
+            op()
+            self._sync()
+            reps = 10
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                op()
+            self._sync()
+            self.per_op[kind] = (time.perf_counter() - t0) / reps
+        self.info["seconds_per_op"] = dict(self.per_op)
+        if self.mode == "cuda":
+            flops = 2 * n**3 / self.per_op["compute"]
+            self.info["matmul_tflops"] = flops / 1e12
+            self.info["copy_gb_per_s"] = 2 * copy_bytes / self.per_op["memory"] / 1e9
+
+    def _sync(self) -> None:
+        if self.mode == "cuda":
+            self.torch.cuda.synchronize()
+
+    def _announce(self, line: str) -> None:
+        if self.activity is not None:
+            with open(self.activity, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+
+    def burst(
+        self,
+        kind: str,
+        seconds: float,
+        tick: Any = None,
+        tick_every: float | None = None,
+    ) -> tuple[float, float]:
+        t0 = time.monotonic()
+        self._announce(f"S {t0:.6f} {kind}")
+        end = t0 + seconds
+        next_tick = t0 + tick_every if tick_every else math.inf
+        if self.mode == "sleep":
+            while True:
+                now = time.monotonic()
+                if now >= end:
+                    break
+                if now >= next_tick:
+                    tick()
+                    next_tick += tick_every or math.inf
+                time.sleep(max(0.0, min(end, next_tick) - now))
+        else:
+            op = self.ops[kind]
+            # queue about 4 ms of work between synchronisations: edges within ~4 ms
+            chunk = max(1, int(0.004 / max(self.per_op[kind], 1e-6)))
+            while True:
+                for _ in range(chunk):
+                    op()
+                self._sync()
+                now = time.monotonic()
+                if now >= next_tick:
+                    tick()
+                    next_tick += tick_every or math.inf
+                if now + self.per_op[kind] * chunk / 2 >= end:
+                    break
+        t1 = time.monotonic()
+        self._announce(f"E {t1:.6f}")
+        self.spans.append({"kind": kind, "t0": t0, "t1": t1})
+        return t0, t1
+
+
+# --------------------------------------------------------------------------- NVML poll
+
+
+class Poll:
+    """tests/device/nvml_poll.py in its own process, and its rows once it stopped."""
+
+    def __init__(self, workdir: Path, env: dict, gpu: int, max_seconds: float, tag: str) -> None:
+        self.base = workdir / f"poll_{tag}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "nvml_poll.py"),
+                "--out",
+                str(self.base),
+                "--gpu",
+                str(gpu),
+                "--max-seconds",
+                str(max_seconds),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.meta: dict = {}
+        self.cols: dict[str, list[float]] = {}
+
+    def started(self, timeout: float = 30.0) -> bool:
+        """True once the poller is polling (it says so in OUT.ready)."""
+        deadline = time.monotonic() + timeout
+        ready = Path(str(self.base) + ".ready")
+        while time.monotonic() < deadline:
+            if ready.exists():
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def stop(self, timeout: float = 30.0) -> dict:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        meta_path = Path(str(self.base) + ".json")
+        if not meta_path.exists():
+            raise RuntimeError(f"poller wrote nothing: {out.decode(errors='replace')[-2000:]}")
+        self.meta = json.loads(meta_path.read_text())
+        rows = array("d")
+        with open(str(self.base) + ".bin", "rb") as f:
+            rows.frombytes(f.read())
+        names = self.meta["columns"]
+        k = len(names)
+        self.cols = {name: list(rows[i::k]) for i, name in enumerate(names)}
+        return self.meta
+
+
+class Series:
+    """One field as polled: sample times and values (sample-and-hold between them)."""
+
+    def __init__(self, ts: list[float], vs: list[float]) -> None:
+        pairs = [(t, v) for t, v in zip(ts, vs) if math.isfinite(t) and math.isfinite(v)]
+        self.t = [p[0] for p in pairs]
+        self.v = [p[1] for p in pairs]
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def changes(self) -> list[int]:
+        return [i for i in range(1, len(self.v)) if self.v[i] != self.v[i - 1]]
+
+    def at(self, t: float) -> float:
+        i = bisect.bisect_right(self.t, t) - 1
+        return self.v[i] if i >= 0 else math.nan
+
+    def window(self, a: float, b: float) -> list[float]:
+        i, j = bisect.bisect_left(self.t, a), bisect.bisect_right(self.t, b)
+        return self.v[i:j]
+
+    def integral(self, a: float, b: float) -> float:
+        """Sample-and-hold integral over [a, b] (value x seconds)."""
+        if not self.t or b <= a or a < self.t[0]:
+            return math.nan
+        i = max(0, bisect.bisect_right(self.t, a) - 1)
+        total = 0.0
+        while i < len(self.t) and self.t[i] < b:
+            lo = max(a, self.t[i])
+            hi = min(b, self.t[i + 1]) if i + 1 < len(self.t) else b
+            if hi > lo:
+                total += self.v[i] * (hi - lo)
+            i += 1
+        return total
+
+    def first_crossing(self, a: float, b: float, level: float, rising: bool) -> float | None:
+        i, j = bisect.bisect_left(self.t, a), bisect.bisect_right(self.t, b)
+        for k in range(i, j):
+            if (self.v[k] >= level) if rising else (self.v[k] <= level):
+                return self.t[k]
+        return None
+
+
+class Counter:
+    """The energy counter (mJ) as polled: its refresh points and the power between them."""
+
+    def __init__(self, ts: list[float], mj: list[float]) -> None:
+        raw = Series(ts, mj)
+        self.raw = raw
+        idx = [0, *raw.changes()] if len(raw) else []
+        self.pt = [raw.t[i] for i in idx]  # first poll that saw each new value
+        self.pe = [raw.v[i] / 1000.0 for i in idx]  # J
+        # power between refreshes, held from one refresh point to the next
+        pw_t, pw_v = [], []
+        for i in range(1, len(self.pt)):
+            dt = self.pt[i] - self.pt[i - 1]
+            if dt > 0:
+                pw_t.append(self.pt[i])
+                pw_v.append((self.pe[i] - self.pe[i - 1]) / dt)
+        # known once the refresh that ends its interval is seen (what a reader can know)
+        self.power = Series(pw_t, pw_v)
+
+    def energy_interp(self, t: float) -> float:
+        """J at t, linear between refresh points (the counter's best estimate)."""
+        if len(self.pt) < 2 or t < self.pt[0] or t > self.pt[-1]:
+            return math.nan
+        i = bisect.bisect_right(self.pt, t) - 1
+        if i >= len(self.pt) - 1:
+            return self.pe[-1]
+        f = (t - self.pt[i]) / (self.pt[i + 1] - self.pt[i])
+        return self.pe[i] + f * (self.pe[i + 1] - self.pe[i])
+
+    def energy_raw(self, t: float) -> float:
+        """J at t as a reader polling then would have seen it."""
+        return self.raw.at(t) / 1000.0
+
+    def between(self, a: float, b: float, interp: bool = True) -> float:
+        f = self.energy_interp if interp else self.energy_raw
+        return f(b) - f(a)
+
+
+def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
+    c = poll.cols
+    fields: dict[str, Series] = {}
+    for name, tcol in (
+        ("instant_w", "t_fields"),
+        ("average_w", "t_fields"),
+        ("usage_w", "t_usage"),
+    ):
+        s = Series(c.get(tcol, []), c.get(name, []))
+        if len(s):
+            fields[name] = s
+    counter = Counter(c.get("t_counter", []), c.get("counter_mj", []))
+    if len(counter.pt) < 3:
+        counter_opt = None
+    else:
+        counter_opt = counter
+        fields["counter_w"] = counter.power
+    t0s = [t for t in c.get("t_fields", []) if math.isfinite(t)]
+    intervals = [b - a for a, b in itertools.pairwise(t0s)]
+
+    def call_s(a: str, b: str) -> float | None:
+        return _median([y - x for x, y in zip(c.get(a, []), c.get(b, [])) if math.isfinite(y - x)])
+
+    info = {
+        "call_median_s": {
+            "field_values": call_s("t_fields", "t_usage"),
+            "power_usage": call_s("t_usage", "t_counter"),
+            "energy_counter": call_s("t_counter", "t_end"),
+        },
+        "polls": len(t0s),
+        "poll_interval_median_s": _median(intervals),
+        "poll_interval_p99_s": sorted(intervals)[int(0.99 * (len(intervals) - 1))]
+        if intervals
+        else None,
+        "errors": poll.meta.get("errors", {}),
+        "gpu_name": poll.meta.get("name"),
+    }
+    return fields, counter_opt, info
+
+
+def refresh_stats(s: Series, counter: Counter | None, name: str) -> dict:
+    if name == "counter_w" and counter is not None:
+        ts = counter.pt
+    else:
+        ts = [s.t[i] for i in s.changes()]
+    d = [b - a for a, b in itertools.pairwise(ts)]
+    if not d:
+        return {"changes": len(ts), "refresh_period_s": None, "note": "value never changed"}
+    d_sorted = sorted(d)
+    return {
+        "changes": len(ts),
+        "refresh_period_s": statistics.median(d),
+        "refresh_p10_s": d_sorted[int(0.1 * (len(d) - 1))],
+        "refresh_p90_s": d_sorted[int(0.9 * (len(d) - 1))],
+    }
+
+
+# --------------------------------------------------------------------------- square wave
+
+
+def _spread(i: int) -> float:
+    """0 <= x < 0.1 s, evenly spread over i (golden-ratio steps): added to idle gaps so
+    that burst edges do not stay in one phase of a sensor refreshed every 100 ms."""
+    return 0.1 * ((i * 0.6180339887) % 1.0)
+
+
+def square_schedule(quick: bool) -> list[tuple[str, float, float]]:
+    """(kind, burst seconds, idle seconds after it)."""
+    if quick:
+        durs = [(0.1, 0.6), (0.3, 0.6), (2.0, 1.3)]
+    else:
+        durs = [(0.1, 1.5)] * 3 + [(0.3, 1.5)] * 3 + [(1.0, 2.0)] * 2 + [(3.0, 2.5)]
+    plan = [(k, d, g) for k in ("compute", "memory") for d, g in durs]
+    return [(k, d, g + _spread(i)) for i, (k, d, g) in enumerate(plan)]
+
+
+def run_square(
+    load: Load, workdir: Path, env: dict, gpu: int, quick: bool, deadline: float
+) -> dict:
+    sched = square_schedule(quick)
+    budget = sum(d + g for _, d, g in sched) + 10
+    poll = Poll(
+        workdir, env, gpu, min(budget + 30, max(10.0, deadline - time.monotonic())), "square"
+    )
+    bursts: list[dict] = []
+    out: dict[str, Any] = {"schedule": [list(x) for x in sched], "bursts": bursts}
+    try:
+        if not poll.started():
+            raise RuntimeError("NVML poller exited at start")
+        lead = 1.0 if quick else 2.5
+        t_lead = time.monotonic()
+        time.sleep(lead)
+        out["idle_lead"] = [t_lead + 0.3, time.monotonic()]
+        for kind, dur, gap in sched:
+            if time.monotonic() + dur + gap > deadline:
+                out["cut_short"] = f"time box reached before a {kind} {dur} s burst"
+                break
+            t0, t1 = load.burst(kind, dur)
+            time.sleep(gap)
+            bursts.append({"kind": kind, "nominal_s": dur, "t0": t0, "t1": t1, "gap_s": gap})
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        poll.stop()
+    if "idle_lead" not in out:
+        return out
+    fields, counter, info = load_fields(poll)
+    out["poll"] = info
+    out.update(analyse_square(fields, counter, bursts, out["idle_lead"]))
+    return out
+
+
+def analyse_square(
+    fields: dict[str, Series], counter: Counter | None, bursts: list[dict], lead: list[float]
+) -> dict:
+    res: dict[str, Any] = {"fields": {}}
+    idle = {name: _median(s.window(lead[0], lead[1])) for name, s in fields.items()}
+    res["idle_w"] = idle
+    # plateau per kind and field: the last second of the longest burst of that kind
+    plateau: dict[str, dict[str, float | None]] = {}
+    for kind in ("compute", "memory"):
+        longest = max(
+            (b for b in bursts if b["kind"] == kind), key=lambda b: b["t1"] - b["t0"], default=None
+        )
+        plateau[kind] = {}
+        for name, s in fields.items():
+            if longest is None or longest["t1"] - longest["t0"] < 1.9:  # the 1 s mean settled
+                plateau[kind][name] = None
+                continue
+            a = max(longest["t0"], longest["t1"] - 1.0)
+            plateau[kind][name] = _median(s.window(a, longest["t1"]))
+    res["plateau_w"] = plateau
+    for name, s in fields.items():
+        f: dict[str, Any] = {"source": SHORT_NAMES[name], "samples": len(s)}
+        f.update(refresh_stats(s, counter, name))
+        lags: dict[str, Any] = {}
+        for kind in ("compute", "memory"):
+            top = plateau[kind].get(name)
+            rises50, rises90, falls50, peaks = [], [], [], {}
+            for b in bursts:
+                if b["kind"] != kind:
+                    continue
+                base = _median(s.window(b["t0"] - 1.0, b["t0"] - 0.02))
+                if top is None or base is None or top - base < 5:
+                    continue
+                nxt = b["t1"] + b["gap_s"]
+                dur = b["t1"] - b["t0"]
+                peak = max(s.window(b["t0"], nxt) or [math.nan])
+                peaks.setdefault(str(b["nominal_s"]), []).append((peak - base) / (top - base))
+                if dur >= 0.9:
+                    r50 = s.first_crossing(b["t0"], nxt, base + 0.5 * (top - base), True)
+                    r90 = s.first_crossing(b["t0"], nxt, base + 0.9 * (top - base), True)
+                    f50 = s.first_crossing(b["t1"], nxt, base + 0.5 * (top - base), False)
+                    rises50.append(r50 - b["t0"] if r50 is not None else math.nan)
+                    rises90.append(r90 - b["t0"] if r90 is not None else math.nan)
+                    falls50.append(f50 - b["t1"] if f50 is not None else math.nan)
+            lags[kind] = {
+                "rise_to_50pct_s": _median(rises50),
+                "rise_to_90pct_s": _median(rises90),
+                "fall_to_50pct_s": _median(falls50),
+                "peak_fraction_of_step_by_burst_s": {k: _median(v) for k, v in peaks.items()},
+            }
+        f["lag"] = lags
+        res["fields"][name] = f
+    # energy per burst
+    res["energy"] = energy_per_burst(fields, counter, bursts, idle)
+    return res
+
+
+def energy_per_burst(
+    fields: dict[str, Series], counter: Counter | None, bursts: list[dict], idle: dict
+) -> dict:
+    """Each burst's energy over its own window by each method, against the truth taken
+    from the counter: idle power x duration + the counter's energy above idle over a window
+    padded to take in any lag."""
+    if counter is None:
+        return {"error": "no energy counter: no reference energy"}
+    idle_w = idle.get("counter_w")
+    if idle_w is None:
+        return {"error": "no idle power from the counter"}
+    rows = []
+    for b in bursts:
+        dur = b["t1"] - b["t0"]
+        pa, pb = b["t0"] - 0.2, b["t1"] + min(b["gap_s"] - 0.1, 1.3)
+        excess = counter.between(pa, pb) - idle_w * (pb - pa)
+        truth = idle_w * dur + excess
+        row: dict[str, Any] = {
+            "kind": b["kind"],
+            "nominal_s": b["nominal_s"],
+            "duration_s": dur,
+            "truth_j": truth,
+            "truth_mean_w": truth / dur if dur > 0 else None,
+            "window_j": {},
+            "window_err_pct": {},
+        }
+        est = {
+            "counter_raw_delta": counter.between(b["t0"], b["t1"], interp=False),
+            "counter_interp_delta": counter.between(b["t0"], b["t1"], interp=True),
+        }
+        for name, s in fields.items():
+            if name != "counter_w":
+                est[f"integral_{name}"] = s.integral(b["t0"], b["t1"])
+        for k, v in est.items():
+            row["window_j"][k] = v
+            row["window_err_pct"][k] = _pct(v, truth)
+        rows.append(row)
+    summary: dict[str, Any] = {}
+    for kind in ("compute", "memory"):
+        for nominal in sorted({r["nominal_s"] for r in rows}):
+            sel = [r for r in rows if r["kind"] == kind and r["nominal_s"] == nominal]
+            if not sel:
+                continue
+            summary[f"{kind}_{nominal:g}s"] = {
+                "truth_mean_w": _median([r["truth_mean_w"] for r in sel]),
+                "median_err_pct": {
+                    k: _median([r["window_err_pct"][k] for r in sel])
+                    for k in sel[0]["window_err_pct"]
+                },
+            }
+    return {"idle_w_from_counter": idle_w, "per_burst": rows, "summary": summary}
+
+
+# --------------------------------------------------------------------------- phasewatch
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_POWER_FAMILY = re.compile(r"power|energy|joule|watt|unresolved|sensor|nvml|idle")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
+    """phasewatch samples about power from a Prometheus text page, keyed by (name, labels)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or not m.group(1).startswith("phasewatch_"):
+            continue
+        if not _POWER_FAMILY.search(m.group(1)):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        out[(m.group(1), labels)] = value
+    return out
+
+
+def metric_delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _sum(d: dict, name: str, **labels: str) -> float | None:
+    vals = [
+        v
+        for (n, lab), v in d.items()
+        if n == name and all((k, val) in lab for k, val in labels.items())
+    ]
+    return sum(vals) if vals else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except OSError as exc:
+        code = getattr(exc, "code", 0)
+        return int(code or 0), str(exc)
+
+
+def chat(port: int, prefill_s: float, decode_s: float, tokens: int, timeout: float) -> dict:
+    """One streamed chat completion through the proxy, read to the end (raw HTTP/1.1 on
+    a socket: no client library needed)."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "power check"}],
+            "stream": True,
+            "max_tokens": tokens,
+            "standin": {"prefill_s": prefill_s, "decode_s": decode_s},
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    t_send = time.monotonic()
+    data = b""
+    t_first = None
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head + body)
+        deadline = t_send + timeout
+        while time.monotonic() < deadline:
+            got = s.recv(65536)
+            if not got:
+                break
+            data += got
+            if t_first is None and b"data: {" in data:
+                t_first = time.monotonic()
+    t_end = time.monotonic()
+    wall_end = time.time()
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    return {
+        "status": status,
+        "t_send": t_send,
+        "t_first": t_first,
+        "t_end": t_end,
+        "wall_end": wall_end,
+        "done": b"[DONE]" in data,
+        "chunks": data.count(b"data: {"),
+        "usage_seen": b'"usage"' in data,
+    }
+
+
+def run_phasewatch(
+    load: Load,
+    workdir: Path,
+    env: dict,
+    gpu: int,
+    quick: bool,
+    deadline: float,
+    extra_args: list[str],
+) -> dict:
+    out: dict[str, Any] = {}
+    engine = StandinEngine(load).start()
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--upstream",
+        f"standin=http://127.0.0.1:{engine.port}",
+        "--engine",
+        "standin=openai",
+        "--port",
+        str(port),
+        "--power-source",
+        "nvml",
+        "--log-format",
+        "json",
+        *extra_args,
+    ]
+    out["command"] = " ".join(cmd[1:])
+    log_path = workdir / "phasewatch.log"
+    logf = open(log_path, "wb")  # closed in finally
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    poll: Poll | None = None
+    before: dict = {}
+    after: dict = {}
+    requests: list[dict] = []
+    out["requests"] = requests
+    try:
+        # ready: /metrics answers and the model list was taken
+        t_start = time.monotonic()
+        ready_by = min(deadline, t_start + 90)
+        text = ""
+        while time.monotonic() < ready_by:
+            if proc.poll() is not None:
+                raise RuntimeError(f"phasewatch exited with {proc.returncode} at start")
+            code, text = _get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+            if code == 200:
+                break
+            time.sleep(0.3)
+        else:
+            raise RuntimeError("phasewatch did not answer /metrics in time")
+        out["start_s"] = time.monotonic() - t_start
+        sampling = re.findall(r"^phasewatch_power_sampling_up\{([^}]*)\}\s+(\S+)", text, re.M)
+        out["power_sampling_up_at_start"] = sampling
+        # a warm-up request (not measured): proxy, engine and GPU on their paths
+        warm = chat(port, 0.05, 0.1, 4, timeout=30)
+        out["warmup"] = {"status": warm["status"], "done": warm["done"]}
+        if warm["status"] != 200:
+            raise RuntimeError(f"warm-up request answered {warm['status']}")
+        time.sleep(1.0)
+        plan = (
+            [(0.3, 0.6, 16), (0.3, 1.0, 24)]
+            if quick
+            else 2
+            * [
+                (0.3, 1.0, 32),
+                (1.0, 3.0, 96),
+                (0.3, 3.0, 96),
+                (1.0, 1.0, 32),
+                (0.1, 0.5, 16),
+                (3.0, 2.0, 64),
+            ]
+        )
+        gap = 0.8 if quick else 2.0
+        poll = Poll(workdir, env, gpu, max(10.0, deadline - time.monotonic() + 5), "phasewatch")
+        if not poll.started():
+            raise RuntimeError("NVML poller exited at start")
+        _, text = _get(f"http://127.0.0.1:{port}/metrics")
+        t_before = time.monotonic()
+        before = parse_metrics(text)
+        n_logged = len(engine.log)
+        for prefill_s, decode_s, tokens in plan:
+            if time.monotonic() + prefill_s + decode_s + gap + 10 > deadline:
+                out["cut_short"] = "time box reached"
+                break
+            r = chat(port, prefill_s, decode_s, tokens, timeout=prefill_s + decode_s + 30)
+            r.update(prefill_s=prefill_s, decode_s=decode_s, tokens=tokens)
+            requests.append(r)
+            time.sleep(gap + _spread(len(requests)))
+        # wait until phasewatch observed every request's decode power (or 10 s)
+        want = len(requests)
+        wait_by = min(deadline, time.monotonic() + 10)
+        while True:
+            _, text = _get(f"http://127.0.0.1:{port}/metrics")
+            t_after = time.monotonic()
+            after = parse_metrics(text)
+            d = metric_delta(before, after)
+            seen = _sum(d, "phasewatch_gpu_power_watts_count", phase="decode") or 0
+            if seen >= want or time.monotonic() > wait_by:
+                break
+            time.sleep(0.5)
+        out["scrape_window"] = [t_before, t_after]
+        truth = engine.log[n_logged:]
+        for r, t in zip(requests, truth):
+            r["engine"] = t
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        with contextlib.suppress(Exception):
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        logf.close()
+        out["exit_code"] = proc.returncode
+        engine.stop()
+        if poll is not None:
+            poll.stop()
+        out["log"] = read_log(log_path)
+    if poll is None or not before:
+        return out
+    fields, counter, info = load_fields(poll)
+    out["poll"] = info
+    out["metrics_delta"] = [
+        {"name": n, "labels": dict(lab), "delta": v}
+        for (n, lab), v in sorted(metric_delta(before, after).items())
+        if not n.endswith("_bucket")
+    ]
+    out["metrics_after"] = [
+        {"name": n, "labels": dict(lab), "value": v}
+        for (n, lab), v in sorted(after.items())
+        if not n.endswith("_bucket")
+    ]
+    out.update(compare_phasewatch(fields, counter, requests, before, after, out))
+    return out
+
+
+def read_log(path: Path) -> dict:
+    """Power-related lines of phasewatch's log: start-up lines naming power, NVML or a
+    sensor, warnings, and each access line's power fields."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    notable, access = [], []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if re.search(r"(?i)power|nvml|sensor|error|traceback", line):
+                notable.append(line[:400])
+            continue
+        if not isinstance(rec, dict):
+            continue
+        keys = {k for k in rec if re.search(r"watts|energy|joule|unresolved|resolved", k)}
+        if rec.get("logger") == "proxy.access" or keys:
+            keep = {k: rec[k] for k in sorted(keys)}
+            for k in ("ts", "request_id", "ttft_s", "request_s", "status"):
+                if k in rec:
+                    keep[k] = rec[k]
+            access.append(keep)
+        elif re.search(r"(?i)power|nvml|sensor|energy", json.dumps(rec)) or rec.get("level") in (
+            "warning",
+            "error",
+            "WARNING",
+            "ERROR",
+        ):
+            notable.append(json.dumps(rec)[:400])
+    return {
+        "notable": notable[-40:],
+        "access_power_fields": access,
+        "tail": text.splitlines()[-15:],
+    }
+
+
+def compare_phasewatch(
+    fields: dict[str, Series],
+    counter: Counter | None,
+    requests: list[dict],
+    before: dict,
+    after: dict,
+    out: dict,
+) -> dict:
+    res: dict[str, Any] = {}
+    d = metric_delta(before, after)
+    # phasewatch's per-phase mean power over these requests
+    pw_phase = {}
+    for phase in ("prefill", "decode"):
+        s = _sum(d, "phasewatch_gpu_power_watts_sum", phase=phase)
+        c = _sum(d, "phasewatch_gpu_power_watts_count", phase=phase)
+        pw_phase[phase] = {"observations": c, "mean_w": (s / c) if s is not None and c else None}
+    res["phasewatch_phase_power"] = pw_phase
+    unresolved = {f"{n}{dict(lab)}": v for (n, lab), v in d.items() if "unresolved" in n}
+    res["phasewatch_unresolved_delta"] = unresolved or None
+    if counter is None:
+        res["reference"] = {"error": "no energy counter in the poll: no reference"}
+        return res
+    inst = fields.get("instant_w")
+    per_req = []
+    for r in requests:
+        e = r.get("engine") or {}
+        if "prefill" not in e or "decode" not in e:
+            continue
+        row: dict[str, Any] = {
+            "prefill_s": r["prefill_s"],
+            "decode_s": r["decode_s"],
+            "wall_end": r["wall_end"],
+        }
+        for phase, (a, b) in (("prefill", e["prefill"]), ("decode", e["decode"])):
+            dur = b - a
+            row[f"{phase}_duration_s"] = dur
+            row[f"{phase}_counter_w"] = counter.between(a, b) / dur if dur > 0 else None
+            row[f"{phase}_instant_w"] = (
+                inst.integral(a, b) / dur if inst is not None and dur > 0 else None
+            )
+        # the request's whole window as the proxy sees it: sent upstream to last byte
+        a, b = r["t_send"], r["t_end"]
+        row["request_counter_j"] = counter.between(a, b)
+        per_req.append(row)
+    res["reference_per_request"] = per_req
+    for phase in ("prefill", "decode"):
+        vals = [row[f"{phase}_counter_w"] for row in per_req]
+        ref = statistics.fmean(vals) if vals and all(v is not None for v in vals) else None
+        pw_phase[phase]["reference_mean_w_counter"] = ref
+        pw_phase[phase]["error_pct"] = _pct(pw_phase[phase]["mean_w"], ref)
+    # any energy family with a phase label (per-phase energy, idle energy): its delta by
+    # phase, against the counter's energy over the requests' phase windows
+    phase_energy: dict[str, Any] = {}
+    for (n, lab), v in d.items():
+        labels = dict(lab)
+        if (
+            ("energy" in n or "joule" in n)
+            and "phase" in labels
+            and not n.endswith(("_bucket", "_count"))
+        ):
+            key = f"{n}{{phase={labels['phase']}}}"
+            phase_energy.setdefault(key, {"phase": labels["phase"], "delta": 0.0})["delta"] += v
+    for item in phase_energy.values():
+        phase = item["phase"]
+        if phase in ("prefill", "decode"):
+            ref = sum(row[f"{phase}_counter_w"] * row[f"{phase}_duration_s"] for row in per_req)
+            item["reference_counter_j"] = ref
+            item["error_pct"] = _pct(item["delta"], ref)
+    res["phasewatch_phase_energy"] = phase_energy or None
+    # per request, from the access log's power fields (matched by the time each ended)
+    access = out.get("log", {}).get("access_power_fields", [])
+    if access and per_req:
+        cmp_rows = []
+        used: set[int] = set()
+        for ref in per_req:
+            near = [
+                (abs(a.get("ts", 0) - ref["wall_end"]), i)
+                for i, a in enumerate(access)
+                if i not in used and isinstance(a.get("ts"), int | float)
+            ]
+            if not near or min(near)[0] > 2.0:
+                cmp_rows.append({"error": "no access-log line for this request"})
+                continue
+            i = min(near)[1]
+            used.add(i)
+            got = access[i]
+            row: dict[str, Any] = {"request_id": got.get("request_id")}
+            for phase in ("prefill", "decode"):
+                w = got.get(f"{phase}_watts")
+                row[f"{phase}_watts"] = w
+                row[f"{phase}_err_pct"] = (
+                    _pct(w, ref[f"{phase}_counter_w"]) if w is not None else None
+                )
+            ej = got.get("energy_j")
+            row["energy_j"] = ej
+            row["energy_err_pct_vs_request_window"] = (
+                _pct(ej, ref["request_counter_j"]) if ej is not None else None
+            )
+            cmp_rows.append(row)
+        res["per_request_access_log"] = cmp_rows
+    # energy totals over the scrape window
+    t_before, t_after = out.get("scrape_window", [None, None])
+    if t_before is not None:
+        ref_total = counter.between(t_before, t_after)
+        got_total = _sum(d, "phasewatch_gpu_energy_joules_total")
+        req_total = _sum(d, "phasewatch_request_energy_joules_total")
+        res["energy"] = {
+            "counter_j_between_scrapes": ref_total,
+            "phasewatch_gpu_energy_j": got_total,
+            "gpu_energy_err_pct": _pct(got_total, ref_total),
+            "phasewatch_request_energy_j": req_total,
+            "reference_request_windows_j": sum(r["request_counter_j"] for r in per_req)
+            if per_req
+            else None,
+            "request_energy_err_pct": _pct(
+                req_total, sum(r["request_counter_j"] for r in per_req) if per_req else None
+            ),
+            "note": "scrapes are timed at the client: a few ms of slack at each end",
+        }
+    return res
+
+
+# --------------------------------------------------------------------------- main
+
+
+def environment(dry_run: bool, env: dict) -> dict:
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "dry_run": dry_run,
+        "repo_root": str(ROOT),
+    }
+    with contextlib.suppress(Exception):
+        info["git_head"] = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, proxy, pynvml; import importlib.metadata as m\n"
+            "v = {}\n"
+            "for p in ('fastapi', 'uvicorn', 'pydantic', 'prometheus-client', 'nvidia-ml-py', 'httptools'):\n"
+            "    try: v[p] = m.version(p)\n"
+            "    except Exception as e: v[p] = None\n"
+            "print(json.dumps({'proxy': proxy.__file__, 'pynvml': pynvml.__file__, 'versions': v}))",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if probe.returncode == 0:
+        info["phasewatch_import"] = json.loads(probe.stdout.strip().splitlines()[-1])
+        info["phasewatch_from_this_tree"] = info["phasewatch_import"]["proxy"].startswith(str(ROOT))
+    else:
+        info["phasewatch_import_error"] = probe.stderr[-2000:]
+    return info
+
+
+def gpu_info(nvml: Any, gpu: int) -> dict:
+    info: dict[str, Any] = {}
+    h = nvml.nvmlDeviceGetHandleByIndex(gpu)
+    for key, fn in (
+        ("name", lambda: nvml.nvmlDeviceGetName(h)),
+        ("driver", lambda: nvml.nvmlSystemGetDriverVersion()),
+        ("power_limit_w", lambda: nvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0),
+        ("gpu_count", lambda: nvml.nvmlDeviceGetCount()),
+    ):
+        try:
+            v = fn()
+            info[key] = v.decode() if isinstance(v, bytes) else v
+        except Exception as exc:
+            info[key] = None
+            info[f"{key}_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def summary_lines(data: dict) -> list[str]:
+    lines = [f"gpu_power_check: {data.get('status')}"]
+    env = data.get("env", {})
+    g = data.get("gpu", {})
+    lines.append(
+        f"  GPU {g.get('name')} driver {g.get('driver')}  torch {env.get('torch')}  dry_run={env.get('dry_run')}"
+    )
+    sq = data.get("square", {})
+    if "error" in sq:
+        lines.append(f"  square wave: FAILED {sq['error'][:200]}")
+    for name, f in (sq.get("fields") or {}).items():
+        lag = f.get("lag", {}).get("compute", {})
+        lines.append(
+            f"  {name:10s} refresh {_fmt(f.get('refresh_period_s'), 's')}  rise50 {_fmt(lag.get('rise_to_50pct_s'), 's')}"
+            f"  rise90 {_fmt(lag.get('rise_to_90pct_s'), 's')}  fall50 {_fmt(lag.get('fall_to_50pct_s'), 's')}"
+        )
+    for name, err in (sq.get("poll", {}).get("errors") or {}).items():
+        lines.append(f"  unsupported {name}: {err}")
+    for key, s in ((sq.get("energy") or {}).get("summary") or {}).items():
+        errs = "  ".join(
+            f"{k.replace('integral_', '')} {_fmt(v, '%')}" for k, v in s["median_err_pct"].items()
+        )
+        lines.append(f"  burst {key:13s} {_fmt(s['truth_mean_w'], 'W')}  window energy err: {errs}")
+    pw = data.get("phasewatch", {})
+    if "error" in pw:
+        lines.append(f"  phasewatch: FAILED {pw['error'][:200]}")
+    for phase, p in (pw.get("phasewatch_phase_power") or {}).items():
+        lines.append(
+            f"  phasewatch {phase:7s} {_fmt(p.get('mean_w'), 'W')} (n={_fmt(p.get('observations'), '')}) vs counter "
+            f"{_fmt(p.get('reference_mean_w_counter'), 'W')}: {_fmt(p.get('error_pct'), '%')}"
+        )
+    e = pw.get("energy") or {}
+    if e:
+        lines.append(
+            f"  phasewatch energy: gpu {_fmt(e.get('gpu_energy_err_pct'), '%')}  requests {_fmt(e.get('request_energy_err_pct'), '%')}"
+        )
+    if pw.get("phasewatch_unresolved_delta"):
+        lines.append(f"  unresolved: {pw['phasewatch_unresolved_delta']}")
+    lines.append(f"  wall {_fmt(data.get('wall_s'), 's')}")
+    return lines
+
+
+def _fmt(v: Any, unit: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    if unit == "%":
+        return f"{v:+.1f}%"
+    if unit == "s":
+        return f"{v * 1000:.0f}ms" if abs(v) < 1 else f"{v:.2f}s"
+    return f"{v:.0f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON result file")
+    ap.add_argument("--dry-run", action="store_true", help="fake NVML, CPU torch or sleeps")
+    ap.add_argument("--quick", action="store_true", help="a short schedule (tests)")
+    ap.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to watch")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
+    ap.add_argument("--skip", action="append", default=[], choices=["square", "phasewatch"])
+    ap.add_argument(
+        "--phasewatch-arg", action="append", default=[], help="extra serve flag (repeat)"
+    )
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+    deadline = t_start + args.budget
+    report = Report(Path(args.out))
+    data = report.data
+    workdir = Path(tempfile.mkdtemp(prefix="gpu_power_check_"))
+    env = dict(os.environ)
+    path = [str(ROOT), *([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])]
+    activity = None
+    if args.dry_run:
+        activity = workdir / "activity.txt"
+        activity.touch()
+        env["FAKE_NVML_ACTIVITY"] = str(activity)
+        os.environ["FAKE_NVML_ACTIVITY"] = str(activity)
+        path.insert(0, str(FAKE_NVML))
+        sys.path.insert(0, str(FAKE_NVML))
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env["PYTHONUNBUFFERED"] = "1"
+
+    def watchdog() -> None:
+        data["status"] = "watchdog: over budget"
+        data["wall_s"] = time.monotonic() - t_start
+        with contextlib.suppress(Exception):
+            report.write()
+        print("\n".join(summary_lines(data)), flush=True)
+        os._exit(3)
+
+    dog = threading.Timer(args.budget + 45, watchdog)
+    dog.daemon = True
+    dog.start()
+    failed = False
+    try:
+        data["env"] = _clean(environment(args.dry_run, env))
+    except Exception as exc:
+        data["env"] = {"error": f"{type(exc).__name__}: {exc}"}
+    # the device: torch/CUDA for the load, NVML for the sensors
+    mode = "sleep"
+    reason = None
+    try:
+        import torch
+
+        data["env"]["torch"] = torch.__version__
+        if args.dry_run:
+            mode = "cpu-torch"
+        elif torch.cuda.is_available():
+            mode = "cuda"
+            torch.cuda.set_device(0)
+            data["env"]["cuda_device"] = torch.cuda.get_device_name(0)
+        else:
+            reason = "torch sees no CUDA device"
+    except Exception as exc:
+        data["env"]["torch"] = None
+        if not args.dry_run:
+            reason = f"torch not importable ({type(exc).__name__}: {exc})"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        data["gpu"] = _clean(gpu_info(pynvml, args.gpu))
+        data["gpu"]["pynvml"] = getattr(pynvml, "__file__", None)
+    except Exception as exc:
+        reason = reason or f"NVML not available ({type(exc).__name__}: {exc})"
+    if reason and not args.dry_run:
+        data["status"] = "no GPU"
+        data["reason"] = reason
+        data["wall_s"] = time.monotonic() - t_start
+        report.write()
+        print("\n".join(summary_lines(data)))
+        print(f"  {reason}")
+        return 2
+    load = Load(mode, activity)
+    try:
+        load.setup()
+        if mode != "sleep":  # warm the clocks and kernels, then let the sensor settle
+            load.burst("compute", 1.0 if not args.quick else 0.2)
+            load.burst("memory", 1.0 if not args.quick else 0.2)
+            time.sleep(1.5 if not args.quick else 0.3)
+    except Exception as exc:
+        data["load_error"] = f"{type(exc).__name__}: {exc}"
+        load = Load("sleep", activity)
+    data["load"] = _clean(load.info)
+    report.write()
+    # section time boxes: the square wave gets up to 45 % of what is left
+    sections = [s for s in ("square", "phasewatch") if s not in args.skip]
+    for name in sections:
+        t0 = time.monotonic()
+        left = deadline - t0
+        box = t0 + (left * 0.45 if name == "square" and "phasewatch" in sections else left - 5)
+        try:
+            if name == "square":
+                res = run_square(load, workdir, env, args.gpu, args.quick, box)
+            else:
+                res = run_phasewatch(
+                    load, workdir, env, args.gpu, args.quick, box, args.phasewatch_arg
+                )
+            data[name] = _clean(res)
+            failed = failed or "error" in res
+        except Exception as exc:
+            failed = True
+            data[name] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        data[name]["section_s"] = time.monotonic() - t0
+        report.write()
+    data["status"] = "partial" if failed else "ok"
+    data["wall_s"] = time.monotonic() - t_start
+    data["workdir"] = str(workdir)
+    report.write()
+    dog.cancel()
+    print("\n".join(summary_lines(data)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
