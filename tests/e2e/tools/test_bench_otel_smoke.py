@@ -1,5 +1,5 @@
 """The relay benchmark's --otel comparison runs (briefly) and prints its table: a smoke run,
-not a timing test (the figures are read off a full run, README Benchmarks)."""
+not a timing test (the figures are read off a full run, docs/performance.md)."""
 
 import re
 import subprocess

@@ -1,6 +1,6 @@
 """The relay benchmark runs (briefly) and prints its table: a smoke run, not a timing test.
 
-Speed targets are read off the full run's table (README, Benchmarks), never asserted here.
+Speed targets are read off the full run's table (docs/performance.md), never asserted here.
 """
 
 import re
