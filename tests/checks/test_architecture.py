@@ -94,7 +94,7 @@ def imports() -> list[tuple[str, str, bool]]:
 
 def test_every_module_belongs_to_a_known_part():
     unknown = {part(m) for m in modules()} - set(LAYERS) - {SIM}
-    assert not unknown, f"add these to LAYERS (and to the layout in README.md): {unknown}"
+    assert not unknown, f"add these to LAYERS (and to the layout in CONTRIBUTING.md): {unknown}"
 
 
 def test_layers_import_only_downward_and_the_simulator_stands_apart():
