@@ -5,7 +5,7 @@ the engines' probes use an ``httpx.AsyncClient`` over the same transport. The on
 moves the bytes is ``lean`` (:mod:`.lean`, asyncio + httptools): whole responses or an
 error, one send per non-idempotent request, TLS options, limits, no added headers, no
 decompression. Library clients (httpx's own transport, aiohttp's) were measured against it
-and run the same tests; why it stays is in docs/performance.md. A test hands in
+and run the same tests; why it stays is in the README's benchmark section. A test hands in
 its own transport (``httpx.MockTransport``) through ``ClientOptions.transport``.
 """
 
