@@ -70,6 +70,16 @@ def test_bodies_are_kept_up_to_the_bound_and_read_whole():
         assert bodies[1] == b"small"  # the big one was read to its end: framing kept
 
 
+def test_a_request_is_kept_as_its_bytes_too():
+    sent = b"POST /v1/x?a=1 HTTP/1.1\r\nHost:  odd \r\nX-Case: Kept\r\ncontent-length: 2\r\n\r\n{}"
+    with FakeEngine() as engine:
+        port = int(engine.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(sent)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert [r.raw for r in engine.requests] == [sent]  # spaces and case as they came
+
+
 def test_refuse_closes_at_once_and_a_hang_ends_when_the_peer_closes():
     with FakeEngine(refuse=True) as engine:
         port = int(engine.url.rsplit(":", 1)[1])
