@@ -11,7 +11,7 @@
 #   docker.io/prom/alertmanager:v0.27.0  the same + Debian's `prometheus-alertmanager`
 #
 # Grafana has no Debian package: it is left out of the CI stack (the dashboards' queries
-# are checked against a real Prometheus in tests/e2e/test_observability.py).
+# are checked against a real Prometheus in tests/e2e/observability/test_observability.py).
 #
 # Cached: each image carries the label phasewatch.standin=<key>, a hash of this script and
 # the Debian package versions; an image with the current key is kept (a warm run takes a

@@ -10,7 +10,7 @@ every query filters on the same variables.
     python grafana/build_dashboards.py --check  # exit 1 if the files are out of date
 
 Every metric named here is defined in proxy/measure/metrics.py or is a recording rule in
-deploy/prometheus/rules/phasewatch-recording.yml; tests/e2e/test_observability.py checks
+deploy/prometheus/rules/phasewatch-recording.yml; tests/e2e/observability/test_observability.py checks
 that, and runs every query against a real Prometheus fed by phasewatch.
 """
 

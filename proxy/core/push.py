@@ -2,8 +2,8 @@
 
 Why: through the relay task, every event of a paced stream costs a task hop (the
 upstream connection wakes the task through a future, a task step and three async
-generators) before it is written; measured, that hop was about a fifth of the proxy's
-CPU per event. Where the upstream transport offers its body as it is parsed (the
+generators) before it is written, a large share of the proxy's CPU per paced event.
+Where the upstream transport offers its body as it is parsed (the
 ``phasewatch.push`` response extension) and the server a synchronous writer (the
 ``phasewatch.write`` ASGI extension), each read goes through the tap and out to the
 client in that callback, and the task wakes only for what the callback refuses.

@@ -2,8 +2,8 @@
    proxy.engines.token_read.token_kind_py and token_runs_py.
 
    Why C: a stream's every read is asked the same few questions (whole events? token
-   deltas? usage? a finish reason?), and in CPython 3.11 each bytes.find or slice the
-   Python version makes costs more in argument parsing and objects than in searching.
+   deltas? usage? a finish reason?), and each bytes.find or slice the Python version
+   makes costs more in argument parsing and objects than in searching.
    The answers must be the Python version's, byte for byte: tests/unit/test_token_read.py
    holds the two to the same answers on any input. Built when a compiler is at hand
    (setup.py marks it optional); without it the Python version runs. */

@@ -288,8 +288,8 @@ EMPTY_CHOICES_RE = re.compile(rb'"choices":\s*\[\s*\]')
 # that dominate a stream (a token delta, "finish_reason":null, no usage): a substring
 # find decides those, the pattern runs only on the few events it cannot decide.
 # (Substrings are searched with bytes.find, never `in`: `x in some_bytes` first tries x
-# as an integer, and the exception that fails costs more than the search itself, about
-# 0.2 us a test, several tests an event.)
+# as an integer, and the exception that fails costs more than the search itself, several
+# times an event.)
 
 _CONTENT, _TEXT, _FINISH_KEY, _USAGE_KEY = (
     b'"content":"',

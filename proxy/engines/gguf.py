@@ -3,8 +3,8 @@
 A model's KV-cache shape (``{arch}.block_count``, ``attention.head_count_kv``,
 ``attention.key_length``, ``attention.sliding_window`` ...) sits in the key/value section
 at the start of the file. The ``gguf`` package's reader maps the whole file and turns every
-field and tensor into numpy arrays: on a 250 MB file that is tens of seconds and hundreds
-of MB (tests/bench/gguf_bench.py measures both), too much for a proxy. This reads the
+field and tensor into numpy arrays, so its time and memory grow with the model's size
+(tests/bench/gguf_bench.py measures both): too much for a proxy. This reads the
 key/value section alone, keeping scalars and short arrays and skipping long ones (the
 tokenizer's vocabulary) without building them; it is tested against the ``gguf`` package.
 """

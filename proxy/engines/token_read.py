@@ -5,9 +5,9 @@ token deltas. The SSE tap asks each read the same questions (whole single-line L
 events? each ``data: {"`` and not an error? no usage key? no finish reason but one
 ``null``? output, by substring?) and forwards a read of plain token events as it came.
 :func:`token_kind` answers them all in one call (and :func:`token_runs` finds the token
-events around the others in a read that mixes them): in C where it was built (``_sse.c``, a
-tenth of the cost: in CPython 3.11 each bytes search or slice the Python version makes
-costs more in argument parsing and objects than in searching), else as
+events around the others in a read that mixes them): in C where it was built (``_sse.c``:
+each bytes search or slice the Python version makes costs more in argument parsing and
+objects than in searching), else as
 :func:`token_kind_py` and :func:`token_runs_py`, the references. Tests hold each pair to
 the same answers on any input.
 """

@@ -1,12 +1,12 @@
 """Label values that come from the wire, bounded in length and characters.
 
-A model id is whatever text the engine lists: 64 ids of 100 KiB each made a 12.8 MB
-``/metrics`` page at idle and hundreds of MiB once every histogram had a series per
-model. Every name an engine lists passes :meth:`LabelBound.fits` before it can become a
-label value: at most ``max_length`` characters, all printable (no control characters,
-no line or paragraph separators). What does not fit is never listed, so requests for it
-are labelled ``other`` like any unlisted model; each refusal is counted and said (the
-value itself never: its length only).
+A model id is whatever text the engine lists, and each one becomes a label value on every
+histogram's series for that model: a few very long ids would make ``/metrics`` and the
+proxy's memory grow with them. Every name an engine lists passes :meth:`LabelBound.fits`
+before it can become a label value: at most ``max_length`` characters, all printable (no
+control characters, no line or paragraph separators). What does not fit is never listed,
+so requests for it are labelled ``other`` like any unlisted model; each refusal is
+counted and said (the value itself never: its length only).
 """
 
 from __future__ import annotations

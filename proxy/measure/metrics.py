@@ -520,7 +520,7 @@ def observe_counts(child, counts: list[int], total: float) -> None:
     token. prometheus-client has no public bulk API, so this touches its bucket values,
     which have the same ``inc`` interface in single- and multi-process mode. That private
     API is why pyproject.toml caps prometheus-client below the next minor release, and
-    tests/e2e/test_own_api.py checks it is still there.
+    tests/e2e/observability/test_own_api.py checks it is still there.
     """
     n = 0
     buckets = child._buckets

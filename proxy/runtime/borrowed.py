@@ -17,7 +17,7 @@ the direct writer and the hang-up hook, :mod:`proxy.runtime.direct`, its ``flow`
 ``resume_reading``), ``transport``, ``scope`` and ``chunked_encoding``, and room on it
 for an attribute of phasewatch's own). These
 are private and change between uvicorn releases: ``pyproject.toml`` bounds uvicorn to the
-minor versions the hostile-wire tests pass on, and ``tests/e2e/test_protocol_borrowed.py``
+minor versions the hostile-wire tests pass on, and ``tests/e2e/wire/test_protocol_borrowed.py``
 fails loudly when one of them is gone.
 """
 

@@ -1,8 +1,8 @@
 /* proxy.transport._chunk: whole_chunk(), the C twin of proxy.transport.wire.whole_chunk_py.
 
    Why C: every read of a paced stream is asked whether it is exactly one chunk in the
-   form a server writes; in CPython 3.11 the search, the slices and the formatting the
-   Python version needs cost several times the question. The answers must be the
+   form a server writes; the search, the slices and the formatting the Python version
+   needs cost more in the interpreter than the question itself. The answers must be the
    Python version's: tests/unit/test_whole_chunk.py holds the two to the same answers on
    any input. Built when a compiler is at hand (setup.py marks it optional); without it
    the Python version runs. */

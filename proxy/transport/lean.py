@@ -1,13 +1,13 @@
 """A lean HTTP/1.1 transport for httpx, used for the upstream (engine) connections.
 
-Why: profiling the relay with 256 paced streams put over half of the proxy's CPU in
-httpx's default transport (httpcore's pool scanning every connection on each release,
-anyio and h11 per chunk). This transport keeps httpx's API (the relay sees an
-``httpx.Response`` with ``aiter_raw``, ``aclose`` and httpx's exceptions) and moves bytes
-with an asyncio protocol and httptools' C parser (:mod:`.connection`): one callback and
-one future wake-up per body chunk, and a LIFO list of idle keep-alive connections. A
-reader may take the body in the connection's own callback instead (the
-``phasewatch.push`` response extension: no task wake-up per chunk).
+Why: httpx's default transport does per-chunk and per-release work the relay does not
+need (httpcore's pool scanning every connection on each release, anyio and h11 per
+chunk), and under many paced streams that work dominated the proxy's CPU. This transport
+keeps httpx's API (the relay sees an ``httpx.Response`` with ``aiter_raw``, ``aclose``
+and httpx's exceptions) and moves bytes with an asyncio protocol and httptools' C parser
+(:mod:`.connection`): one callback and one future wake-up per body chunk, and a LIFO list
+of idle keep-alive connections. A reader may take the body in the connection's own
+callback instead (the ``phasewatch.push`` response extension: no task wake-up per chunk).
 
 What it promises, like the library clients it is tested beside:
 

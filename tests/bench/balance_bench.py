@@ -17,7 +17,7 @@ the kill to phasewatch marking the replica down (``phasewatch_upstream_up`` 0).
 It asserts nothing: a benchmark, not a test.
 
     python tests/bench/balance_bench.py            # about a minute
-    python tests/bench/balance_bench.py --smoke    # seconds; tests/e2e/test_fleet_bench_smoke.py
+    python tests/bench/balance_bench.py --smoke    # seconds; tests/e2e/tools/test_fleet_bench_smoke.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The library clients measured against phasewatch's own transport, behind the same
 ``httpx.AsyncBaseTransport`` interface the relay sends through. Not shipped: they run in
 tests/bench/relay_bench.py (through tests/bench/pw_candidate.py) and in
-tests/e2e/test_transport.py, where what each gets wrong is a strict expected failure.
+tests/e2e/wire/test_transport.py, where what each gets wrong is a strict expected failure.
 
 ``httpx``: httpx's own transport (httpcore, h11) with the pool tuned like phasewatch's
 (connections per upstream, keep-alive expiry, pool wait) and no retries.

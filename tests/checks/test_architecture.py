@@ -1,5 +1,5 @@
 """The package's shape, checked: no import cycles, layers that import only downward, the
-simulator kept apart, and a relay loop that fits on a screen.
+simulator kept apart, a core that names no engine, and e2e tests by area.
 
 Every import counts, including those inside functions (lazy imports hide cycles); imports
 under ``if TYPE_CHECKING:`` count for the layers but not for cycles (they never run).
@@ -8,7 +8,6 @@ under ``if TYPE_CHECKING:`` count for the layers but not for cycles (they never 
 from __future__ import annotations
 
 import ast
-import inspect
 from pathlib import Path
 
 from ..support.servers import ROOT
@@ -94,7 +93,7 @@ def imports() -> list[tuple[str, str, bool]]:
 
 def test_every_module_belongs_to_a_known_part():
     unknown = {part(m) for m in modules()} - set(LAYERS) - {SIM}
-    assert not unknown, f"add these to LAYERS (and to the layout in README.md): {unknown}"
+    assert not unknown, f"add these to LAYERS (and to the layout in CONTRIBUTING.md): {unknown}"
 
 
 def test_layers_import_only_downward_and_the_simulator_stands_apart():
@@ -271,29 +270,6 @@ def test_the_checker_sees_an_engine_named_in_the_core(tmp_path, monkeypatch):
     _fails(test_no_module_outside_the_engines_names_an_engine, "proxy.core.a")
 
 
-def test_the_relay_loop_fits_on_a_screen():
-    """The per-event loop (every chunk of every stream passes it) stays short: it is
-    the one that feeds the tap and forwards, not a wrapper around another."""
-    from proxy.core.respond import Responder
-
-    source = inspect.getsource(Responder._stream)
-    lines = source.splitlines()
-    assert len(lines) <= 20, f"Responder._stream is {len(lines)} lines"
-    assert "async for chunk in raw_body(resp)" in source and "feed(" in source, source
-
-
-def test_the_package_is_rooms_of_one_concern():
-    """No module grows past a screenful of screens: one that does has taken a second
-    concern (the relay, the settings, the bench and the simulated vLLM were split by
-    concern for that reason)."""
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 650
-    }
-    assert not long, long
-
-
 def test_no_document_outside_the_repository_is_cited():
     """Docstrings, help texts and comments explain themselves."""
     import re
@@ -307,3 +283,41 @@ def test_no_document_outside_the_repository_is_cited():
         if pattern.search(line)
     ]
     assert not found, found
+
+
+# --- tests by area ----------------------------------------------------------------------------
+
+#: The e2e tier's areas (CONTRIBUTING.md says what each holds): every e2e module is in one.
+E2E_AREAS = ("wire", "relay", "engines", "observability", "fleet", "tools")
+
+
+def misplaced_e2e(e2e: Path) -> list[str]:
+    """What in the e2e tier is not in an area: a module beside the areas, a folder that is
+    no area, an area that is not a package (its relative imports would not resolve)."""
+    found = [str(p.relative_to(e2e)) for p in sorted(e2e.glob("*.py")) if p.name != "__init__.py"]
+    for folder in sorted(p for p in e2e.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        if folder.name not in E2E_AREAS:
+            found.append(f"{folder.name}/ is no area")
+        elif not (folder / "__init__.py").exists():
+            found.append(f"{folder.name}/ has no __init__.py")
+    return found
+
+
+def test_e2e_tests_live_in_their_areas():
+    found = misplaced_e2e(ROOT / "tests" / "e2e")
+    assert not found, f"put these in one of {E2E_AREAS}: {found}"
+
+
+def test_the_checker_sees_an_e2e_module_outside_the_areas(tmp_path):
+    for area in ("wire", "relay"):
+        (tmp_path / area).mkdir()
+        (tmp_path / area / "test_a.py").write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "wire" / "__init__.py").write_text("")
+    (tmp_path / "test_flat.py").write_text("")
+    (tmp_path / "misc").mkdir()
+    assert misplaced_e2e(tmp_path) == [
+        "test_flat.py",
+        "misc/ is no area",
+        "relay/ has no __init__.py",
+    ]

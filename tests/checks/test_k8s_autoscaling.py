@@ -1,7 +1,7 @@
 """deploy/k8s/hpa.yaml and the prometheus-adapter rule it needs: the autoscaler scales the
 Deployment on phasewatch's own queue gauge, the metric name it asks for is the one the
 adapter rule serves, and the manifest is valid Kubernetes (strict, every supported
-release). tests/e2e/test_many_proxies.py runs the adapter rule's query on a real Prometheus."""
+release). tests/e2e/fleet/test_many_proxies.py runs the adapter rule's query on a real Prometheus."""
 
 from __future__ import annotations
 

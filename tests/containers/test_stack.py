@@ -1,6 +1,6 @@
 """The project's docker-compose.yml, started for real: phasewatch, the simulator, the load
 generator, Prometheus and Alertmanager (Grafana has no stand-in image here; its dashboards'
-queries are checked against a real Prometheus in tests/e2e/test_observability.py).
+queries are checked against a real Prometheus in tests/e2e/observability/test_observability.py).
 
 One stack for the module, on host ports of its own (published on 127.0.0.1 only), torn
 down whatever happens: containers, network and volumes. The tests run in file order; the

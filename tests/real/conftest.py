@@ -13,6 +13,32 @@ import pytest
 
 from ..support.servers import start_proxy
 from . import engines as E
+from .tries import AGREEMENT, Tries
+
+
+@pytest.fixture
+def tries(request):
+    """A :class:`Tries` for this test; its rate is printed when the test ends."""
+    seen = Tries(request.node)
+    yield seen
+    if seen.seen:
+        print(f"\n{request.node.name}: {seen.rate}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every best-of-N test's agreement rate, after the run, -s or not."""
+    rows = {
+        report.nodeid: value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for key, value in getattr(report, "user_properties", ())
+        if key == AGREEMENT
+    }
+    if rows:
+        terminalreporter.write_sep("-", "real engines: best-of-N agreement")
+        for nodeid, rate in sorted(rows.items()):
+            terminalreporter.write_line(f"{nodeid}: {rate}")
 
 
 @pytest.fixture(scope="session")

@@ -320,15 +320,17 @@ def test_four_concurrent_streams_keep_per_request_figures(llama, llama_proxy):
 # --- the proxy's own decode figure against llama-server's timings ---------------------------
 
 
-def test_proxy_decode_and_prefill_windows_match_engine_timings(llama, llama_proxy):
+def test_proxy_decode_and_prefill_windows_match_engine_timings(llama, llama_proxy, tries):
     """Today's proxy measures source="proxy" only; llama-server reports its own
     `timings` (read here by the client, which asked for usage so nothing is stripped).
     decode: proxy t_last - t_first vs predicted_ms (both span first to last token, and
     llama-server's predicted_per_second comes out as (n-1)/predicted_ms, like the proxy's);
     prefill: proxy t_first - t_sent vs prompt_ms (the proxy's includes the HTTP hop).
-    Up to 3 tries: the best one must agree (a busy 2-core machine can stall any process)."""
+    Up to 3 tries: the best one must agree (a busy machine can stall any process); a try
+    agrees when its decode window is within 10 ms + 1 % of the engine's, and the rate of
+    those is reported."""
     n = 48
-    tries = []
+    seen = []
     for _ in range(3):
         before = prom(llama_proxy.url)
         cap = capture(
@@ -360,16 +362,19 @@ def test_proxy_decode_and_prefill_windows_match_engine_timings(llama, llama_prox
             prompt_n=timings["prompt_n"],
         )
         t["err"] = abs(t["decode"] - t["e_decode"])
-        tries.append(t)
+        seen.append(t)
         print(
             f"\nllama decode: proxy {t['decode'] * 1000:.1f} ms ({t['rate']:.2f} tok/s) vs "
             f"engine {t['e_decode'] * 1000:.1f} ms ({t['e_rate']:.2f} tok/s); prefill: proxy "
             f"{t['prefill'] * 1000:.1f} ms vs engine {t['e_prefill'] * 1000:.1f} ms "
             f"({t['prompt_n']} tokens)"
         )
-        if t["err"] < 0.01 + 0.01 * t["e_decode"]:
+        if tries.saw(t["err"] < 0.01 + 0.01 * t["e_decode"]):
             break
-    best = min(tries, key=lambda t: t["err"])
-    assert best["err"] < 0.03 + 0.03 * best["e_decode"], tries
-    assert abs(best["rate"] - best["e_rate"]) < 0.05 * best["e_rate"], tries
-    assert best["e_prefill"] - 0.005 < best["prefill"] < best["e_prefill"] + 0.25, tries
+    best = min(seen, key=lambda t: t["err"])
+    assert best["err"] < 0.03 + 0.03 * best["e_decode"], (tries.rate, seen)
+    assert abs(best["rate"] - best["e_rate"]) < 0.05 * best["e_rate"], (tries.rate, seen)
+    assert best["e_prefill"] - 0.005 < best["prefill"] < best["e_prefill"] + 0.25, (
+        tries.rate,
+        seen,
+    )

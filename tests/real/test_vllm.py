@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from .engines import VLLM_MODEL
+from .tries import Tries
 from .wire import capture, hang_up_after, normalize, output_times, payloads, prom, total, wait_for
 
 pytestmark = pytest.mark.real_engine
@@ -74,20 +75,23 @@ def meaning(body: bytes) -> dict:
     return out
 
 
-def assert_stream_equals_direct(vllm, proxy, path: str, body: dict, what: str, tries: int = 8):
+def assert_stream_equals_direct(
+    vllm, proxy, path: str, body: dict, what: str, seen: Tries, tries: int = 8
+):
     """vLLM's API server merges several tokens into one event when it falls behind the
     engine (a busy machine; direct streams too), so event boundaries vary run to run.
     Every try must mean the same (text, finish, usage, fingerprint placement); at least one
-    try must be byte-exact apart from id/created (both runs one event per token)."""
+    try must be byte-exact apart from id/created (both runs one event per token). `seen`
+    records each try: byte-exact or not."""
     for _ in range(tries):
         direct = capture(vllm.url, path, body)
         via = capture(proxy.url, path, body)
         assert via.status == direct.status == 200, (what, direct.body[:300], via.body[:300])
         assert via.end_to_end_headers() == direct.end_to_end_headers(), what
         assert meaning(via.body) == meaning(direct.body), (what, direct.body, via.body)
-        if normalize(via.body) == normalize(direct.body):
+        if seen.saw(normalize(via.body) == normalize(direct.body)):
             return via
-    assert_same(direct, via, f"{what} (no byte-exact pair in {tries} tries)")
+    assert_same(direct, via, f"{what} (no byte-exact pair in {tries} tries: {seen.rate})")
     return via
 
 
@@ -103,10 +107,10 @@ STREAM_OPTIONS = {
 
 
 @pytest.mark.parametrize("case", list(STREAM_OPTIONS))
-def test_chat_stream_equals_direct(vllm, vllm_proxy, case):
+def test_chat_stream_equals_direct(vllm, vllm_proxy, case, tries):
     opts = STREAM_OPTIONS[case]
     body = chat() if opts is None else chat(stream_options=opts)
-    via = assert_stream_equals_direct(vllm, vllm_proxy, "/v1/chat/completions", body, case)
+    via = assert_stream_equals_direct(vllm, vllm_proxy, "/v1/chat/completions", body, case, tries)
     events = payloads(via.body)
     assert events[-1] == "[DONE]"
     fingerprinted = [
@@ -119,7 +123,7 @@ def test_chat_stream_equals_direct(vllm, vllm_proxy, case):
 
 
 @pytest.mark.parametrize("usage", [False, True])
-def test_completions_stream_equals_direct(vllm, vllm_proxy, usage):
+def test_completions_stream_equals_direct(vllm, vllm_proxy, usage, tries):
     body = {
         "model": VLLM_MODEL,
         "prompt": "the quick brown fox",
@@ -131,7 +135,7 @@ def test_completions_stream_equals_direct(vllm, vllm_proxy, usage):
     if usage:
         body["stream_options"] = {"include_usage": True}
     via = assert_stream_equals_direct(
-        vllm, vllm_proxy, "/v1/completions", body, f"completions stream, usage={usage}"
+        vllm, vllm_proxy, "/v1/completions", body, f"completions stream, usage={usage}", tries
     )
     assert (b'"usage"' in via.body) == usage
 
@@ -258,7 +262,7 @@ def _pw_sums(url: str) -> dict:
 
 
 @pytest.mark.parametrize("prompt_words, max_tokens", [(4, 64), (120, 32)])
-def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words, max_tokens):
+def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words, max_tokens, tries):
     """One request at a time: the growth of phasewatch's TTFT and decode sums equals the
     growth of vLLM's time_to_first_token / request_decode_time sums within a few ms.
     vLLM starts its TTFT clock after parsing and tokenising, phasewatch when it has the
@@ -267,12 +271,12 @@ def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words,
     On a busy 2-core machine vLLM's API server is sometimes not scheduled while the
     engine decodes, and then sends a whole answer at once (seen on direct requests too,
     with a faster model: every event in one read). The proxy can
-    only time what reaches it, so up to 8 tries: one must agree; all are printed.
-    Measured on a loaded machine: TTFT 3-32 ms apart (vLLM's own front-end work under
-    load), decode within 0-8 ms."""
+    only time what reaches it, so up to 8 tries: one must agree; all are printed, and the
+    agreement rate is reported. The TTFT bound leaves room for vLLM's own front-end work
+    under load, which phasewatch's TTFT includes and vLLM's does not."""
     content = " ".join(["hello", "world", "proxy", "token"] * (prompt_words // 4 + 1))
     content = " ".join(content.split()[:prompt_words])
-    tries = []
+    seen = []
     for _ in range(8):
         v0, p0 = _vllm_sums(vllm.url), _pw_sums(vllm_proxy.url)
         cap = capture(
@@ -307,29 +311,28 @@ def test_ttft_and_decode_agree_with_vllm_metrics(vllm, vllm_proxy, prompt_words,
             -0.002 < t["p_ttft"] - t["v_ttft"] < 0.040
             and abs(t["p_dec"] - t["v_dec"]) < 0.010 + 0.03 * t["v_dec"]
         )
-        tries.append(t)
+        seen.append(t)
         print(
             f"\nvLLM {prompt_words}-word prompt, {max_tokens} tokens: TTFT phasewatch "
             f"{t['p_ttft'] * 1000:.1f} ms vs vLLM {t['v_ttft'] * 1000:.1f} ms; decode "
             f"phasewatch {t['p_dec'] * 1000:.1f} ms vs vLLM {t['v_dec'] * 1000:.1f} ms; "
             f"sum {(t['p_ttft'] + t['p_dec']) * 1000:.1f} vs {(t['v_ttft'] + t['v_dec']) * 1000:.1f} ms"
         )
-        if t["ok"]:
+        if tries.saw(t["ok"]):
             break
-    assert tries[-1]["ok"], f"no try agreed within a few ms: {tries}"
+    assert seen[-1]["ok"], f"no try agreed within a few ms ({tries.rate}): {seen}"
 
 
 # --- hang-up ----------------------------------------------------------------------------------
 
 
-def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
+def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy, tries):
     """Hang up on a 480-token answer at its first output event. A try counts only if vLLM
     stopped early, judged by its own generated-token count: when its API server falls
-    behind its engine (a loaded 2-core machine), the engine can finish the whole answer
-    before the close reaches it, and such a try shows nothing. Nothing runs between the
-    first event and the close (a scrape there once let the engine finish in ten tries out
-    of ten; a 2-core machine with three busy loops on it still let it finish in 5 tries of
-    14, never more than 2 in a row): up to 20 tries."""
+    behind its engine (a loaded machine), the engine can finish the whole answer before
+    the close reaches it, and such a try shows nothing. Nothing runs between the first
+    event and the close (anything there gives the engine time to finish): up to 20 tries,
+    the rate of those that stopped early reported."""
     for attempt in range(20):
         v0, p0 = _vllm_sums(vllm.url), _pw_sums(vllm_proxy.url)
         assert v0["num_requests_running"] == 0
@@ -354,7 +357,7 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
         time.sleep(0.5)
         v1 = _vllm_sums(vllm.url)
         generated = v1["generation_tokens_total"] - v0["generation_tokens_total"]
-        if generated >= 480:
+        if not tries.saw(generated < 480):
             print(f"\ntry {attempt}: vLLM had generated all 480 tokens before the close")
             continue
         # vLLM stopped early, which only phasewatch closing its connection can cause: the
@@ -370,7 +373,7 @@ def test_client_hang_up_stops_vllm_and_counts_aborted(vllm, vllm_proxy):
             f"{v1['e2e_request_latency_seconds_count'] - v0['e2e_request_latency_seconds_count']:.0f}"
         )
         return
-    pytest.fail("in 20 tries vLLM never stopped early when the client hung up")
+    pytest.fail(f"vLLM never stopped early when the client hung up ({tries.rate})")
 
 
 # --- per-request figures under concurrency --------------------------------------------------

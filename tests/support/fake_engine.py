@@ -4,7 +4,7 @@ test's choice, configured per test rather than written again in each file.
 It is written on asyncio streams, not on an HTTP framework, so nothing normalises what it
 sends; it runs its own event loop in a thread, so tests may drive it from async code (the
 transports) or put a subprocess proxy in front of it alike. Each request is recorded
-(:attr:`FakeEngine.requests`, before it is answered) and answered in one of three ways:
+(:attr:`FakeEngine.requests`, parsed and as its bytes, before it is answered) and answered in one of three ways:
 
 - ``answer(req)`` returns a :class:`Reply`: the bytes to write and what then happens to the
   connection (kept, closed, reset, hung, dropped without a byte, an unsolicited response
@@ -51,6 +51,8 @@ class Request:
     #: At most the engine's ``keep_bodies_up_to`` bytes of it (the rest is read and dropped).
     body: bytes
     conn: int  # which connection (1, 2, ...) carried it
+    #: The request's bytes as they arrived: its head, then the body as kept.
+    raw: bytes = b""
 
     def header_names(self) -> list[str]:
         return [k.lower() for k, _ in self.headers]
@@ -354,4 +356,5 @@ async def read_request(reader: asyncio.StreamReader, conn: int, keep: int) -> Re
         if kept < keep:
             parts.append(piece)
             kept += len(piece)
-    return Request(method, target, headers, b"".join(parts), conn)
+    body = b"".join(parts)
+    return Request(method, target, headers, body, conn, head + body)

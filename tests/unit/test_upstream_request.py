@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from proxy.core.upstream_call import upstream_fields, upstream_request
 from proxy.transport.lean import LeanTransport
 
+from ..support.fake_engine import FakeEngine, Reply, response
+
 _NAMES = st.sampled_from(
     [
         b"host",
@@ -60,46 +62,19 @@ def test_the_stream_form_builds_the_content_form_request(method, url, headers, b
     assert ours.extensions == theirs.extensions
 
 
-_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-
-
 async def _sent_bytes(*senders) -> list[bytes]:
     """What one request from each of `senders` (``send(transport, base_url)``, each over
-    a transport of its own) put on the wire, to one loopback server."""
-    loop = asyncio.get_running_loop()
-    got: list[bytearray] = []
-
-    class Server(asyncio.Protocol):
-        def connection_made(self, transport):
-            self.transport, self.got = transport, bytearray()
-            got.append(self.got)
-
-        def data_received(self, data):
-            self.got.extend(data)
-            if b"\r\n\r\n" in self.got:
-                head, _, rest = bytes(self.got).partition(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                if len(rest) >= length:
-                    self.transport.write(_ANSWER)
-
-    server = await loop.create_server(Server, "127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
+    a transport of its own) put on the wire, to one fake engine."""
+    with FakeEngine(lambda req: Reply(response(200, b"ok"))) as engine:
         for send in senders:
             transport = LeanTransport()
             try:
-                resp = await send(transport, base)
+                resp = await send(transport, engine.url)
                 assert await resp.aread() == b"ok"  # the whole request came: answered
                 await resp.aclose()
             finally:
                 await transport.aclose()
-    finally:
-        server.close()
-    return [bytes(g) for g in got]
+        return [r.raw for r in engine.requests]
 
 
 @settings(max_examples=60, deadline=None)
