@@ -42,6 +42,12 @@ from .checks import (
 )
 from .upstreams import upstream_specs
 
+#: The start-up notice for --handoff/--no-handoff, accepted for one more release.
+DEPRECATED_HANDOFF = (
+    "--handoff/--no-handoff (PHASEWATCH_HANDOFF) has no effect and will be removed in the "
+    "next release"
+)
+
 
 class Settings(BaseSettings):
     """Every setting of ``phasewatch serve``."""
@@ -353,9 +359,8 @@ class Settings(BaseSettings):
     )
     handoff: bool = Field(
         True,
-        description="Yield the CPU once after an answer's head and first body are written "
-        "while it is the only request in flight, so a client on the same machine reads its "
-        "first token at once; --no-handoff where busy processes share the proxy's CPUs.",
+        description="Deprecated, has no effect (the CPU hand-off it switched was removed); "
+        "still accepted for one release, with a notice at start.",
     )
 
     # Fleets: pools of upstreams serving one model, health, model management
@@ -540,6 +545,8 @@ class Settings(BaseSettings):
             self.api_key, self.clients, self.client_header, self.admin_api
         )
         self._upstreams = tuple(specs)
+        if "handoff" in self.model_fields_set:
+            notes.append(DEPRECATED_HANDOFF)
         self._notices = notes + unknown_variables(os.environ, known)
         self._precision = dict(item.split("=", 1) for item in self.precision)
         self._power_gpu = {
