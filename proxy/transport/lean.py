@@ -284,7 +284,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": conn.reason,
                 "phasewatch.push": conn.push,
-                "phasewatch.ended": conn.ended,
             },
         )
 
