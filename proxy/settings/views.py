@@ -61,7 +61,6 @@ def upstream_options(s: Settings) -> UpstreamOptions:
     """What every upstream shares."""
     return UpstreamOptions(
         client=ClientOptions(
-            kind=s.upstream_client,
             connect_timeout=s.connect_timeout,
             read_timeout=s.read_timeout,
             write_timeout=s.write_timeout,

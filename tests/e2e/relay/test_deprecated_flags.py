@@ -1,13 +1,14 @@
-"""``--handoff`` / ``--no-handoff`` (and ``PHASEWATCH_HANDOFF``): accepted for one more
-release and without effect. A proxy started with either spelling serves the same
-deterministic stream, byte for byte, as one started without it, and says once at start
-that the flag does nothing; a proxy started without it says nothing of the kind."""
+"""The settings kept for one more release without effect (proxy.settings.model.DEPRECATED):
+``--handoff`` / ``--no-handoff`` (``PHASEWATCH_HANDOFF``) and ``--upstream-client lean``
+(``PHASEWATCH_UPSTREAM_CLIENT``). A proxy started with any of them serves the same
+deterministic stream as one started without, and says once at start that the setting does
+nothing; a proxy started with none says nothing of the kind."""
 
 from __future__ import annotations
 
 import httpx
 
-from proxy.settings.model import DEPRECATED_HANDOFF
+from proxy.settings.model import DEPRECATED
 
 from ...support.servers import start_proxy
 
@@ -37,18 +38,22 @@ def _events(url: str) -> list[str]:
     return out
 
 
-def test_handoff_flag_is_accepted_and_changes_nothing(proxy, sim):
+def test_deprecated_settings_are_accepted_and_change_nothing(proxy, sim):
     plain = _events(proxy.url)
     assert plain and plain[-1] == "data: [DONE]"
-    assert DEPRECATED_HANDOFF not in proxy.log()
-    for args, env in (
-        (["--no-handoff"], None),
-        (["--handoff"], None),
-        (None, {"PHASEWATCH_HANDOFF": "false"}),
+    assert not any(notice in proxy.log() for notice in DEPRECATED.values())
+    for args, env, name in (
+        (["--no-handoff"], None, "handoff"),
+        (["--handoff"], None, "handoff"),
+        (None, {"PHASEWATCH_HANDOFF": "false"}, "handoff"),
+        (["--upstream-client", "lean"], None, "upstream_client"),
+        (None, {"PHASEWATCH_UPSTREAM_CLIENT": "lean"}, "upstream_client"),
     ):
         flagged = start_proxy(f"sim={sim.url}", args=args, env=env)
         try:
             assert _events(flagged.url) == plain, (args, env)
         finally:
             flagged.stop()
-        assert flagged.log().count(DEPRECATED_HANDOFF) == 1, (args, env, flagged.log())
+        log = flagged.log()
+        assert log.count(DEPRECATED[name]) == 1, (args, env, log)
+        assert sum(log.count(notice) for notice in DEPRECATED.values()) == 1, (args, env, log)
