@@ -15,7 +15,6 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ..measure.metrics import child
 from .gate import QueueFull, QueueTimeout
 from .refusals import RETRY_AFTER, Refusal
 
@@ -41,8 +40,8 @@ class Admitted:
     def _bind(self) -> None:
         ex = self.ex
         base = (ex.upstream.name, ex.model_label, ex.precision)
-        self._queued = child(self.metrics.queued_requests, *base)
-        self._in_flight = child(self.metrics.in_flight_requests, *base)
+        self._queued = self.metrics.queued_requests.labels(*base)
+        self._in_flight = self.metrics.in_flight_requests.labels(*base)
 
     async def _take(self) -> None:
         upstream = self.ex.upstream

@@ -32,15 +32,6 @@ from .reply import Reply
 #: Largest non-streamed measured response kept for reading its usage.
 MAX_KEPT_BODY = 16 * 1024 * 1024
 
-#: The upstream response extension saying whether its body is over, every byte of it
-#: read (proxy.transport.lean): a stream's last read then goes out with the answer's end,
-#: in one write (the client woken once for both). Where a transport has none, `_never`.
-ENDED = "phasewatch.ended"
-
-
-def _never() -> bool:
-    return False
-
 
 def raw_body(resp: httpx.Response) -> AsyncIterator[bytes]:
     """`resp`'s body as its transport hands it over. Why not ``aiter_raw``: it wraps
@@ -228,21 +219,18 @@ class Responder:
     ) -> bytes:
         """The per-event loop, the hottest code in the product: feed each chunk to the tap
         (or its decoder), forward what it lets through (with `push`, what the connection's
-        callback did not take: proxy.core.push); return the rest, the last read with it."""
+        callback did not take: proxy.core.push); return the rest."""
         feed, monotonic = source.feed, time.monotonic
-        ended, last = resp.extensions.get(ENDED, _never), b""
         async for chunk in raw_body(resp):
             held = push.take() if push is not None else b""  # the callback's output first
             out = feed(chunk, monotonic())
             if held:
                 out = held + out
-            if ended():  # nothing follows: it goes out with the end, in one write
-                last = out
-            elif out:
+            if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             if push is not None:
                 push.busy = False
-        return last + (push.take() if push is not None else b"") + source.end(monotonic())
+        return (push.take() if push is not None else b"") + source.end(monotonic())
 
     async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
         """A coded stream decoded for the client (usage was injected, the engine coded its

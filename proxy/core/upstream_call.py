@@ -25,10 +25,6 @@ from .limited import LimitedLog
 from .routing import Route
 from .upstreams import Upstream, failure_reason
 
-#: The ASGI scope extension of the server's hand-off after a request is written upstream
-#: (proxy.runtime.handoff): a callable, called once the request is on the wire.
-HANDOFF = "phasewatch.handoff"
-
 #: Called before a request that could not be sent goes to the next member of its pool
 #: (the measured path moves its admission there); it may raise the failure again.
 Moving = Callable[[Upstream, UpstreamFailure], Awaitable[None]]
@@ -81,8 +77,7 @@ class UpstreamCall:
     ) -> httpx.Response:
         """Send the request upstream and return the response with its body unread;
         `extra` headers (the trace context, with --otel) replace the client's of the
-        same name. Where the server offers its hand-off (:data:`HANDOFF`), the lean
-        transport calls it once the request is written."""
+        same name."""
         qs = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
         headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
@@ -108,7 +103,6 @@ class UpstreamCall:
                     fields,
                     body,
                     extensions["timeout"],
-                    written=(scope.get("extensions") or {}).get(HANDOFF),
                 )
             else:
                 resp = await transport.handle_async_request(

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import time
-from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,9 +23,6 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
-)
-from prometheus_client.core import (
-    Exemplar,
 )
 from prometheus_client.gc_collector import GCCollector
 
@@ -530,33 +525,3 @@ def observe_counts(child, counts: list[int], total: float) -> None:
             n += c
     if n:
         child._sum.inc(total)
-
-
-def observe(child: Histogram, amount: float, exemplar: dict[str, str] | None = None) -> None:
-    """``child.observe(amount, exemplar)``, its bucket found by bisection. Why: the
-    library walks its bounds one by one in Python, checks observability and validates
-    the exemplar's label names on every call; the recorder makes about a dozen
-    observations a request, three with an exemplar. An `exemplar` must be one
-    ``proxy.measure.recorder.exemplar`` made (valid names, within the length limit: a
-    test holds it to the library's validation). Same private attributes and version cap
-    as :func:`observe_counts`; a NaN (no bucket takes it) goes to the library."""
-    if amount != amount:
-        child.observe(amount, exemplar)
-        return
-    child._sum.inc(amount)
-    bucket = child._buckets[bisect.bisect_left(child._upper_bounds, amount)]
-    bucket.inc(1)
-    if exemplar:
-        bucket.set_exemplar(Exemplar(exemplar, amount, time.time()))
-
-
-MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
-
-
-def child(metric: MetricT, *values: str) -> MetricT:
-    """``metric.labels(*values)`` (string values), taken from the metric's own table of
-    children when the label set is already there: a dict lookup instead of labels()'s
-    checks and lock, about 1 µs saved a call, some twenty calls a request. The same
-    private table as :func:`observe_counts` (hence the same version cap)."""
-    got: MetricT | None = metric._metrics.get(values)  # type: ignore[assignment]
-    return got if got is not None else metric.labels(*values)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .kvcache import KVModel
-from .metrics import Metrics, child, observe, observe_counts, prompt_band
+from .metrics import Metrics, observe_counts, prompt_band
 from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -154,62 +154,60 @@ class Recorder:
         # Grafana jumps from a slow bucket to the trace and the log line through these.
         marker = exemplar(ex.request_id, ex.trace_id)
 
-        child(m.requests_total, *base, ex.endpoint, ex.outcome, client).inc()
+        m.requests_total.labels(*base, ex.endpoint, ex.outcome, client).inc()
         if f.request_seconds is not None:
-            observe(
-                child(m.request_seconds, *base, ex.endpoint, ex.outcome),
-                f.request_seconds,
-                marker,
+            m.request_seconds.labels(*base, ex.endpoint, ex.outcome).observe(
+                f.request_seconds, marker
             )
         if ex.outcome == "rejected":
             return
         if f.queue_proxy is not None:
-            observe(child(m.queue_seconds, *base, "proxy"), f.queue_proxy)
+            m.queue_seconds.labels(*base, "proxy").observe(f.queue_proxy)
         # every error kind is counted here: the one that failed the request, and those
         # that did not
         if ex.error_kind:
-            child(m.errors_total, *base, ex.error_kind).inc()
+            m.errors_total.labels(*base, ex.error_kind).inc()
         for kind in ex.side_errors:
-            child(m.errors_total, *base, kind).inc()
+            m.errors_total.labels(*base, kind).inc()
         if ex.outcome == "aborted":
-            child(m.aborts_total, *base, ex.abort_phase or "unknown").inc()
+            m.aborts_total.labels(*base, ex.abort_phase or "unknown").inc()
 
         if f.ttft is not None:
-            observe(child(m.ttft_seconds, *base, band), f.ttft, marker)
+            m.ttft_seconds.labels(*base, band).observe(f.ttft, marker)
         gaps = ex.gaps
         if gaps is not None and ex.marks.output_events > 1:
-            observe_counts(child(m.inter_token_seconds, *base), gaps[0], gaps[1])
+            observe_counts(m.inter_token_seconds.labels(*base), gaps[0], gaps[1])
 
         # Phase figures need the engine's counts: only complete responses have them.
         if ex.outcome == "ok":
             if f.queue_upstream is not None:
-                observe(child(m.queue_seconds, *base, "upstream"), f.queue_upstream)
+                m.queue_seconds.labels(*base, "upstream").observe(f.queue_upstream)
             for source, value in f.prefill_seconds.items():
-                observe(child(m.prefill_seconds, *base, source, band), value)
+                m.prefill_seconds.labels(*base, source, band).observe(value)
             for source, value in f.prefill_tps.items():
-                observe(child(m.prefill_tokens_per_second, *base, source, band), value)
+                m.prefill_tokens_per_second.labels(*base, source, band).observe(value)
             for source, value in f.decode_seconds.items():
-                observe(child(m.decode_seconds, *base, source, band), value)
+                m.decode_seconds.labels(*base, source, band).observe(value)
             for source, value in f.decode_tps.items():
-                observe(child(m.decode_tokens_per_second, *base, source, band), value, marker)
+                m.decode_tokens_per_second.labels(*base, source, band).observe(value, marker)
             for source, value in f.tpot.items():
-                observe(child(m.time_per_output_token_seconds, *base, source), value)
+                m.time_per_output_token_seconds.labels(*base, source).observe(value)
             kv = ex.kv
             kv_bytes = kv.request_bytes(f.context_tokens) if kv and f.context_tokens else None
             if kv_bytes is not None:
-                observe(child(m.kv_cache_bytes, *base), kv_bytes)
+                m.kv_cache_bytes.labels(*base).observe(kv_bytes)
             if f.load_seconds is not None:
-                observe(child(m.load_seconds, *base), f.load_seconds)
+                m.load_seconds.labels(*base).observe(f.load_seconds)
         if f.prompt_tokens is not None:
-            observe(child(m.prompt_tokens, *base), f.prompt_tokens)
+            m.prompt_tokens.labels(*base).observe(f.prompt_tokens)
             if f.processed_prompt_tokens:
-                child(m.tokens_total, *base, "prefill", client).inc(f.processed_prompt_tokens)
+                m.tokens_total.labels(*base, "prefill", client).inc(f.processed_prompt_tokens)
             if f.cached_tokens:
-                child(m.tokens_total, *base, "cached", client).inc(f.cached_tokens)
+                m.tokens_total.labels(*base, "cached", client).inc(f.cached_tokens)
         if f.completion_tokens is not None:
-            observe(child(m.completion_tokens, *base), f.completion_tokens)
+            m.completion_tokens.labels(*base).observe(f.completion_tokens)
             if f.completion_tokens:
-                child(m.tokens_total, *base, "decode", client).inc(f.completion_tokens)
+                m.tokens_total.labels(*base, "decode", client).inc(f.completion_tokens)
 
     def _finish(self, ex: Finished, f: Figures, listeners: list[Listener]) -> None:
         """Run the listeners, then the sinks, then write the line."""

@@ -1,7 +1,6 @@
 """What the server offers the relay beside ASGI: the ``phasewatch.write`` extension (a
 response's body written in the caller's own callback), ``phasewatch.gone`` (a hang-up
-told by a callback, without a watcher task: :mod:`proxy.core.reply`) and, with
-``--handoff``, ``phasewatch.handoff`` (:mod:`proxy.runtime.handoff`).
+told by a callback, without a watcher task: :mod:`proxy.core.reply`).
 
 Why: a paced stream's event would otherwise cost a task hop to reach the client (the
 upstream connection wakes the relay task, which awaits ``send``). The relay can instead
@@ -23,7 +22,6 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from ..core.push import WRITE, Writer
 from ..core.reply import GONE, Watch
-from ..core.upstream_call import HANDOFF
 
 #: The cycle's attribute holding the relay's hang-up callback (read by the protocol).
 HUNG_UP = "phasewatch_gone"
@@ -46,7 +44,7 @@ def writer(cycle: RequestResponseCycle, real: asyncio.Transport, guard: Closing)
     of `real` (its own transport) and `guard` (its ``lingering``) directly, rather than
     through the transport the cycle holds."""
     flow = cycle.flow
-    send = real.write  # never the cycle's (proxy.runtime.handoff)
+    send = real.write  # the connection's own, not the facade uvicorn's cycle holds
     is_closing = real.is_closing
     # the cycle's scope holds this writer: a strong reference back would make every
     # answer's cycle, scope and headers garbage only the collector could free
@@ -111,12 +109,9 @@ def install(
     cycle: RequestResponseCycle,
     real: asyncio.Transport,
     guard: Closing,
-    handoff: Callable[[], None] | None = None,
 ) -> None:
     """Offer the cycle's application the writer and the hang-up hook, as scope
-    extensions, and `handoff` (proxy.runtime.handoff) where it is on."""
+    extensions."""
     extensions = cycle.scope.setdefault("extensions", {})
     extensions[WRITE] = writer(cycle, real, guard)  # type: ignore[assignment]
     extensions[GONE] = watcher(cycle)  # type: ignore[assignment]
-    if handoff is not None:
-        extensions[HANDOFF] = handoff  # type: ignore[assignment]

@@ -35,8 +35,7 @@ And two fixes to how a connection ends (half-close, lingering close):
 
 Each refusal counts in ``phasewatch_rejected_total{reason}`` and is said in the log (at
 most one line per reason per 10 s, with how many it folded in). What this module takes
-from uvicorn's private protocol, and why: :mod:`proxy.runtime.borrowed`; the hand-off
-after an answer's first write: :mod:`proxy.runtime.handoff`.
+from uvicorn's private protocol, and why: :mod:`proxy.runtime.borrowed`.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from ..core.limited import LimitedLog
 from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
 from .direct import hung_up, install
 from .ending import ConnectionEnd
-from .handoff import after_request, arm
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +124,6 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     #: holds about two upstream reads of its stream), and how many may.
     stalled: ClassVar[dict[GuardedProtocol, None]] = {}
     max_stalled = 64
-    #: Whether an answer's first writes go through the hand-off (--handoff).
-    handoff = True
     #: Called with the reason of each refusal (the metrics counter).
     on_reject: Callable[[str], None] = staticmethod(lambda reason: None)
     refusals = LimitedLog(log)
@@ -152,7 +148,6 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         self.stopped = False  # refused or upgraded: nothing more is parsed
         self.pending: bytes | None = None  # a refusal, written once the queued answers are out
         self.running: RequestResponseCycle | None = None  # the cycle being answered
-        self.written = after_request(self.tasks) if self.handoff else None
 
     # --- the connection -----------------------------------------------------------------
 
@@ -346,15 +341,13 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             return
         self.body_left = content_length(self.headers)
         assert self.real is not None  # set by connection_made, before any byte is parsed
-        install(cycle, self.real, self, self.written)  # extensions (runtime.direct)
+        install(cycle, self.real, self)  # extensions (runtime.direct)
         if self.parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:
             # this connection can carry no further request
             cycle.keep_alive = False
         if not (self.pipeline and self.pipeline[0][0] is cycle):
             self.running = cycle  # started at once
-            if self.handoff:
-                arm(self)  # its head and first body go through runtime.handoff
         elif len(self.pipeline) > self.max_pipelined:
             self.pipeline.popleft()  # never started
             self._refuse_pipeline(f"more than {self.max_pipelined} requests read ahead")
@@ -395,8 +388,6 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
                 self._keep_alive()
         if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
             self.running = following  # uvicorn started the next queued request
-            if self.handoff:
-                arm(self)
         if self.transport.is_closing() or self.lingering:
             return
         if self.pending is not None:
@@ -598,7 +589,6 @@ def guarded_protocol(
     max_pipelined: int = 16,
     max_held: int = 64 * 1024,
     max_stalled: int = 64,
-    handoff: bool = True,
 ) -> type[GuardedProtocol]:
     """The protocol class for one server, with its limits and its refusal counter."""
     return type(
@@ -611,7 +601,6 @@ def guarded_protocol(
             "max_held": max_held,
             "stalled": {},
             "max_stalled": max_stalled,
-            "handoff": handoff,
             "on_reject": staticmethod(on_reject),
             "refusals": LimitedLog(log),
         },

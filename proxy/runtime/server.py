@@ -110,7 +110,6 @@ def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
         max_pipelined=limits.max_pipelined_requests,
         max_held=limits.max_pipelined_bytes,
         max_stalled=limits.max_stalled_streams,
-        handoff=limits.handoff,
     )
     return config
 

@@ -42,6 +42,15 @@ from .checks import (
 )
 from .upstreams import upstream_specs
 
+#: Settings accepted for one more release without effect, and the start-up notice each
+#: gives when it is set.
+DEPRECATED = {
+    "handoff": "--handoff/--no-handoff (PHASEWATCH_HANDOFF) has no effect and will be "
+    "removed in the next release",
+    "upstream_client": "--upstream-client (PHASEWATCH_UPSTREAM_CLIENT) has no effect (lean "
+    "is the only upstream client) and will be removed in the next release",
+}
+
 
 class Settings(BaseSettings):
     """Every setting of ``phasewatch serve``."""
@@ -152,9 +161,8 @@ class Settings(BaseSettings):
     )
     upstream_client: Literal["lean"] = Field(
         "lean",
-        description="HTTP client for the upstream connections: lean (an asyncio + "
-        "httptools HTTP/1.1 transport; library clients were measured against it, see the "
-        "README's benchmarks).",
+        description="Deprecated, has no effect: lean (asyncio + httptools) is the only "
+        "upstream client; still accepted for one release, with a notice at start.",
     )
     upstream_max_connections: int = Field(
         1024,
@@ -353,9 +361,8 @@ class Settings(BaseSettings):
     )
     handoff: bool = Field(
         True,
-        description="Yield the CPU once after an answer's head and first body are written "
-        "while it is the only request in flight, so a client on the same machine reads its "
-        "first token at once; --no-handoff where busy processes share the proxy's CPUs.",
+        description="Deprecated, has no effect (the CPU hand-off it switched was removed); "
+        "still accepted for one release, with a notice at start.",
     )
 
     # Fleets: pools of upstreams serving one model, health, model management
@@ -540,6 +547,7 @@ class Settings(BaseSettings):
             self.api_key, self.clients, self.client_header, self.admin_api
         )
         self._upstreams = tuple(specs)
+        notes += [DEPRECATED[name] for name in DEPRECATED if name in self.model_fields_set]
         self._notices = notes + unknown_variables(os.environ, known)
         self._precision = dict(item.split("=", 1) for item in self.precision)
         self._power_gpu = {

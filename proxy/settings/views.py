@@ -29,7 +29,6 @@ class ServerLimits:
     max_pipelined_requests: int
     max_pipelined_bytes: int
     max_stalled_streams: int
-    handoff: bool
 
 
 def relay_options(s: Settings) -> RelayOptions:
@@ -51,7 +50,6 @@ def server_limits(s: Settings) -> ServerLimits:
         max_pipelined_requests=s.max_pipelined_requests,
         max_pipelined_bytes=s.max_pipelined_bytes,
         max_stalled_streams=s.max_stalled_streams,
-        handoff=s.handoff,
     )
 
 
@@ -63,7 +61,6 @@ def upstream_options(s: Settings) -> UpstreamOptions:
     """What every upstream shares."""
     return UpstreamOptions(
         client=ClientOptions(
-            kind=s.upstream_client,
             connect_timeout=s.connect_timeout,
             read_timeout=s.read_timeout,
             write_timeout=s.write_timeout,

@@ -1,12 +1,11 @@
-"""The upstream HTTP client(s), behind httpx's transport API.
+"""The upstream HTTP client, behind httpx's transport API.
 
 The relay sends through an ``httpx.AsyncBaseTransport`` (one per upstream, its own pool);
-the engines' probes use an ``httpx.AsyncClient`` over the same transport. The one that
-moves the bytes is ``lean`` (:mod:`.lean`, asyncio + httptools): whole responses or an
-error, one send per non-idempotent request, TLS options, limits, no added headers, no
-decompression. Library clients (httpx's own transport, aiohttp's) were measured against it
-and run the same tests; why it stays is in the README's benchmark section. A test hands in
-its own transport (``httpx.MockTransport``) through ``ClientOptions.transport``.
+the engines' probes use an ``httpx.AsyncClient`` over the same transport. What moves the
+bytes is :mod:`.lean` (asyncio + httptools): whole responses or an error, one send per
+non-idempotent request, TLS options, limits, no added headers, no decompression. Why not a
+library client: docs/transport.md. A test hands in its own transport
+(``httpx.MockTransport``) through ``ClientOptions.transport``.
 """
 
 from __future__ import annotations
@@ -21,9 +20,6 @@ from .options import IDEMPOTENT, ClientOptions, TLSOptions
 
 log = logging.getLogger(__name__)
 
-#: Every client phasewatch ships, the default first.
-CLIENTS = ("lean",)
-
 #: httpx's client adds these to every request unless removed; a transparent proxy (and
 #: its probes, which an engine should see as plainly) sends none of them.
 _CLIENT_DEFAULTS = ("accept", "accept-encoding", "connection", "user-agent")
@@ -33,8 +29,6 @@ def make_transport(options: ClientOptions, name: str = "") -> httpx.AsyncBaseTra
     """The transport for one upstream (its own pool). A bad TLS file raises ValueError."""
     if options.transport is not None:
         return options.transport
-    if options.kind not in CLIENTS:
-        raise ValueError(f"unknown upstream client {options.kind!r} (one of {', '.join(CLIENTS)})")
     tls = options.tls
     context = tls.context() if (tls.ca or tls.cert or tls.insecure) else None
     if tls.insecure:
@@ -70,7 +64,6 @@ def make_client(
 
 
 __all__ = [
-    "CLIENTS",
     "IDEMPOTENT",
     "ClientOptions",
     "LeanTransport",

@@ -364,13 +364,8 @@ class Connection(asyncio.Protocol):
         """Give body bytes to `sink` as they are parsed, in the connection's callback
         (None: to the reader again). The reader is woken only for bytes the sink
         refused (returned False for), the end (with the body's last read, never offered
-        to the sink: :meth:`ended`) or an error."""
+        to the sink) or an error."""
         self.sink = sink
-
-    def ended(self) -> bool:
-        """The answer's body is complete and every byte of it was taken: the reader's
-        next step ends it."""
-        return self.complete and not self.chunks and self.error is None
 
     def finish(self) -> None:
         self.sink = None  # (the read timer stays for the next request: see __init__)

@@ -34,7 +34,7 @@ import logging
 import ssl as _ssl
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import httpx
 
@@ -239,15 +239,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
         body: bytes,
         timeouts: dict,
         request: httpx.Request | None = None,
-        written: Callable[[], None] | None = None,
     ) -> httpx.Response:
         """Send a request given as its parts (`fields` go on the wire as given: Host and
         the framing included) and return its response, body unread. Why: the relay's
         upstream request is whole already; built as an ``httpx.Request`` first, its
         headers would be normalised only to be written back out (some 40 us of the path
         before the upstream write, measured at concurrency 1). ``handle_async_request``
-        is this, for an ``httpx.Request``; errors name `request` (or one made for them).
-        `written` is called once the request is written, before its answer is awaited."""
+        is this, for an ``httpx.Request``; errors name `request` (or one made for them)."""
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
         wire = request_wire(method, url.raw_path, fields, body)
         resend = method in IDEMPOTENT
@@ -259,8 +257,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.start(method, url, request, timeouts.get("read"))
             try:
                 conn.transport.write(wire)
-                if written is not None:
-                    written()
                 await conn.drain(timeouts.get("write"))
                 while not conn.headers_done:
                     if conn.error is not None:
@@ -288,7 +284,6 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": conn.reason,
                 "phasewatch.push": conn.push,
-                "phasewatch.ended": conn.ended,
             },
         )
 

@@ -40,7 +40,6 @@ class TLSOptions:
 class ClientOptions:
     """How one upstream's client connects and waits; every limit has a default."""
 
-    kind: str = "lean"  # one of CLIENTS
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
     #: Longest one write of the request may block (an engine that stopped reading).

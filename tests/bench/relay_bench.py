@@ -8,9 +8,8 @@ One run, one machine, rounds interleaved so every contender sees the same noise:
 - plain:    tests/bench/plain_passthrough.py, FastAPI + httpx with no instrumentation;
 - bytes:    tests/bench/byte_relay.py (--byte-relay), a bare uvloop byte relay: no HTTP
             parsed, nothing measured, the floor of a Python proxy on this loop;
-- pw:CLIENT: ``phasewatch serve --upstream-client CLIENT`` for every client phasewatch
-            ships (--clients), the default first; ``pw:CLIENT×N`` with --workers N;
-- REV[:CLIENT]: phasewatch as it was at git revision REV (--baseline, repeatable), run
+- pw:       ``phasewatch serve``; ``pw×N`` with --workers N;
+- REV:      phasewatch as it was at git revision REV (--baseline, repeatable), run
             from a temporary ``git worktree`` (removed after): same-run before/after.
 
 Scenarios: (a) concurrency 1, 64-token streams: TTFT, added vs direct at p50/p99;
@@ -23,6 +22,12 @@ per request, the part of (c)'s cost that is the request's own rather than its ev
 Medians over --rounds.
 The client is a raw asyncio protocol (uvloop when installed) counting events on bytes.
 It asserts nothing: a benchmark, not a test.
+
+--pin runs each contender (nginx, phasewatch, ...) on a CPU of its own and everything else
+(this harness and its client processes, the upstream) on the others, as on separate
+machines: a client woken on the proxy's CPU cannot be served by the proxy yielding it.
+--busy N adds N CPU-bound processes at the lowest priority, on every CPU (unpinned), as an
+engine's own processes are beside a proxy on a GPU server.
 
     python tests/bench/relay_bench.py            # full run (a few minutes)
     python tests/bench/relay_bench.py --smoke    # seconds; CI runs this
@@ -47,14 +52,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.transport import CLIENTS
-
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
 #: Connections of the (e) scenario (short requests back to back on each).
 SHORT_CONCURRENCY = 8
+#: With --pin: the CPUs each contender runs on (empty: no pinning).
+CONTENDER_CPUS: set[int] = set()
 
 
 # --- processes ---------------------------------------------------------------------------
@@ -185,7 +190,10 @@ def spawn(
     ready: str,
     env: dict | None = None,
     cwd: Path = ROOT,
+    contender: bool = True,
 ) -> Proc:
+    """`argv` started and waited for; a `contender` runs on CONTENDER_CPUS (--pin), the
+    rest where this harness runs."""
     log = Path(tempfile.mkstemp(prefix="pw-bench-", suffix=".log")[1])
     popen = subprocess.Popen(
         argv,
@@ -193,16 +201,48 @@ def spawn(
         env={**os.environ, **(env or {})},
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
+        preexec_fn=pinned if contender else None,
     )
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + ready, popen, log)
     return Proc(name, url, popen, log, [lambda: log.unlink(missing_ok=True)])
 
 
+def pinned() -> None:
+    """In a contender's child process, before it runs: onto CONTENDER_CPUS (--pin)."""
+    if CONTENDER_CPUS:
+        os.sched_setaffinity(0, CONTENDER_CPUS)
+
+
+def pin_harness(pin: bool) -> set[int]:
+    """With `pin`: this process (and so the upstream and client processes it starts
+    afterwards) onto every CPU but the last, which is left to the contenders; returns
+    the contenders' CPUs (empty without `pin`, or on a single CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return set()
+    CONTENDER_CPUS.clear()
+    CONTENDER_CPUS.add(cpus[-1])
+    os.sched_setaffinity(0, set(cpus[:-1]))
+    return set(CONTENDER_CPUS)
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """`n` CPU-bound neighbours at the lowest priority, free to run on every CPU."""
+    everywhere = set(range(os.cpu_count() or 1))
+
+    def low() -> None:
+        os.sched_setaffinity(0, everywhere)
+        os.nice(19)
+
+    code = "while True:\n    pass\n"
+    return [subprocess.Popen([PY, "-c", code], preexec_fn=low) for _ in range(n)]
+
+
 def start_upstream(procs: int = 1) -> Proc:
     port = free_port()
     argv = [PY, str(HERE / "sse_upstream.py"), str(port), str(procs)]
-    return spawn("upstream", argv, port, "/health")
+    return spawn("upstream", argv, port, "/health", contender=False)
 
 
 def start_plain(upstream: str) -> Proc:
@@ -218,21 +258,13 @@ def start_byte_relay(upstream: str) -> Proc:
     return spawn("bytes", [PY, str(HERE / "byte_relay.py"), str(port), host_port], port, "/health")
 
 
-def start_phasewatch(
-    upstream: str,
-    workers: int,
-    client: str | None = None,
-    root: Path = ROOT,
-    name: str = "",
-    candidate: str | None = None,
-) -> Proc:
-    """phasewatch from `root` (this checkout, or a baseline's worktree), with one of its
-    clients or a library candidate (tests/bench/candidates.py) as its upstream client."""
+def start_phasewatch(upstream: str, workers: int, root: Path = ROOT, name: str = "") -> Proc:
+    """phasewatch from `root` (this checkout, or a baseline's worktree)."""
     port = free_port()
-    launcher = [str(HERE / "pw_candidate.py"), candidate] if candidate else ["-m", "proxy"]
     argv = [
         PY,
-        *launcher,
+        "-m",
+        "proxy",
         "serve",
         "--upstream",
         upstream,
@@ -245,11 +277,9 @@ def start_phasewatch(
         "--power-source",
         "none",
     ]
-    if client:
-        argv += ["--upstream-client", client]
     if workers != 1:
         argv += ["--workers", str(workers)]
-    name = name or f"pw:{candidate or client}" + (f"×{workers}" if workers != 1 else "")
+    name = name or "pw" + (f"×{workers}" if workers != 1 else "")
     env = {"PYTHONPATH": str(root)}
     proc = spawn(name, argv, port, "/phasewatch/health", env=env, cwd=root)
     return proc
@@ -325,6 +355,7 @@ def start_nginx(upstream: str) -> Proc:
         [binary, "-c", str(conf), "-p", d, "-e", f"{d}/error.log"],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
+        preexec_fn=pinned,
     )
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", popen, log)
@@ -797,8 +828,12 @@ def print_scaling(args, ws: list[str], loads: dict[tuple[str, str], list[dict]])
 
 
 async def bench(args) -> int:
+    contender_cpus = pin_harness(args.pin)
+    if args.pin and not contender_cpus:
+        print("(--pin needs 2 CPUs or more: not pinned)")
     up = start_upstream(args.upstream_procs)
     procs: list[Proc] = []
+    busy = start_busy(args.busy)
     if args.client_procs > 1:
         ctx = multiprocessing.get_context("spawn")
         CLIENTS_POOL.append(ProcessPoolExecutor(args.client_procs, mp_context=ctx))
@@ -812,25 +847,20 @@ async def bench(args) -> int:
             procs.append(start_plain(up.url))
         if args.byte_relay:
             procs.append(start_byte_relay(up.url))
-        for client in args.clients:
-            for w in args.workers:
-                procs.append(start_phasewatch(up.url, w, client))
-        for kind in args.candidates:
-            procs.append(start_phasewatch(up.url, 1, candidate=kind))
+        for w in args.workers:
+            procs.append(start_phasewatch(up.url, w))
         baselines = []
-        for spec in args.baseline:
-            rev, _, client = spec.partition(":")
+        for rev in args.baseline:
             tree_dir = baseline_worktree(rev)
-            procs.append(start_phasewatch(up.url, 1, client or None, root=tree_dir, name=spec))
+            procs.append(start_phasewatch(up.url, 1, root=tree_dir, name=rev))
             procs[-1].cleanup.append(lambda d=tree_dir: remove_worktree(d))
-            baselines.append(spec)
+            baselines.append(rev)
         targets = [direct] + procs
         names = [t.name for t in targets]
-        pw = f"pw:{args.clients[0]}"
+        pw = "pw"
         ratios = [(pw, "nginx")] if any(t.name == "nginx" for t in procs) else []
         if args.byte_relay:
             ratios.append((pw, "bytes"))
-        ratios += [(f"pw:{c}", pw) for c in args.clients[1:] + args.candidates]
         ratios += [(pw, b) for b in baselines]
         if len(baselines) > 1:
             ratios.append((baselines[0], baselines[1]))
@@ -1024,7 +1054,14 @@ async def bench(args) -> int:
             f"{args.paced_rate:g} tok/s, starts spread (steady state); (e) "
             f"{args.short_requests} 2-token streams over {SHORT_CONCURRENCY} connections "
             "(the per-request cost, apart from the events); "
-            f"{os.cpu_count()} CPUs{f'; INCOMPLETE STREAMS: {bad}' if bad else ''}"
+            f"{os.cpu_count()} CPUs"
+            + (
+                f"; pinned: contenders on CPU {sorted(contender_cpus)}, the rest on the others"
+                if contender_cpus
+                else ""
+            )
+            + (f"; {args.busy} busy neighbour(s) at nice 19, unpinned" if args.busy else "")
+            + (f"; INCOMPLETE STREAMS: {bad}" if bad else "")
         )
         print(
             "CPU columns: utime+stime of the contender's processes only (not the client, "
@@ -1047,6 +1084,9 @@ async def bench(args) -> int:
             await otel_cost(args, up.url)
         return 1 if bad else 0
     finally:
+        for b in busy:
+            b.kill()
+            b.wait()
         for p in procs:
             p.stop()
         up.stop()
@@ -1067,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1],
-        help="phasewatch worker counts to run per client, comma separated [1]; more than "
+        help="phasewatch worker counts to run, comma separated [1]; more than "
         "one prints the scaling curve (e.g. 1,2,4)",
     )
     p.add_argument(
@@ -1084,24 +1124,24 @@ def main(argv: list[str] | None = None) -> int:
         help="upstream processes sharing its port (SO_REUSEPORT) [1]",
     )
     p.add_argument(
-        "--clients",
-        type=lambda s: s.split(","),
-        default=list(CLIENTS),
-        help=f"upstream clients to run, the default first [{','.join(CLIENTS)}]",
-    )
-    p.add_argument(
-        "--candidates",
-        type=lambda s: [x for x in s.split(",") if x],
-        default=["aiohttp", "httpx"],
-        help="library clients measured beside (tests/bench/candidates.py) [aiohttp,httpx]",
-    )
-    p.add_argument(
         "--baseline",
         action="append",
         default=[],
-        metavar="REV[:CLIENT]",
-        help="also run phasewatch as at git revision REV (with --upstream-client CLIENT), "
-        "from a temporary worktree; repeatable (e.g. --baseline 5dd6620)",
+        metavar="REV",
+        help="also run phasewatch as at git revision REV, from a temporary worktree; "
+        "repeatable (e.g. --baseline 5dd6620)",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="each contender on the last CPU, the harness, clients and upstream on the others",
+    )
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N CPU-bound neighbours at nice 19 on every CPU during the run [0]",
     )
     p.add_argument("--no-nginx", dest="nginx", action="store_false")
     p.add_argument(

@@ -133,21 +133,3 @@ def test_the_private_bucket_api_observe_counts_relies_on_is_there():
     assert samples[("x_seconds_bucket", "0.1")] == 2
     assert samples[("x_seconds_bucket", "1.0")] == 3
     assert samples[("x_seconds_count", None)] == 3 and samples[("x_seconds_sum", None)] == 0.35
-
-
-def test_child_is_the_same_child_labels_gives():
-    """child() reads prometheus-client's private table of children (the version cap
-    again): the child it returns must be labels()'s, new label sets included, and one
-    removed must not come back from a stale table."""
-    from prometheus_client import CollectorRegistry, Counter
-
-    from proxy.measure.metrics import child
-
-    c = Counter("y_total", "y", ["a", "b"], registry=CollectorRegistry())
-    first = child(c, "u", "m")  # not there yet: made by labels()
-    assert first is c.labels("u", "m") and child(c, "u", "m") is first
-    child(c, "u", "m").inc(2)
-    assert c.labels("u", "m")._value.get() == 2
-    c.remove("u", "m")
-    again = child(c, "u", "m")
-    assert again is not first and again is c.labels("u", "m")

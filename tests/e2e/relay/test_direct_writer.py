@@ -23,12 +23,12 @@ from proxy.runtime.protocol import guarded_protocol
 from ...support.servers import free_port
 
 
-def _serve(app, port: int, handoff: bool = True) -> uvicorn.Server:
+def _serve(app, port: int) -> uvicorn.Server:
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=port,
-        http=guarded_protocol(64 * 1024, 10.0, lambda reason: None, handoff=handoff),
+        http=guarded_protocol(64 * 1024, 10.0, lambda reason: None),
         lifespan="off",
         log_config=None,
     )
@@ -36,11 +36,10 @@ def _serve(app, port: int, handoff: bool = True) -> uvicorn.Server:
 
 
 @contextlib.asynccontextmanager
-async def served(app, handoff: bool = True) -> AsyncIterator[int]:
-    """`app` served on a loopback port (yielded) by uvicorn with the guarded protocol
-    (`handoff`: as ``--handoff`` says, proxy.runtime.handoff)."""
+async def served(app) -> AsyncIterator[int]:
+    """`app` served on a loopback port (yielded) by uvicorn with the guarded protocol."""
     port = free_port()
-    server = _serve(app, port, handoff)
+    server = _serve(app, port)
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)

@@ -1,5 +1,6 @@
 """The relay benchmark's --workers curve runs (briefly), its load spread over client and
-upstream processes: a smoke run, not a timing test (issue 26).
+upstream processes, pinned (--pin) beside a busy neighbour (--busy): a smoke run, not a
+timing test (issues 26, 43).
 
 What the curve says is read off a full run on a many-core machine, never asserted here.
 """
@@ -25,8 +26,9 @@ def test_scaling_curve_smoke():
             "2",
             "--no-plain",
             "--no-nginx",
-            "--candidates",
-            "",
+            "--pin",
+            "--busy",
+            "1",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -37,12 +39,14 @@ def test_scaling_curve_smoke():
     out = res.stdout
     assert "INCOMPLETE" not in out, out
     head = next(line for line in out.splitlines() if line.strip().startswith("metric"))
-    assert "plain" not in head and "aiohttp" not in head, head
+    assert "plain" not in head, head
     assert "2 client process(es), 2 upstream process(es)" in out, out
+    assert re.search(r"pinned: contenders on CPU \[\d+\]", out), out
+    assert "1 busy neighbour(s) at nice 19, unpinned" in out, out
     for row in ("(b) c8 events/s", "(b) c8 CPU µs/event", "(c) p8 CPU µs/event"):
         # one column per worker count, each with a figure
         assert re.search(re.escape(f"| {row} |") + r"[^|\n]*\d[^|\n]*\|[^|\n]*\d", out), (row, out)
-    assert re.search(r"scaling c8: pw:lean [\d,]+ events/s \(1\.00×, \S+ µs/event\)", out), out
+    assert re.search(r"scaling c8: pw [\d,]+ events/s \(1\.00×, \S+ µs/event\)", out), out
 
 
 def test_tap_bench_smoke():

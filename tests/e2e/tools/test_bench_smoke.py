@@ -28,11 +28,11 @@ def test_relay_benchmark_smoke():
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     head = next(line for line in out.splitlines() if line.strip().startswith("metric"))
-    # the shipped client (also with 2 workers) beside the library candidates and the
-    # byte relay (the floor of a Python proxy), whose ratio column is printed
-    for name in ("direct", "plain", "bytes", "pw:lean", "pw:lean×2", "pw:aiohttp", "pw:httpx"):
+    # phasewatch (also with 2 workers) beside the byte relay (the floor of a Python
+    # proxy), whose ratio column is printed
+    for name in ("direct", "plain", "bytes", "pw", "pw×2"):
         assert name in head, head
-    assert "pw:lean/bytes" in head, head
+    assert "pw/bytes" in head, head
     for row in (
         "(a) added TTFT p50 ms",
         "(b) c8 events/s",
@@ -48,7 +48,7 @@ def test_relay_benchmark_smoke():
         assert re.search(re.escape(row) + r"\s+\S", out), (row, out)
     # each round's own ratio beside the medians (one round in the smoke run)
     assert re.search(
-        r"pw:lean/bytes, each round's ratio.*\n\s+\(b\) c8 CPU µs/event\s+(\d+\.\d\d×|—)", out
+        r"pw/bytes, each round's ratio.*\n\s+\(b\) c8 CPU µs/event\s+(\d+\.\d\d×|—)", out
     ), out
     assert re.search(r"\(c\) p8 CPU µs/event\s+(\d+\.\d\d×|—)\n", out), out
     assert "scaling c8:" in out, out

@@ -1,11 +1,7 @@
-"""The upstream transport on its own, every client phasewatch ships, against raw-socket
+"""The upstream transport (proxy.transport.lean) on its own, against raw-socket
 fake engines on loopback: whole responses or an error, one send per non-idempotent
 request, idle expiry, no added headers, no decompression, connections with unexpected
-bytes discarded, status edges, limits and TLS (a private CA made by trustme).
-
-The library candidates it was measured against (tests/bench/candidates.py: httpx's own
-transport, aiohttp's client) run the same tests; what each gets wrong is a strict expected
-failure (GAPS), so a release that fixes one shows up here as a pass to act on."""
+bytes discarded, status edges, limits and TLS (a private CA made by trustme)."""
 
 from __future__ import annotations
 
@@ -18,41 +14,13 @@ import httpx
 import pytest
 import trustme
 
-from proxy.transport import CLIENTS, ClientOptions, TLSOptions, make_client, make_transport
+from proxy.transport import ClientOptions, TLSOptions, make_client, make_transport
 
-from ...bench.candidates import CANDIDATES, candidate_transport
 from ...support.fake_engine import FakeEngine, Reply, Request, response
 
-#: What each library candidate gets wrong, by test (and parameters); why neither ships.
-GAPS: dict[str, dict[str, str]] = {
-    "aiohttp": {
-        "cut[close-reset]": "takes a reset as the end of a close-delimited body",
-        "unsolicited[after]": "hands bytes that came on an idle connection to the next request",
-        "write_timeout": "has no write timeout",
-    },
-    "httpx": {
-        "unsolicited[with]": "keeps a response that came with another for the next request",
-        "head_limit": "bounds the response head at a fixed 100 KiB (h11), not configurable",
-        "resend[GET]": "never re-sends even a GET on a kept-alive connection the engine closed",
-        "101": "raises on a 101 the request did not ask for",
-    },
-}
 
-
-@pytest.fixture(params=CLIENTS + CANDIDATES)
-def kind(request) -> str:
-    return request.param
-
-
-def gap(request, kind: str, name: str) -> None:
-    """Mark a candidate's known gap as a strict expected failure."""
-    reason = GAPS.get(kind, {}).get(name)
-    if reason:
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=f"{kind} {reason}"))
-
-
-def transport(kind: str, **options) -> httpx.AsyncBaseTransport:
-    return candidate_transport(ClientOptions(kind=kind, **options))
+def transport(**options) -> httpx.AsyncBaseTransport:
+    return make_transport(ClientOptions(**options))
 
 
 async def fetch(
@@ -86,7 +54,7 @@ BODY = bytes(range(256)) * 40  # 10,240 bytes, every byte value
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked", "close"])
-async def test_bodies_arrive_whole_and_exact(kind, framing):
+async def test_bodies_arrive_whole_and_exact(framing):
     wire = response(
         200,
         BODY,
@@ -96,7 +64,7 @@ async def test_bodies_arrive_whole_and_exact(kind, framing):
     )
     then = "close" if framing == "close" else "keep"
     with FakeEngine(lambda req: Reply(wire, then)) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             for _ in range(2):
                 resp, data = await fetch(t, "GET", engine.url + "/file")
@@ -113,10 +81,9 @@ async def test_bodies_arrive_whole_and_exact(kind, framing):
     [("length", "close"), ("length", "reset"), ("chunked", "close"), ("chunked", "reset")]
     + [("close", "reset")],
 )
-async def test_a_body_cut_short_is_an_error(request, kind, framing, then):
+async def test_a_body_cut_short_is_an_error(framing, then):
     """A reset or EOF before the body's end never passes for a whole body (a close-
     delimited body ends with a clean close only)."""
-    gap(request, kind, f"cut[{framing}-{then}]")
     if framing == "length":
         wire = response(200, BODY[:3000], length=len(BODY))
     elif framing == "chunked":
@@ -124,7 +91,7 @@ async def test_a_body_cut_short_is_an_error(request, kind, framing, then):
     else:
         wire = response(200, BODY[:3000], close_delimited=True)
     with FakeEngine(lambda req: Reply(wire, then)) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             req = httpx.Request("GET", engine.url + "/file")
             resp = await t.handle_async_request(req)
@@ -142,10 +109,9 @@ async def test_a_body_cut_short_is_an_error(request, kind, framing, then):
 
 
 @pytest.mark.parametrize("method", ["POST", "GET"])
-async def test_a_request_is_resent_only_when_idempotent(request, kind, method):
+async def test_a_request_is_resent_only_when_idempotent(method):
     """The engine takes the second request on a kept-alive connection and closes without a
     byte: a POST fails (the engine may have started a generation), a GET is retried."""
-    gap(request, kind, f"resend[{method}]")
 
     def answer(req: Request) -> Reply:
         if req.target == "/first":
@@ -155,7 +121,7 @@ async def test_a_request_is_resent_only_when_idempotent(request, kind, method):
         return Reply(response(200, b"again"))
 
     with FakeEngine(answer) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             await fetch(t, "GET", engine.url + "/first")
             if method == "POST":
@@ -170,9 +136,9 @@ async def test_a_request_is_resent_only_when_idempotent(request, kind, method):
             await t.aclose()
 
 
-async def test_idle_connections_expire_before_the_engines_keepalive(kind):
+async def test_idle_connections_expire_before_the_engines_keepalive():
     with FakeEngine(lambda req: Reply(response(200, b"ok"))) as engine:
-        t = transport(kind, keepalive_expiry=0.3)
+        t = transport(keepalive_expiry=0.3)
         try:
             await fetch(t, "POST", engine.url + "/a", b"{}")
             await fetch(t, "POST", engine.url + "/a", b"{}")
@@ -187,10 +153,9 @@ async def test_idle_connections_expire_before_the_engines_keepalive(kind):
 # --- transparency ---------------------------------------------------------------------------
 
 
-async def test_exactly_the_clients_headers_go_upstream(request, kind):
-    gap(request, kind, "headers")
+async def test_exactly_the_clients_headers_go_upstream():
     with FakeEngine(lambda req: Reply(response(200, b"ok"))) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             sent = [("Content-Type", "application/json"), ("X-Custom", "a b"), ("x-dup", "1")]
             sent.append(("x-dup", "2"))
@@ -211,16 +176,16 @@ async def test_exactly_the_clients_headers_go_upstream(request, kind):
             assert [v for k, v in post.headers if k.lower() == "x-dup"] == ["1", "2"]
             assert set(get.header_names()) == {"host"}
             # the probes' client adds nothing either
-            client = make_client(engine.url, ClientOptions(kind=kind), transport=t)
+            client = make_client(engine.url, ClientOptions(), transport=t)
             await client.get("/v1/models")
             assert set(engine.requests[-1].header_names()) == {"host"}
         finally:
             await t.aclose()
 
 
-async def test_the_target_goes_upstream_as_sent(kind):
+async def test_the_target_goes_upstream_as_sent():
     with FakeEngine(lambda req: Reply(response(200, b"ok"))) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             target = "/a/%2e%2e/b%20c//d?x=%2F&y=1+2&z"
             await fetch(t, "GET", engine.url + target)
@@ -229,11 +194,11 @@ async def test_the_target_goes_upstream_as_sent(kind):
             await t.aclose()
 
 
-async def test_no_decompression(kind):
+async def test_no_decompression():
     packed = gzip.compress(b'{"answer": 42}' * 100)
     wire = response(200, packed, [("Content-Encoding", "gzip")])
     with FakeEngine(lambda req: Reply(wire)) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             resp, data = await fetch(
                 t, "GET", engine.url + "/x", headers=[("Accept-Encoding", "gzip")]
@@ -248,10 +213,9 @@ async def test_no_decompression(kind):
 
 
 @pytest.mark.parametrize("when", ["with", "after"])
-async def test_an_unsolicited_response_is_never_delivered(request, kind, when):
+async def test_an_unsolicited_response_is_never_delivered(when):
     """An engine writes a second response after a complete one (in the same write, or later
     on the idle connection): the connection is closed, the next request gets its own."""
-    gap(request, kind, f"unsolicited[{when}]")
     extra = response(200, b"STALE")
 
     def answer(req: Request) -> Reply:
@@ -262,7 +226,7 @@ async def test_an_unsolicited_response_is_never_delivered(request, kind, when):
         return Reply(response(200, b"two"))
 
     with FakeEngine(answer) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             resp, data = await fetch(t, "GET", engine.url + "/one")
             assert data == b"one"
@@ -292,13 +256,13 @@ async def _until(cond, timeout: float = 5.0) -> None:
 # --- status edges -----------------------------------------------------------------------------
 
 
-async def test_1xx_heads_are_skipped(kind):
+async def test_1xx_heads_are_skipped():
     wire = (
         b"HTTP/1.1 100 Continue\r\n\r\n"
         b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n" + response(200, b"ok")
     )
     with FakeEngine(lambda req: Reply(wire)) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             resp, data = await fetch(t, "POST", engine.url + "/x", b"{}")
             assert (resp.status_code, data) == (200, b"ok")
@@ -308,9 +272,9 @@ async def test_1xx_heads_are_skipped(kind):
 
 
 @pytest.mark.parametrize("status", [204, 304])
-async def test_bodiless_statuses(kind, status):
+async def test_bodiless_statuses(status):
     with FakeEngine(lambda req: Reply(response(status, headers=[("ETag", '"v1"')]))) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             for _ in range(2):
                 resp, data = await fetch(t, "GET", engine.url + "/x")
@@ -319,14 +283,14 @@ async def test_bodiless_statuses(kind, status):
             await t.aclose()
 
 
-async def test_head_has_no_body(kind):
+async def test_head_has_no_body():
     def answer(req: Request) -> Reply:
         if req.method == "HEAD":  # the length a GET would have, and no body
             return Reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10240\r\n\r\n")
         return Reply(response(200, b"after"))
 
     with FakeEngine(answer) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             resp, data = await fetch(t, "HEAD", engine.url + "/x")
             assert (resp.status_code, data, resp.headers["content-length"]) == (200, b"", "10240")
@@ -336,13 +300,13 @@ async def test_head_has_no_body(kind):
             await t.aclose()
 
 
-async def test_trailers_are_dropped(kind):
+async def test_trailers_are_dropped():
     wire = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\n\r\n"
         b"5\r\nhello\r\n0\r\nX-Checksum: abc\r\n\r\n"
     )
     with FakeEngine(lambda req: Reply(wire)) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             for _ in range(2):
                 resp, data = await fetch(t, "GET", engine.url + "/x")
@@ -352,8 +316,7 @@ async def test_trailers_are_dropped(kind):
             await t.aclose()
 
 
-async def test_101_is_a_bodiless_answer_and_the_connection_is_not_reused(request, kind):
-    gap(request, kind, "101")
+async def test_101_is_a_bodiless_answer_and_the_connection_is_not_reused():
 
     def answer(req: Request) -> Reply:
         if req.target == "/ws":
@@ -365,7 +328,7 @@ async def test_101_is_a_bodiless_answer_and_the_connection_is_not_reused(request
         return Reply(response(200, b"plain"))
 
     with FakeEngine(answer) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             resp, data = await asyncio.wait_for(fetch(t, "GET", engine.url + "/ws"), 10)
             assert (resp.status_code, data) == (101, b"")
@@ -379,8 +342,7 @@ async def test_101_is_a_bodiless_answer_and_the_connection_is_not_reused(request
 # --- limits -------------------------------------------------------------------------------------
 
 
-async def test_a_response_head_over_the_limit_is_refused(request, kind):
-    gap(request, kind, "head_limit")
+async def test_a_response_head_over_the_limit_is_refused():
     big = response(200, b"ok", [("X-Big", "a" * 7000)] * 12)  # 84 KB of headers
 
     def answer(req: Request) -> Reply:
@@ -389,7 +351,7 @@ async def test_a_response_head_over_the_limit_is_refused(request, kind):
         return Reply(big if req.target == "/big" else response(200, b"small"))
 
     with FakeEngine(answer) as engine:
-        t = transport(kind, max_head_bytes=64 * 1024)
+        t = transport(max_head_bytes=64 * 1024)
         try:
             with pytest.raises(httpx.RemoteProtocolError, match="head"):
                 await fetch(t, "GET", engine.url + "/big")
@@ -401,7 +363,7 @@ async def test_a_response_head_over_the_limit_is_refused(request, kind):
             await t.aclose()
 
 
-async def test_connections_per_upstream_are_capped_with_a_bounded_wait(kind):
+async def test_connections_per_upstream_are_capped_with_a_bounded_wait():
     stream = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n"
 
     def answer(req: Request) -> Reply:
@@ -410,7 +372,7 @@ async def test_connections_per_upstream_are_capped_with_a_bounded_wait(kind):
         return Reply(response(200, b"short"))
 
     with FakeEngine(answer) as engine:
-        t = transport(kind, max_connections=1)
+        t = transport(max_connections=1)
         try:
             req = httpx.Request(
                 "GET",
@@ -431,9 +393,9 @@ async def test_connections_per_upstream_are_capped_with_a_bounded_wait(kind):
             await t.aclose()
 
 
-async def test_read_timeout(kind):
+async def test_read_timeout():
     with FakeEngine(lambda req: Reply(then="hang")) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             with pytest.raises(httpx.ReadTimeout):
                 await fetch(t, "POST", engine.url + "/x", b"{}", read_timeout=0.3)
@@ -441,10 +403,10 @@ async def test_read_timeout(kind):
             await t.aclose()
 
 
-async def test_read_timeout_mid_body(kind):
+async def test_read_timeout_mid_body():
     wire = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf"
     with FakeEngine(lambda req: Reply(wire, then="hang")) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             with pytest.raises(httpx.ReadTimeout):
                 await fetch(t, "POST", engine.url + "/x", b"{}", read_timeout=0.3)
@@ -452,7 +414,7 @@ async def test_read_timeout_mid_body(kind):
             await t.aclose()
 
 
-async def test_read_timeout_on_a_reused_connection_keeps_its_own_deadline(kind):
+async def test_read_timeout_on_a_reused_connection_keeps_its_own_deadline():
     """A kept-alive connection's second request times out at its own (shorter) read
     deadline, not at the first request's (the lean transport keeps one read timer a
     connection across requests)."""
@@ -463,7 +425,7 @@ async def test_read_timeout_on_a_reused_connection_keeps_its_own_deadline(kind):
         return Reply(then="hang")
 
     with FakeEngine(answer) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             resp, data = await fetch(t, "POST", engine.url + "/ok", b"{}", read_timeout=60)
             assert data == b"ok"
@@ -476,11 +438,10 @@ async def test_read_timeout_on_a_reused_connection_keeps_its_own_deadline(kind):
             await t.aclose()
 
 
-async def test_write_timeout(request, kind):
+async def test_write_timeout():
     """An engine that accepts and never reads: a large body blocks, then times out."""
-    gap(request, kind, "write_timeout")
     with FakeEngine(stall=True) as engine:
-        t = transport(kind)
+        t = transport()
         try:
             with pytest.raises(httpx.WriteTimeout):
                 await asyncio.wait_for(
@@ -491,7 +452,7 @@ async def test_write_timeout(request, kind):
             await t.aclose()
 
 
-async def test_connect_timeout(kind):
+async def test_connect_timeout():
     """A listener whose accept queue is full drops new SYNs: the connect never completes."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -504,7 +465,7 @@ async def test_connect_timeout(kind):
             s.setblocking(False)
             s.connect_ex(("127.0.0.1", port))
             fillers.append(s)
-        t = transport(kind)
+        t = transport()
         try:
             with pytest.raises(httpx.ConnectTimeout):
                 await fetch(t, "GET", f"http://127.0.0.1:{port}/x", connect_timeout=0.5)
@@ -516,11 +477,11 @@ async def test_connect_timeout(kind):
         listener.close()
 
 
-async def test_connect_refused(kind):
+async def test_connect_refused():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    t = transport(kind)
+    t = transport()
     try:
         with pytest.raises(httpx.ConnectError):
             await fetch(t, "GET", f"http://127.0.0.1:{port}/x")
@@ -563,12 +524,12 @@ def server_context(tls_files, require_client: bool = False) -> ssl.SSLContext:
     return ctx
 
 
-async def test_https_engine_with_a_private_ca(kind, tls_files):
+async def test_https_engine_with_a_private_ca(tls_files):
     ok = Reply(response(200, BODY))
     with FakeEngine(lambda req: ok, ssl_context=server_context(tls_files)) as engine:
-        trusted = transport(kind, tls=TLSOptions(ca=tls_files["ca"]))
-        untrusted = transport(kind)
-        insecure = transport(kind, tls=TLSOptions(insecure=True))
+        trusted = transport(tls=TLSOptions(ca=tls_files["ca"]))
+        untrusted = transport()
+        insecure = transport(tls=TLSOptions(insecure=True))
         try:
             resp, data = await fetch(trusted, "GET", engine.url + "/x")
             assert data == BODY
@@ -581,17 +542,16 @@ async def test_https_engine_with_a_private_ca(kind, tls_files):
                 await t.aclose()
 
 
-async def test_mutual_tls(kind, tls_files):
+async def test_mutual_tls(tls_files):
     ok = Reply(response(200, b"mtls"))
     ctx = server_context(tls_files, require_client=True)
     with FakeEngine(lambda req: ok, ssl_context=ctx) as engine:
         with_cert = transport(
-            kind,
             tls=TLSOptions(
                 ca=tls_files["ca"], cert=tls_files["client_cert"], key=tls_files["client_key"]
             ),
         )
-        without = transport(kind, tls=TLSOptions(ca=tls_files["ca"]))
+        without = transport(tls=TLSOptions(ca=tls_files["ca"]))
         try:
             resp, data = await fetch(with_cert, "GET", engine.url + "/x")
             assert data == b"mtls"
