@@ -217,7 +217,9 @@ class Metrics:
             "Failed requests by kind: connect, timeout, pool (no free upstream connection), "
             "upstream_status (engine answered >= 400), midstream (error event in a "
             "stream), truncated (stream ended without its terminator), protocol; and "
-            "oversized (a stream event over --max-event-bytes passed through unmeasured).",
+            "oversized (a stream event over --max-event-bytes passed through unmeasured), "
+            "undecodable (an answer in a coding not decoded, passed through unmeasured), "
+            "decode_limit (an answer decoded to its cap, or in stacked codings: refused).",
             BASE + ("kind",),
             registry=r,
         )
