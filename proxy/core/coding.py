@@ -153,7 +153,9 @@ async def decode_whole(applied: list[bytes], body: bytes, limit: int) -> tuple[b
                 out.append(piece)
                 size += len(piece)
                 if size >= limit:
-                    return b"".join(out)[:limit], size > limit or _more(dec, part)
+                    over = size > limit or _more(dec, part)
+                    out[-1] = piece[: len(piece) - (size - limit)]
+                    return b"".join(out), over
                 since += len(piece)
                 if since >= SLICE:
                     since = 0
