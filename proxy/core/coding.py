@@ -7,18 +7,33 @@ still gets the engine's compressed bytes unchanged, and the stream is measured. 
 phasewatch injected a usage request and the engine compressed anyway, the decoded stream
 is what the tap strips and what the client gets (without the coding: identity is always
 acceptable). A coding it cannot decode (``br``, ``zstd``) passes through unmeasured.
+
+An engine's answer can be a decompression bomb (a few KiB that decode to GiBs), so
+decoding is bounded in time and in size: it yields to the event loop after every
+:data:`SLICE` decoded bytes (a stream's chunk and a kept whole body alike), stops at a
+decoded-size cap (``--max-decoded-bytes`` for a stream, the kept size for a whole body),
+and more than :data:`MAX_CODINGS` codings stacked on one body are not decoded at all: no
+engine sends them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 from ..engines import Tap
 
 #: Largest piece of decoded output produced at once (a small compressed chunk may
 #: expand a thousandfold: it is decoded and handed on a piece at a time).
 PIECE = 64 * 1024
+
+#: Decoded bytes between two yields to the event loop.
+SLICE = 1024 * 1024
+#: Codings stacked on one body that are decoded: an engine (or a gateway) applies one.
+MAX_CODINGS = 1
+#: Default cap of a stream's decoded bytes (--max-decoded-bytes).
+MAX_DECODED = 64 * 1024 * 1024
 
 #: Codings the standard library decodes.
 _ZLIB = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
@@ -43,7 +58,12 @@ def codings(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
 
 
 def decodable(applied: list[bytes]) -> bool:
-    return bool(applied) and all(c in _ZLIB for c in applied)
+    return bool(applied) and not stacked(applied) and all(c in _ZLIB for c in applied)
+
+
+def stacked(applied: list[bytes]) -> bool:
+    """More codings than any engine applies: refused (not decoded) whatever they are."""
+    return len(applied) > MAX_CODINGS
 
 
 class _Step:
@@ -120,71 +140,104 @@ class Decoder:
                 yield from self._through(i + 1, rest)
 
 
-def decode_whole(applied: list[bytes], body: bytes, limit: int) -> bytes | None:
-    """A kept whole body decoded, up to `limit` decoded bytes (None when it does not
-    decode); what is past the limit is not decoded at all."""
+async def decode_whole(applied: list[bytes], body: bytes, limit: int) -> tuple[bytes | None, bool]:
+    """A kept whole body decoded, up to `limit` decoded bytes, yielding to the loop after
+    every :data:`SLICE`: (the decoded bytes, None when it does not decode; whether it
+    went past `limit`). What is past the limit is not decoded at all."""
     dec = Decoder(applied)
     out: list[bytes] = []
-    size = 0
+    size = since = 0
     try:
-        for piece in (*dec.decode(body), *dec.flush()):
-            out.append(piece)
-            size += len(piece)
-            if size >= limit:
-                break
+        for part in (dec.decode(body), dec.flush()):
+            for piece in part:
+                out.append(piece)
+                size += len(piece)
+                if size >= limit:
+                    over = size > limit or _more(dec, part)
+                    out[-1] = piece[: len(piece) - (size - limit)]
+                    return b"".join(out), over
+                since += len(piece)
+                if since >= SLICE:
+                    since = 0
+                    await asyncio.sleep(0)
     except Undecodable:
-        return None
-    return b"".join(out)
+        return None, False
+    return b"".join(out), False
+
+
+def _more(dec: Decoder, part: Iterator[bytes]) -> bool:
+    """Whether a decoder stopped at its limit had more to give."""
+    try:
+        return any(True for _ in part) or any(True for _ in dec.flush())
+    except Undecodable:
+        return False
 
 
 class Decoded:
     """A tap fed the decoded body. `exact`: the client gets the engine's bytes as they
-    came (:meth:`feed`; the decoded copy is only measured); otherwise it gets what the
-    tap lets through of the decoded stream (:meth:`pieces`, a bounded piece at a time,
-    so a small chunk that decodes to a great deal never sits in memory whole). After
-    the body stops decoding, `broken` says why and nothing more is measured."""
+    came (:meth:`measure`; the decoded copy is only measured); otherwise it gets what
+    the tap lets through of the decoded stream (:meth:`pieces`). Either way the body is
+    decoded a bounded piece at a time (a small chunk that decodes to a great deal never
+    sits in memory whole), yielding to the loop after every :data:`SLICE`, and no
+    further than `limit` decoded bytes. After the body stops decoding, `broken` says why
+    (`over`: it reached the limit) and nothing more is measured."""
 
-    __slots__ = ("_dec", "broken", "exact", "tap")
+    __slots__ = ("_dec", "_since", "broken", "exact", "limit", "over", "size", "tap")
 
-    def __init__(self, tap: Tap, applied: list[bytes], exact: bool) -> None:
+    def __init__(
+        self, tap: Tap, applied: list[bytes], exact: bool, limit: int = MAX_DECODED
+    ) -> None:
         self.tap = tap
         self.exact = exact
+        self.limit = limit
         self._dec = Decoder(applied)
         self.broken: str | None = None
+        self.over = False
+        self.size = 0  # decoded bytes so far
+        self._since = 0  # decoded since the last yield
 
-    def feed(self, chunk: bytes, now: float) -> bytes:
-        """Measure `chunk` on its decoded copy; return it as it came (exact) or what the
-        tap lets through of it."""
-        if not self.exact:
-            return b"".join(self.pieces(chunk, now))
-        if self.broken is None:
-            feed = self.tap.feed
-            try:
-                for piece in self._dec.decode(chunk):
-                    feed(piece, now)
-            except Undecodable as exc:
-                self.broken = str(exc)[:200]
-        return chunk
+    async def measure(self, chunk: bytes, now: float) -> None:
+        """Measure `chunk` (the client gets it as it came) on its decoded copy."""
+        async for _ in self.pieces(chunk, now):
+            pass
 
-    def pieces(self, chunk: bytes, now: float) -> Iterator[bytes]:
+    async def pieces(self, chunk: bytes, now: float) -> AsyncIterator[bytes]:
         """What the tap lets through of `chunk` decoded, piece by piece."""
         if self.broken is not None:
             return
         feed = self.tap.feed
         try:
             for piece in self._dec.decode(chunk):
+                if not self._count(len(piece)):
+                    return
                 out = feed(piece, now)
                 if out:
                     yield out
+                if self._since >= SLICE:
+                    self._since = 0
+                    await asyncio.sleep(0)
         except Undecodable as exc:
             self.broken = str(exc)[:200]
+
+    def _count(self, n: int) -> bool:
+        """Count `n` more decoded bytes; False (and nothing more decoded) past the limit."""
+        self.size += n
+        self._since += n
+        if self.size > self.limit:
+            self.over = True
+            self.broken = f"decoded past --max-decoded-bytes ({self.limit})"
+            return False
+        return True
 
     def end(self, now: float) -> bytes:
         out: list[bytes] = []
         if self.broken is None:
             feed = self.tap.feed
             try:
-                out = [feed(piece, now) for piece in self._dec.flush()]
+                for piece in self._dec.flush():
+                    if not self._count(len(piece)):
+                        break
+                    out.append(feed(piece, now))
             except Undecodable as exc:
                 self.broken = str(exc)[:200]
         tail = self.tap.end(now)

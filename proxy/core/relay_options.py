@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engines.framing import MAX_EVENT_BYTES
+from .coding import MAX_DECODED
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,8 @@ class RelayOptions:
     body_timeout: float = 30.0
     #: Largest stream event held for measurement; larger ones pass through unmeasured.
     max_event_bytes: int = MAX_EVENT_BYTES
+    #: Most bytes a coded stream is decoded to (measured no further beyond).
+    max_decoded_bytes: int = MAX_DECODED
     #: Return the request id in an x-request-id response header (measured requests).
     echo_request_id: bool = False
     #: The engines' model-management endpoints: allow, deny or keyed.

@@ -20,7 +20,7 @@ import httpx
 from ..engines import Tap
 from ..engines.sse import SSETap
 from .asgi import Send
-from .coding import Decoded, codings, decodable, decode_whole
+from .coding import Decoded, codings, decodable, decode_whole, stacked
 from .errors import describe
 from .exchange import Exchange
 from .headers import Headers, response_headers, without
@@ -57,6 +57,7 @@ class Responder:
         self.log = log
         self.said = said
         self.max_event_bytes = options.max_event_bytes
+        self.max_decoded_bytes = options.max_decoded_bytes
         self.echo_request_id = options.echo_request_id
 
     async def respond(self, reply: Reply, resp: httpx.Response, ex: Exchange) -> None:
@@ -79,15 +80,11 @@ class Responder:
                 kept = await self._forward_kept(reply, resp, keep)
                 tail = b""
             else:
-                if decoded is not None and not decoded.exact:
+                if decoded is not None:
                     tail = await self._stream_decoded(send, resp, decoded)
                 else:
-                    push = (
-                        Push.of(resp, tap.feed, reply.writer, self.said, _token(tap))
-                        if source is tap
-                        else None
-                    )
-                    tail = await self._stream(send, resp, source, push)
+                    push = Push.of(resp, tap.feed, reply.writer, self.said, _token(tap))
+                    tail = await self._stream(send, resp, tap, push)
                 if not sealed:
                     tail += self._unterminated(ex, tap)
                 kept = None
@@ -106,10 +103,22 @@ class Responder:
                 self._oversized(ex, tap.oversized)
         await reply.end(tail)
         if decoded is not None and decoded.broken is not None:
-            ex.fail("protocol", f"upstream {ex.upstream.name}: {decoded.broken}")
+            if decoded.over:
+                self._decode_limit(ex, "a stream")
+            ex.fail(
+                "decode_limit" if decoded.over else "protocol",
+                f"upstream {ex.upstream.name}: {decoded.broken}",
+            )
             return
         if kept is not None and applied:
-            got = decode_whole(applied, kept, MAX_KEPT_BODY) if decodable(applied) else None
+            got, over = (
+                await decode_whole(applied, kept, MAX_KEPT_BODY)
+                if decodable(applied)
+                else (None, False)
+            )
+            if over:
+                ex.side_errors.append("decode_limit")
+                self._decode_limit(ex, "a whole body")
             if got is None:
                 self._undecodable(ex, applied)
                 if ex.status < 400:
@@ -179,7 +188,7 @@ class Responder:
         one phasewatch decodes (the tap then strips the decoded stream, when usage was
         injected); else None, and it passes through unmeasured."""
         if decodable(applied):
-            return Decoded(tap, applied, exact=not tap.rewrites)
+            return Decoded(tap, applied, not tap.rewrites, self.max_decoded_bytes)
         if tap.rewrites:  # (counted with the body, as undecodable)
             self.said.warning(
                 "undecodable_injected",
@@ -191,7 +200,19 @@ class Responder:
         return None
 
     def _undecodable(self, ex: Exchange, applied: list[bytes]) -> None:
-        """A body in a coding phasewatch cannot decode passed through: counted, said once."""
+        """A body in a coding phasewatch cannot decode passed through: counted, said once
+        (codings stacked beyond what an engine applies: refused, counted apart)."""
+        if stacked(applied):
+            ex.side_errors.append("decode_limit")
+            self.said.warning(
+                "decode_stacked",
+                "upstream %s answered in %d stacked content codings: not decoded (a "
+                "decompression bomb's shape), passed through unmeasured (request %s)",
+                ex.upstream.name,
+                len(applied),
+                ex.request_id,
+            )
+            return
         ex.side_errors.append("undecodable")
         self.said.warning(
             "undecodable",
@@ -199,6 +220,20 @@ class Responder:
             "passed through unmeasured (request %s)",
             ex.upstream.name,
             b",".join(applied)[:64],
+            ex.request_id,
+        )
+
+    def _decode_limit(self, ex: Exchange, what: str) -> None:
+        """An answer decoded to its cap (a decompression bomb, or a huge answer): said."""
+        self.said.warning(
+            "decode_limit",
+            "upstream %s answered %s that decodes past its cap (--max-decoded-bytes %d for "
+            "a stream, %d for a whole body): decoded no further, measured no further "
+            "(request %s)",
+            ex.upstream.name,
+            what,
+            self.max_decoded_bytes,
+            MAX_KEPT_BODY,
             ex.request_id,
         )
 
@@ -215,11 +250,11 @@ class Responder:
         )
 
     async def _stream(
-        self, send: Send, resp: httpx.Response, source: Tap | Decoded, push: Push | None
+        self, send: Send, resp: httpx.Response, source: Tap, push: Push | None
     ) -> bytes:
-        """The per-event loop, the hottest code in the product: feed each chunk to the tap
-        (or its decoder), forward what it lets through (with `push`, what the connection's
-        callback did not take: proxy.core.push); return the rest."""
+        """The per-event loop, the hottest code in the product: feed each chunk to the tap,
+        forward what it lets through (with `push`, what the connection's callback did not
+        take: proxy.core.push); return the rest."""
         feed, monotonic = source.feed, time.monotonic
         async for chunk in raw_body(resp):
             held = push.take() if push is not None else b""  # the callback's output first
@@ -233,12 +268,22 @@ class Responder:
         return (push.take() if push is not None else b"") + source.end(monotonic())
 
     async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
-        """A coded stream decoded for the client (usage was injected, the engine coded its
-        answer anyway): forwarded a bounded piece at a time."""
+        """A coded stream: measured on its decoded copy, the engine's bytes forwarded as
+        they came (exact); or decoded for the client (usage was injected, the engine coded
+        its answer anyway), forwarded a bounded piece at a time and ended at the decoded
+        cap (the client's stream then ends with the proxy's error event)."""
+        monotonic = time.monotonic
+        if decoded.exact:
+            async for chunk in raw_body(resp):
+                await decoded.measure(chunk, monotonic())
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            return decoded.end(monotonic())
         async for chunk in raw_body(resp):
-            for out in decoded.pieces(chunk, time.monotonic()):
+            async for out in decoded.pieces(chunk, monotonic()):
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        return decoded.end(time.monotonic())
+            if decoded.over:
+                break
+        return decoded.end(monotonic())
 
     def _unterminated(self, ex: Exchange, tap: Tap) -> bytes:
         """The engine closed the stream cleanly but never finished it: say so in the

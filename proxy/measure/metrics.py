@@ -212,7 +212,9 @@ class Metrics:
             "Failed requests by kind: connect, timeout, pool (no free upstream connection), "
             "upstream_status (engine answered >= 400), midstream (error event in a "
             "stream), truncated (stream ended without its terminator), protocol; and "
-            "oversized (a stream event over --max-event-bytes passed through unmeasured).",
+            "oversized (a stream event over --max-event-bytes passed through unmeasured), "
+            "undecodable (an answer in a coding not decoded, passed through unmeasured), "
+            "decode_limit (an answer decoded to its cap, or in stacked codings: refused).",
             BASE + ("kind",),
             registry=r,
         )
@@ -222,8 +224,8 @@ class Metrics:
             "head_too_large (431), header_timeout (408 or closed), body_too_large (413), "
             "body_memory (503, --max-body-memory), body_timeout (408), bad_path (400), "
             "upgrade (501), pipeline_full (429), trailers_too_large (431), admin_api (403), "
-            "pool_down (503); and stalled_stream (an answer closed past "
-            "--max-stalled-streams).",
+            "pool_down (503), bad_chunked (400, a malformed chunked body); and "
+            "stalled_stream (an answer closed past --max-stalled-streams).",
             ("reason",),
             registry=r,
         )

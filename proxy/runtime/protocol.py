@@ -23,6 +23,10 @@ request. So phasewatch keeps httptools and adds, before any application code run
 - a **stalled-stream cap** (``--max-stalled-streams``): a connection whose writes wait on
   a client that stopped reading holds about two upstream reads of its stream (some
   2 MiB); past the cap, the one stalled longest is closed (``stalled_stream``);
+- a **malformed chunked body** (a bad size line, a chunk longer than its size, a
+  forbidden byte, a ``content-length`` trailer) gets a 400 in its request's turn and the
+  close, its request told the client left (``bad_chunked``): it no longer waits for
+  ``--body-timeout``;
 - a **header deadline** (``--header-timeout``): from a connection's start, and from the
   first byte of each later request, until its head is complete; past it the client gets
   a 408 (a connection that sent nothing is just closed).
@@ -274,6 +278,9 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         except httptools.HttpParserError:
             if self.stopped:
                 return  # refused from a callback: answered already
+            if not self.in_head and self.cycle is not None:
+                self._refuse_body()
+                return
             msg = "Invalid HTTP request received."
             self.logger.warning(msg)
             self.send_400_response(msg)
@@ -520,6 +527,22 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
                 "request_header_too_large",
             ),
             self.cycle if trailers else None,
+        )
+
+    def _refuse_body(self) -> None:
+        """The parser rejected the body (or trailer section) of the request read last: a
+        malformed chunked body. Its request, waiting for the rest of the body, is told
+        the client left, and the 400 goes out in its turn (at once when it is the one
+        being answered), the connection closed after it."""
+        self.on_reject("bad_chunked")
+        self.refusals.warning(
+            "bad_chunked",
+            "refused a malformed chunked request body from %s",
+            _peer(self.client),
+        )
+        self._refuse(
+            _answer(400, b"Bad Request", "malformed request body", "invalid_request_error"),
+            self.cycle,
         )
 
     def _refuse_pipeline(self, why: str) -> None:

@@ -1,7 +1,8 @@
 """``phasewatch serve --workers N``: N processes sharing one listening socket.
 
 The parent binds the port, makes a private ``PROMETHEUS_MULTIPROC_DIR`` (removed when it
-exits), and spawns N workers, each a whole proxy (``ProxyApp`` under the same uvicorn
+exits; one left by a supervisor that was killed is removed at the next start, see
+:func:`_clean_stale`), and spawns N workers, each a whole proxy (``ProxyApp`` under the same uvicorn
 server as a single process, graceful drain included). The kernel spreads connections
 over the workers' accept calls.
 
@@ -37,6 +38,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -103,7 +105,8 @@ def run(
     """Supervise `settings.workers` worker processes until they are all gone. `sock` (and
     `msock`, the metrics address's, served by worker 0) are bound by the caller."""
     n = settings.workers
-    folder = tempfile.mkdtemp(prefix="phasewatch-metrics-")
+    _clean_stale(tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix=f"{_FOLDER}{os.getpid()}-")
     os.environ[MULTIPROC_ENV] = folder  # inherited by the spawned workers
     ctx = multiprocessing.get_context("spawn")
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
@@ -169,6 +172,52 @@ def run(
             msock.close()
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(MULTIPROC_ENV, None)
+
+
+#: The metrics folder's name: this prefix, the supervisor's pid, a dash, mkdtemp's suffix.
+_FOLDER = "phasewatch-metrics-"
+
+
+def _clean_stale(tmp: str) -> None:
+    """Remove the metrics folders that supervisors killed before their own clean-up left
+    in `tmp`: only folders named as :func:`run` names them, owned by this user, not
+    links, whose supervisor's pid is gone (a live pid, even another user's or a reused
+    one, keeps its folder)."""
+    removed = 0
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(_FOLDER):
+            continue
+        pid_text, dash, _ = name[len(_FOLDER) :].partition("-")
+        if not dash or not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not os.path.lexists(path)
+    if removed:
+        log.info("removed %d metrics folder(s) left by supervisors that were killed", removed)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process of ours to judge
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 def _mark_dead(pid: int | None, folder: str) -> None:

@@ -241,6 +241,13 @@ class Settings(BaseSettings):
         description="Largest stream event held for measurement; a larger one passes "
         'through unmeasured (counted as errors_total{kind="oversized"}).',
     )
+    max_decoded_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Most bytes a compressed stream from an engine is decoded to for "
+        "measurement (a decompression bomb stops there): measured no further, counted "
+        'as errors_total{kind="decode_limit"}.',
+    )
 
     # Access (never logged, never exported)
     api_key: Annotated[list[SecretStr], NoDecode] = Field(

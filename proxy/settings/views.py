@@ -38,6 +38,7 @@ def relay_options(s: Settings) -> RelayOptions:
         max_body_memory=s.max_body_memory,
         body_timeout=s.body_timeout,
         max_event_bytes=s.max_event_bytes,
+        max_decoded_bytes=s.max_decoded_bytes,
         echo_request_id=s.echo_request_id,
         admin_api=s.admin_api_mode,
     )

@@ -11,6 +11,7 @@ engine that gzips its SSE the way a streaming server does (a sync flush per even
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import zlib
@@ -19,7 +20,16 @@ import httpx
 import openai
 import pytest
 
-from proxy.core.coding import PIECE, Decoded, Decoder, Undecodable, codings, decode_whole
+from proxy.core.coding import (
+    PIECE,
+    Decoded,
+    Decoder,
+    Undecodable,
+    codings,
+    decodable,
+    decode_whole,
+    stacked,
+)
 from proxy.engines.sse import SSETap
 from proxy.measure.timeline import Marks
 
@@ -252,6 +262,23 @@ def _gzip_stream(parts: list[bytes]) -> bytes:
     return b"".join(z.compress(p) + z.flush(zlib.Z_SYNC_FLUSH) for p in parts) + z.flush()
 
 
+def whole(applied: list[bytes], data: bytes, limit: int) -> tuple[bytes | None, bool]:
+    return asyncio.run(decode_whole(applied, data, limit))
+
+
+def fed(d: Decoded, data: bytes, now: float) -> bytes:
+    """What the client gets of `data` through `d`: the decoded pieces the tap lets
+    through, or (exact) `data` itself, measured on the side."""
+
+    async def run() -> bytes:
+        if d.exact:
+            await d.measure(data, now)
+            return data
+        return b"".join([piece async for piece in d.pieces(data, now)])
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     ("coding", "encode"),
     [
@@ -275,17 +302,20 @@ def test_a_bomb_is_decoded_a_bounded_piece_at_a_time():
     data = gzip.compress(b"\0" * (64 * PIECE), mtime=0)
     pieces = list(Decoder([b"gzip"]).decode(data))
     assert sum(map(len, pieces)) == 64 * PIECE and max(map(len, pieces)) <= PIECE
-    assert len(decode_whole([b"gzip"], data, 3 * PIECE)) <= 4 * PIECE  # stops at the limit
+    got, over = whole([b"gzip"], data, 3 * PIECE)
+    assert got is not None and len(got) == 3 * PIECE and over  # stops at the limit
+    assert whole([b"gzip"], gzip.compress(b"abc"), 3) == (b"abc", False)
 
 
 def test_corrupt_input_and_the_header_list():
     with pytest.raises(Undecodable):
         list(Decoder([b"gzip"]).decode(b"this is not gzip at all"))
-    assert decode_whole([b"deflate"], b"\xff" * 40, 1000) is None
+    assert whole([b"deflate"], b"\xff" * 40, 1000) == (None, False)
     assert codings([(b"Content-Encoding", b"gzip, identity"), (b"x", b"y")]) == [b"gzip"]
     assert codings([(b"content-encoding", b"identity")]) == []
-    two = gzip.compress(zlib.compress(b"abc"), mtime=0)  # deflate, then gzip
-    assert decode_whole(codings([(b"content-encoding", b"deflate, gzip")]), two, 100) == b"abc"
+    # two codings stacked: no engine sends them (a decompression bomb's shape): refused
+    two = codings([(b"content-encoding", b"deflate, gzip")])
+    assert stacked(two) and not decodable(two) and decodable([b"gzip"])
 
 
 def test_a_decoded_stream_is_stripped_exactly_for_every_split():
@@ -295,7 +325,7 @@ def test_a_decoded_stream_is_stripped_exactly_for_every_split():
     want = b"".join(events(ALWAYS, include_usage=False))
     for cut in range(0, len(data) + 1, 3):
         d = Decoded(SSETap(Marks(t_recv=0.0), strip=True), [b"gzip"], exact=False)
-        got = d.feed(data[:cut], 1.0) + d.feed(data[cut:], 2.0) + d.end(3.0)
+        got = fed(d, data[:cut], 1.0) + fed(d, data[cut:], 2.0) + d.end(3.0)
         assert got == want and d.tap.done and d.broken is None, cut
         assert d.tap.usage_payload is not None
 
@@ -305,10 +335,10 @@ def test_a_stream_that_stops_decoding_passes_as_it_came_and_is_marked_broken():
     bad = data[:60] + b"\x00garbage that is not deflate\xff" * 4 + data[60:]
     d = Decoded(SSETap(Marks(t_recv=0.0)), [b"gzip"], exact=True)
     cuts = [bad[:50], bad[50:90], bad[90:]]
-    assert [d.feed(c, 1.0) for c in cuts] == cuts  # the engine's bytes, untouched
+    assert [fed(d, c, 1.0) for c in cuts] == cuts  # the engine's bytes, untouched
     assert d.end(2.0) == b"" and d.broken is not None and not d.tap.done
     stripping = Decoded(SSETap(Marks(t_recv=0.0), strip=True), [b"gzip"], exact=False)
-    out = b"".join(stripping.feed(c, 1.0) for c in cuts) + stripping.end(2.0)
+    out = b"".join(fed(stripping, c, 1.0) for c in cuts) + stripping.end(2.0)
     assert stripping.broken is not None
     assert b"".join(events(ALWAYS, False)).startswith(out)  # whole events up to the break
 
@@ -319,8 +349,12 @@ def test_a_small_chunk_that_decodes_to_a_great_deal_is_forwarded_a_piece_at_a_ti
     data = gzip.compress(plain, mtime=0)
     assert len(plain) > 100 * len(data)
     d = Decoded(SSETap(Marks(t_recv=0.0), strip=True), [b"gzip"], exact=False)
-    out = list(d.pieces(data, 1.0))
+
+    async def pieces() -> list[bytes]:
+        return [piece async for piece in d.pieces(data, 1.0)]
+
+    out = asyncio.run(pieces())
     assert b"".join(out) + d.end(2.0) == plain
     assert len(out) > 10 and max(map(len, out)) <= PIECE + len(evs[1])
     exact = Decoded(SSETap(Marks(t_recv=0.0)), [b"gzip"], exact=True)
-    assert exact.feed(data, 1.0) == data and exact.end(2.0) == b"" and exact.tap.done
+    assert fed(exact, data, 1.0) == data and exact.end(2.0) == b"" and exact.tap.done

@@ -1,0 +1,99 @@
+"""What everyone else sees while one party is hostile: the proxy's health latency and the
+gaps of a well-behaved client's stream, measured from outside on threads, so a test can
+compare a hostile run with a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Seen:
+    """The worst health answer and the widest gap between stream events in one window."""
+
+    health_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)
+    events: int = 0
+
+    @property
+    def worst_health(self) -> float:
+        return max(self.health_s, default=0.0)
+
+    @property
+    def worst_gap(self) -> float:
+        return max(self.gaps_s, default=0.0)
+
+    def __str__(self) -> str:
+        return (
+            f"health max {self.worst_health * 1000:.0f} ms over {len(self.health_s)}, "
+            f"stream gap max {self.worst_gap * 1000:.0f} ms over {self.events} events"
+        )
+
+
+class Watch:
+    """Health probes every `every` seconds and one streamed chat request for `model` (an
+    engine that paces its events), both on threads, until the stream ends."""
+
+    def __init__(self, url: str, model: str, every: float = 0.02) -> None:
+        self.url = url
+        self.model = model
+        self.every = every
+        self.seen = Seen()
+        self._done = threading.Event()
+
+    def __enter__(self) -> Watch:
+        self._threads = [
+            threading.Thread(target=self._health, daemon=True),
+            threading.Thread(target=self._stream, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def wait(self, timeout: float = 120.0) -> Seen:
+        for t in self._threads:
+            t.join(timeout)
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        for t in self._threads:
+            t.join(30)
+
+    @property
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def _health(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._done.is_set():
+                t0 = time.monotonic()
+                client.get(self.url + "/phasewatch/health").raise_for_status()
+                self.seen.health_s.append(time.monotonic() - t0)
+                self._done.wait(self.every)
+
+    def _stream(self) -> None:
+        body = {"model": self.model, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        try:
+            with (
+                httpx.Client(timeout=60) as client,
+                client.stream("POST", self.url + "/v1/chat/completions", json=body) as r,
+            ):
+                last = None
+                for line in r.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    now = time.monotonic()
+                    if last is not None:
+                        self.seen.gaps_s.append(now - last)
+                    last = now
+                    self.seen.events += 1
+                    if line.strip() != "data: [DONE]":
+                        json.loads(line[5:])
+        finally:
+            self._done.set()
