@@ -22,7 +22,7 @@ from .core import Access, Relay, Upstream, Upstreams
 from .core.asgi import Receive, Scope, Send
 from .core.clients import Clients
 from .core.errors import send_error
-from .core.host import Host
+from .core.host import Host, start_secret
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
 from .core.refusals import Refusal, Refusals
@@ -71,8 +71,14 @@ class ProxyApp:
         options = settings.upstream_options()
         self.upstreams = Upstreams(
             [Upstream(spec, options, self.metrics) for spec in settings.upstreams],
-            settings.balance_options(),
+            settings.balance_options(start_secret(host)),
         )
+        if settings.affinity == "prefix" and settings.affinity_secret is None and self.primary:
+            log.info(
+                "--affinity prefix: the prompt hash is keyed with a random key made at "
+                "start; replicas of phasewatch in front of one pool need a shared "
+                "--affinity-secret (PHASEWATCH_AFFINITY_SECRET) to agree"
+            )
         # what engines say is bounded: label values from the wire, numbers they report
         self.metrics.labels.max_length = settings.max_label_length
         self.metrics.labels.warn = LimitedLog(logging.getLogger("proxy.measure.labels")).warning

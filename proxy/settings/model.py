@@ -371,6 +371,12 @@ class Settings(BaseSettings):
         description="prefix: requests whose prompts share their first 512 bytes go to one "
         "member of the pool (its prefix cache), unless it is overloaded.",
     )
+    affinity_secret: SecretStr | None = Field(
+        None,
+        description="The key of --affinity prefix's prompt hash, so clients cannot aim "
+        "prompts at one member; give every phasewatch in front of one pool the same one "
+        "(default: a random one per start, which replicas do not share).",
+    )
     upstream_weight: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="An upstream's weight in its pool, name=W (W > 0, default 1; "
@@ -587,8 +593,8 @@ class Settings(BaseSettings):
     def server_limits(self) -> views.ServerLimits:
         return views.server_limits(self)
 
-    def balance_options(self) -> views.BalanceOptions:
-        return views.balance_options(self)
+    def balance_options(self, start_secret: bytes = b"") -> views.BalanceOptions:
+        return views.balance_options(self, start_secret)
 
     def upstream_options(self) -> views.UpstreamOptions:
         return views.upstream_options(self)
