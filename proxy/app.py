@@ -19,6 +19,7 @@ from urllib.parse import quote
 from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
+from .core.access import Throttled, peer_of, throttled
 from .core.asgi import Receive, Scope, Send
 from .core.clients import Clients
 from .core.errors import send_error
@@ -93,7 +94,14 @@ class ProxyApp:
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
         self.recorder.listeners.append(self.status.on_request)
-        self.access = Access(settings.api_keys, settings.upstream_keys, settings.key_clients)
+        self.access = Access(
+            settings.api_keys,
+            settings.upstream_keys,
+            settings.key_clients,
+            secret=start_secret(host),
+            cookie_ttl=settings.page_cookie_ttl,
+            max_failures=settings.max_key_failures,
+        )
         # OpenTelemetry (--otel): spans opened before the request goes upstream, ended and
         # exported once it is recorded; nothing of it is loaded without the flag.
         self.tracing = (
@@ -202,9 +210,16 @@ class ProxyApp:
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless
         --metrics-public (a separate --metrics-port is for Prometheus alone)."""
-        if not self.settings.metrics_public and not self.access.allowed(
-            scope["headers"], basic=True
-        ):
+        peer = peer_of(scope)
+        try:
+            allowed = self.settings.metrics_public or self.access.allowed(
+                scope["headers"], basic=True, peer=peer
+            )
+        except Throttled as exc:
+            refusal = throttled(exc, peer, self.access.guesses.per_minute)
+            await self._refusals.refuse(Reply(send), refusal)
+            return
+        if not allowed:
             await send_error(
                 send,
                 401,

@@ -242,6 +242,19 @@ class Settings(BaseSettings):
         "client=NAME (repeatable; default: no proxy keys, the client's own "
         "Authorization reaches the engine).",
     )
+    max_key_failures: int = Field(
+        30,
+        ge=0,
+        description="Wrong proxy keys one client address may present a minute (Bearer, "
+        "x-api-key, Basic, the login form, ?key=); beyond, its keys get 429 unchecked "
+        "until it may try again (0: no limit).",
+    )
+    page_cookie_ttl: float = Field(
+        12 * 3600,
+        gt=0,
+        description="Seconds the status pages' login cookie is valid; a restart or a "
+        "changed key ends it sooner.",
+    )
     client_header: str | None = Field(
         None,
         description="Request header naming the client (e.g. x-team) for the client label "
