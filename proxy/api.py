@@ -30,9 +30,11 @@ from pydantic import BaseModel, create_model
 
 from . import __version__
 from .core import Access, Relay, Upstreams
-from .core.access import COOKIE
+from .core.access import COOKIE, Throttled, peer_of, throttled
 from .core.asgi import Receive, Scope, Send
 from .core.bridge import bridge_metrics
+from .core.refusals import Refusal, Refusals
+from .core.reply import Reply
 from .measure.summary import Row
 from .services.status import StatusPage
 
@@ -253,7 +255,7 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
             headers={"cache-control": "public, max-age=86400", "x-content-type-options": "nosniff"},
         )
 
-    return OwnApi(api, access)
+    return OwnApi(api, access, relay.refusals)
 
 
 #: Where the docs page's assets are served (from the fastapi-offline package).
@@ -304,9 +306,12 @@ class OwnApi:
     then the ``?key=`` link and the login form that set the page cookie, then a relative
     redirect for a trailing slash, then FastAPI."""
 
-    def __init__(self, app: FastAPI, access: Access) -> None:
+    def __init__(self, app: FastAPI, access: Access, refusals: Refusals) -> None:
         self.app = app
         self.access = access
+        self.refusals = refusals
+        #: The page cookie's lifetime, in whole seconds (its Max-Age).
+        self.max_age = max(1, int(access.cookie_ttl))
         self._routes = frozenset(
             getattr(r, "path", "") for r in app.routes if "{" not in getattr(r, "path", "{")
         )
@@ -318,15 +323,24 @@ class OwnApi:
         path: str = scope["path"]
         raw: str = (scope.get("raw_path") or path.encode()).decode("latin-1")
         open_path = path.rstrip("/") in OPEN_PATHS or not self.access.required
-        if self.access.required and path == LOGIN_PATH and scope["method"] == "POST":
-            await self._login(scope, receive, send)
-            return
-        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-        if self.access.required and not open_path and any(k == "key" for k, _ in query):
-            await self._key_link(scope, send, raw, query)
-            return
-        if not open_path and not self.access.allowed(scope["headers"], basic=True):
-            await self._unauthorized(scope, send, raw)
+        try:
+            if self.access.required and path == LOGIN_PATH and scope["method"] == "POST":
+                await self._login(scope, receive, send)
+                return
+            query = parse_qsl(
+                scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
+            )
+            if self.access.required and not open_path and any(k == "key" for k, _ in query):
+                await self._key_link(scope, send, raw, query)
+                return
+            if not open_path and not self.access.allowed(
+                scope["headers"], basic=True, peer=peer_of(scope)
+            ):
+                await self._unauthorized(scope, send, raw)
+                return
+        except Throttled as exc:
+            refusal = throttled(exc, peer_of(scope), self.access.guesses.per_minute)
+            await self.refusals.refuse(Reply(send), refusal)
             return
         if path != PREFIX + "/" and path.endswith("/") and path.rstrip("/") in self._routes:
             qs = scope.get("query_string", b"").decode("latin-1")
@@ -342,16 +356,22 @@ class OwnApi:
         """``?key=KEY``: a valid key sets the page cookie and redirects to the same page
         without it (the key leaves the address bar); an invalid one is a 401."""
         presented = next(v for k, v in query if k == "key")
-        token = self.access.page_cookie(presented.encode("utf-8", "replace"))
+        token = self.access.page_cookie(presented.encode("utf-8", "replace"), peer_of(scope))
         if token is None:
             await self._unauthorized(scope, send, raw)
             return
         rest = urlencode([(k, v) for k, v in query if k != "key"])
-        await _redirect(send, 303, relative(raw, raw) + ("?" + rest if rest else ""), token)
+        target = relative(raw, raw) + ("?" + rest if rest else "")
+        await _redirect(send, 303, target, token, self.max_age)
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The login form's POST (``key=KEY``, form-encoded): the page cookie and a
-        redirect to the status page, or the form again with a 401."""
+        redirect to the status page, or the form again with a 401. A cross-origin post
+        is refused before the key is read (see :func:`cross_origin`)."""
+        why = cross_origin(scope["headers"])
+        if why is not None:
+            await self.refusals.refuse(Reply(send), _login_refusal(why))
+            return
         body = b""
         while True:
             msg = await receive()
@@ -362,12 +382,13 @@ class OwnApi:
             if not msg.get("more_body"):
                 break
         form = dict(parse_qsl(body.decode("latin-1"), keep_blank_values=True))
-        token = self.access.page_cookie(form.get("key", "").encode("utf-8", "replace"))
+        presented = form.get("key", "").encode("utf-8", "replace")
+        token = self.access.page_cookie(presented, peer_of(scope))
         if token is None:
             await self._unauthorized(scope, send, scope["path"], failed=True)
             return
         raw = scope["path"]
-        await _redirect(send, 303, relative(raw, PREFIX + "/"), token)
+        await _redirect(send, 303, relative(raw, PREFIX + "/"), token, self.max_age)
 
     async def _unauthorized(self, scope: Scope, send: Send, raw: str, failed: bool = False) -> None:
         """401 with a Basic challenge (a browser's prompt: any user name, the key as
@@ -389,6 +410,48 @@ class OwnApi:
         await send(
             {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body}
         )
+
+
+def cross_origin(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a login post is not from the proxy's own page, or None when it is. A browser
+    says where a post comes from: ``Sec-Fetch-Site`` (only ``same-origin``, or ``none``
+    for one the user made) and ``Origin``, whose host must be the request's ``Host`` (or a
+    gateway's ``X-Forwarded-Host``). A
+    post in any type but the form's own (``text/plain`` needs no preflight) needs a
+    matching ``Origin``; a client that is no browser (no ``Origin``) posts the form type."""
+    site = origin = ctype = None
+    hosts = []  # the Host, and a gateway's X-Forwarded-Host (a page cannot set either)
+    for k, v in headers:
+        if k == b"sec-fetch-site":
+            site = v.strip().lower()
+        elif k == b"origin":
+            origin = v.strip().lower()
+        elif k in (b"host", b"x-forwarded-host"):
+            hosts += [h.strip() for h in v.lower().split(b",")]
+        elif k == b"content-type":
+            ctype = v.split(b";", 1)[0].strip().lower()
+    if site is not None and site not in (b"same-origin", b"none"):
+        return "Sec-Fetch-Site is not same-origin"
+    matched = False
+    if origin is not None:
+        _, sep, rest = origin.partition(b"://")
+        if not sep or rest.rstrip(b"/") not in hosts:
+            return "its Origin is not this proxy"
+        matched = True
+    if not matched and ctype != b"application/x-www-form-urlencoded":
+        return "not a form post, and no Origin of this proxy"
+    return None
+
+
+def _login_refusal(why: str) -> Refusal:
+    return Refusal(
+        403,
+        "a login must come from phasewatch's own login page",
+        "permission_denied",
+        "login_origin",
+        "refused a login post (login_origin): %s",
+        (why,),
+    )
 
 
 _LOGIN_CSP = (
@@ -420,7 +483,7 @@ prompt with any user name and the key as password, or open
 
 
 async def _redirect(
-    send: Send, status: int, location: str | None, token: str | None = None
+    send: Send, status: int, location: str | None, token: str | None = None, max_age: int = 0
 ) -> None:
     """A redirect to a relative reference (or, without one, an empty answer of
     `status`), setting the page cookie when `token` is given."""
@@ -429,7 +492,10 @@ async def _redirect(
         headers.append((b"location", location.encode("latin-1")))
     if token is not None:
         headers.append(
-            (b"set-cookie", f"{COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict".encode())
+            (
+                b"set-cookie",
+                f"{COOKIE}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Strict".encode(),
+            )
         )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": b""})

@@ -19,10 +19,11 @@ from urllib.parse import quote
 from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
+from .core.access import Throttled, peer_of, throttled
 from .core.asgi import Receive, Scope, Send
 from .core.clients import Clients
 from .core.errors import send_error
-from .core.host import Host
+from .core.host import Host, start_secret
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
 from .core.refusals import Refusal, Refusals
@@ -71,8 +72,14 @@ class ProxyApp:
         options = settings.upstream_options()
         self.upstreams = Upstreams(
             [Upstream(spec, options, self.metrics) for spec in settings.upstreams],
-            settings.balance_options(),
+            settings.balance_options(start_secret(host)),
         )
+        if settings.affinity == "prefix" and settings.affinity_secret is None and self.primary:
+            log.info(
+                "--affinity prefix: the prompt hash is keyed with a random key made at "
+                "start; replicas of phasewatch in front of one pool need a shared "
+                "--affinity-secret (PHASEWATCH_AFFINITY_SECRET) to agree"
+            )
         # what engines say is bounded: label values from the wire, numbers they report
         self.metrics.labels.max_length = settings.max_label_length
         self.metrics.labels.warn = LimitedLog(logging.getLogger("proxy.measure.labels")).warning
@@ -87,7 +94,14 @@ class ProxyApp:
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
         self.recorder.listeners.append(self.status.on_request)
-        self.access = Access(settings.api_keys, settings.upstream_keys, settings.key_clients)
+        self.access = Access(
+            settings.api_keys,
+            settings.upstream_keys,
+            settings.key_clients,
+            secret=start_secret(host),
+            cookie_ttl=settings.page_cookie_ttl,
+            max_failures=settings.max_key_failures,
+        )
         # OpenTelemetry (--otel): spans opened before the request goes upstream, ended and
         # exported once it is recorded; nothing of it is loaded without the flag.
         self.tracing = (
@@ -196,9 +210,16 @@ class ProxyApp:
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/metrics on the proxy port: with proxy keys set it needs one, unless
         --metrics-public (a separate --metrics-port is for Prometheus alone)."""
-        if not self.settings.metrics_public and not self.access.allowed(
-            scope["headers"], basic=True
-        ):
+        peer = peer_of(scope)
+        try:
+            allowed = self.settings.metrics_public or self.access.allowed(
+                scope["headers"], basic=True, peer=peer
+            )
+        except Throttled as exc:
+            refusal = throttled(exc, peer, self.access.guesses.per_minute)
+            await self._refusals.refuse(Reply(send), refusal)
+            return
+        if not allowed:
             await send_error(
                 send,
                 401,

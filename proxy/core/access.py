@@ -8,8 +8,15 @@ compared in constant time and never logged or exported. A key may be named after
 client holding it (``--api-key team-a=KEY``): its requests are labelled ``client=team-a``.
 
 Browsers reach the own pages with HTTP Basic (any user name, the key as password) or with
-a cookie set from a ``?key=`` link or the login form: the cookie holds a token derived
-from the key (never the key), taken on the own pages only, never by the relay.
+a cookie set from a ``?key=`` link or the login form: the cookie holds its expiry and a
+MAC of the key and the expiry under a secret made at start (never the key), taken on the
+own pages only, never by the relay, for ``--page-cookie-ttl`` at most. A restart or a
+changed key ends every cookie.
+
+Wrong keys are throttled per client address (``--max-key-failures`` a minute, a bucket
+that refills): beyond it, whatever key the address presents (Bearer, ``x-api-key``, Basic,
+the login form, ``?key=``) is refused with 429 unchecked until the bucket has room, so a
+client cannot guess keys at wire speed. A page cookie is not a guess and is not refused.
 """
 
 from __future__ import annotations
@@ -18,18 +25,86 @@ import base64
 import binascii
 import hashlib
 import hmac
-from collections.abc import Iterable
+import math
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from urllib.parse import unquote_to_bytes
+
+from .asgi import Scope
+from .refusals import Refusal
 
 #: The own pages' cookie (HttpOnly, SameSite=Strict; set by proxy.api).
 COOKIE = "phasewatch_key"
-_COOKIE_SALT = b"phasewatch page cookie v1"
 _COOKIE_PREFIX = COOKIE.encode() + b"="
+#: Client addresses whose wrong keys are remembered (the oldest is forgotten first).
+MAX_ADDRESSES = 4096
 
 
-def page_token(key: bytes) -> str:
-    """The cookie value for a key: derived from it, so the cookie jar never holds the key,
-    and the same in every worker and after a restart (a changed key ends it)."""
-    return hmac.new(key, _COOKIE_SALT, hashlib.sha256).hexdigest()
+class Throttled(Exception):
+    """The client's address presented too many wrong keys: refuse for `retry_after` s."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__("too many wrong keys")
+        self.retry_after = retry_after
+
+
+class Guesses:
+    """Wrong keys per client address: a bucket of `per_minute` that refills evenly.
+    Bounded: at most MAX_ADDRESSES addresses, the one idle longest forgotten first."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self.clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _level(self, peer: str, now: float) -> float:
+        """The wrong keys the address has left now (0..per_minute)."""
+        got = self._buckets.get(peer)
+        if got is None:
+            return float(self.per_minute)
+        left, at = got
+        return min(float(self.per_minute), left + (now - at) * self.per_minute / 60.0)
+
+    def check(self, peer: str | None) -> None:
+        """Raise Throttled while the address has no wrong key left."""
+        if peer is None or self.per_minute <= 0 or peer not in self._buckets:
+            return
+        level = self._level(peer, self.clock())
+        if level < 1.0:
+            raise Throttled((1.0 - level) * 60.0 / self.per_minute)
+
+    def failed(self, peer: str | None) -> None:
+        """The address presented a wrong key."""
+        if peer is None or self.per_minute <= 0:
+            return
+        now = self.clock()
+        level = self._level(peer, now) - 1.0
+        self._buckets[peer] = (level, now)
+        self._buckets.move_to_end(peer)
+        if len(self._buckets) > MAX_ADDRESSES:
+            self._buckets.popitem(last=False)
+
+
+def peer_of(scope: Scope) -> str | None:
+    """The client's address (without its port), the unit wrong keys are counted by."""
+    client = scope.get("client")
+    return str(client[0]) if client else None
+
+
+def throttled(exc: Throttled, peer: str | None, per_minute: int) -> Refusal:
+    """What an address out of wrong keys gets: 429 until its bucket has room."""
+    wait = max(1, math.ceil(exc.retry_after))
+    return Refusal(
+        429,
+        f"too many wrong phasewatch API keys from this address; retry in {wait}s",
+        "rate_limit_exceeded",
+        "key_guesses",
+        "refused keys from %s for %ds: more than %d wrong keys a minute (--max-key-failures)",
+        (peer or "unknown", wait, per_minute),
+        ((b"retry-after", str(wait).encode()),),
+    )
 
 
 class Access:
@@ -40,30 +115,52 @@ class Access:
         api_keys: list[str],
         upstream_keys: dict[str, str],
         key_clients: dict[str, str] | None = None,
+        *,
+        secret: bytes = b"",
+        cookie_ttl: float = 12 * 3600,
+        max_failures: int = 30,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         names = key_clients or {}
         #: (key, client name or "") for every proxy key
         self._keys = [(k.encode(), names.get(k, "")) for k in api_keys if k]
-        #: (cookie token, client name) for every proxy key
-        self._tokens = [(page_token(k).encode(), name) for k, name in self._keys]
+        #: The page cookie's MAC key: this start's secret (a restart ends every cookie).
+        self._secret = secret or secrets.token_bytes(32)
+        self.cookie_ttl = cookie_ttl
+        self._clock = clock
         self._upstream = {name: ("Bearer " + key).encode() for name, key in upstream_keys.items()}
+        #: Wrong keys per client address (--max-key-failures a minute).
+        self.guesses = Guesses(max_failures)
 
     @property
     def required(self) -> bool:
         """Whether clients must present a key at all."""
         return bool(self._keys)
 
-    def allowed(self, headers: Iterable[tuple[bytes, bytes]], basic: bool = False) -> bool:
+    def allowed(
+        self, headers: Iterable[tuple[bytes, bytes]], basic: bool = False, peer: str | None = None
+    ) -> bool:
         """Whether the request carries a valid proxy key (always, when none are set).
         `basic`: also take HTTP Basic's password and the page cookie (the own API's pages,
-        for browsers)."""
-        return self.client(headers, basic) is not None
+        for browsers); `peer`: as for :meth:`client`."""
+        return self.client(headers, basic, peer) is not None
 
-    def client(self, headers: Iterable[tuple[bytes, bytes]], basic: bool = False) -> str | None:
+    def client(
+        self, headers: Iterable[tuple[bytes, bytes]], basic: bool = False, peer: str | None = None
+    ) -> str | None:
         """Who the request's key names: the client name of a named key, "" for a bare key
-        or when no keys are set, None when a key is required and none valid was sent."""
+        or when no keys are set, None when a key is required and none valid was sent.
+        With the client's address `peer`, a wrong key counts against it, and an address
+        out of wrong keys raises Throttled for any key it presents (a valid page cookie
+        still opens the pages)."""
         if not self._keys:
             return ""
+        if peer is not None and self.guesses.per_minute > 0:
+            if not isinstance(headers, list):
+                headers = list(headers)
+            if any(_guessable(k, v, basic) for k, v in headers):
+                self.guesses.check(peer)
+        presented = False
         for k, v in headers:
             if k == b"authorization" and v[:7].lower() == b"bearer ":
                 found = self._match(v[7:].strip())
@@ -77,10 +174,16 @@ class Access:
                 found = self._match(v.strip())
             elif k == b"cookie" and basic:
                 found = self._cookie(v)
+                if found is not None:
+                    return found
+                continue
             else:
                 continue
             if found is not None:
                 return found
+            presented = True
+        if presented:
+            self.guesses.failed(peer)
         return None
 
     def _match(self, presented: bytes) -> str | None:
@@ -92,22 +195,36 @@ class Access:
                 found = name
         return found
 
-    def page_cookie(self, presented: bytes) -> str | None:
+    def page_cookie(self, presented: bytes, peer: str | None = None) -> str | None:
         """The cookie value for a valid key presented to log in (``?key=``, the login
-        form), None for an invalid one; compared like any key."""
+        form), None for an invalid one (counted against `peer`); compared like any key.
+        Raises Throttled for an address out of wrong keys."""
+        self.guesses.check(peer)
         if self._match(presented) is None:
+            self.guesses.failed(peer)
             return None
-        return page_token(presented)
+        expires = math.ceil(self._clock() + self.cookie_ttl)
+        return f"{expires}.{self._mac(presented, expires)}"
+
+    def _mac(self, key: bytes, expires: int) -> str:
+        return hmac.new(self._secret, b"%d|" % expires + key, hashlib.sha256).hexdigest()
 
     def _cookie(self, header: bytes) -> str | None:
-        """The client name of a valid page cookie in a Cookie header, else None."""
+        """The client name of a valid, unexpired page cookie in a Cookie header, else
+        None."""
         found = None
         for part in header.split(b";"):
             name, sep, value = part.strip().partition(b"=")
             if not sep or name != COOKIE.encode():
                 continue
-            for token, client in self._tokens:  # every token compared, in constant time
-                if hmac.compare_digest(value.strip(), token):
+            stamp, dot, mac = value.strip().partition(b".")
+            if not dot or not stamp.isdigit() or len(stamp) > 12:
+                continue
+            expires = int(stamp)
+            if expires < self._clock():
+                continue
+            for key, client in self._keys:  # every key's MAC compared, in constant time
+                if hmac.compare_digest(mac, self._mac(key, expires).encode()):
                     found = client
         return found
 
@@ -135,6 +252,27 @@ class Access:
         if key is not None:
             out.append((b"authorization", key))
         return out
+
+
+def _guessable(name: bytes, value: bytes, basic: bool) -> bool:
+    """Whether a header presents a key that could be a guess (not a page cookie)."""
+    if name == b"authorization":
+        scheme = value[:7].lower()
+        return scheme == b"bearer " or (basic and scheme[:6] == b"basic ")
+    return name == b"x-api-key"
+
+
+def strip_key_param(qs: bytes) -> bytes:
+    """A query string without phasewatch's own ``key`` parameter (however it is
+    percent-encoded): it is the page login's, never the engine's."""
+    kept = []
+    for part in qs.split(b"&"):
+        name = part.split(b"=", 1)[0]
+        if b"%" in name or b"+" in name:
+            name = unquote_to_bytes(name.replace(b"+", b" "))
+        if name != b"key":
+            kept.append(part)
+    return b"&".join(kept)
 
 
 def _without_page_cookie(header: bytes) -> bytes:

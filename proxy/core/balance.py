@@ -17,10 +17,14 @@ could not be sent is tried next.
 - ``random``: weighted random.
 
 ``--affinity prefix`` puts requests whose prompts start alike on one replica (its prefix
-cache keeps the shared part): a hash of the prompt's leading bytes picks the member by
-weighted rendezvous hashing (members coming and going move only their own share), unless
-that member is overloaded (more than twice the pool's mean outstanding requests plus
-four), when the policy picks instead.
+cache keeps the shared part): a hash of the prompt's leading bytes, keyed with the
+deployment's secret (``--affinity-secret``; a client that cannot compute the hash cannot
+aim its prompts at one member), ranks the members by weighted rendezvous hashing (members
+coming and going move only their own share). The request goes to the first in that
+ranking that is under its bound: consistent hashing with bounded loads, the bound being
+``BOUND_C`` x its weight's share of the pool's outstanding requests counting this one, so
+one hot prefix fills its home to the bound and spills over to the next member, and no
+member takes more than its bounded share from affinity.
 """
 
 from __future__ import annotations
@@ -36,10 +40,9 @@ Policy = Literal["least-loaded", "round-robin", "random"]
 Affinity = Literal["none", "prefix"]
 POLICIES: tuple[str, ...] = ("least-loaded", "round-robin", "random")
 
-#: Outstanding requests beyond which a member no longer takes its affinity share:
-#: BOUND_FACTOR x the pool's mean + BOUND_SLACK.
-BOUND_FACTOR = 2.0
-BOUND_SLACK = 4.0
+#: Bounded loads: a member takes an affine request while its outstanding requests are
+#: under BOUND_C x its weighted share of the pool's (this request counted), rounded up.
+BOUND_C = 1.25
 #: KV-cache use from which a member's expected wait grows (preemption is near).
 KV_PRESSURE = 0.9
 
@@ -64,6 +67,9 @@ class BalanceOptions:
     affinity: Affinity = "none"
     #: Leading bytes of the prompt hashed for --affinity prefix.
     prefix_bytes: int = 512
+    #: The prefix hash's key (--affinity-secret, else one made at start): replicas of
+    #: phasewatch in front of one pool share it to send a prefix to the same member.
+    secret: bytes = field(default=b"", repr=False)
 
 
 def outstanding(m: Load) -> float:
@@ -137,11 +143,15 @@ class Balancer:
         return best
 
     def _affine(self, members: list[Load], key: int) -> Load | None:
-        mean = sum(outstanding(m) for m in members) / len(members)
-        bound = BOUND_FACTOR * mean + BOUND_SLACK
+        """The first member in the key's rendezvous ranking that is under its bound
+        (consistent hashing with bounded loads); None when none is (not with BOUND_C >= 1:
+        the bounds add up to more than the pool's load)."""
+        total = sum(outstanding(m) for m in members) + 1.0  # this request counted
+        weights = sum(max(m.weight, 1e-9) for m in members)
         ranked = sorted(members, key=lambda m: rendezvous(key, m.name, m.weight), reverse=True)
         for m in ranked:
-            if outstanding(m) <= bound:
+            bound = math.ceil(BOUND_C * total * max(m.weight, 1e-9) / weights)
+            if outstanding(m) < bound:
                 return m
         return None
 
@@ -158,9 +168,10 @@ def rendezvous(key: int, name: str, weight: float) -> float:
     return -max(weight, 1e-9) / math.log(unit)
 
 
-def prefix_key(body: bytes, limit: int = 512) -> int | None:
-    """A hash of the prompt's first `limit` bytes (chat messages in order, or a
-    completion prompt), or None when the body has no prompt phasewatch can read."""
+def prefix_key(body: bytes, limit: int = 512, secret: bytes = b"") -> int | None:
+    """A hash keyed with `secret` of the prompt's first `limit` bytes (chat messages in
+    order, or a completion prompt), or None when the body has no prompt phasewatch can
+    read."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -189,4 +200,11 @@ def prefix_key(body: bytes, limit: int = 512) -> int | None:
     if not text:
         return None
     lead = text.encode("utf-8", "surrogatepass")[:limit]
-    return int.from_bytes(hashlib.blake2b(lead, digest_size=8).digest(), "big")
+    return keyed_hash(lead, secret)
+
+
+def keyed_hash(lead: bytes, secret: bytes) -> int:
+    """The prefix hash: BLAKE2b keyed with the deployment's secret (a key of at most 64
+    bytes: a longer one is hashed down to 32)."""
+    key = secret if len(secret) <= 64 else hashlib.sha256(secret).digest()
+    return int.from_bytes(hashlib.blake2b(lead, digest_size=8, key=key).digest(), "big")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,39 @@ class Host:
 
     def path(self, name: str) -> str:
         return os.path.join(self.folder, name)
+
+
+#: This process's start secret, when it runs alone (no --workers).
+_PROCESS_SECRET = secrets.token_bytes(32)
+
+
+def start_secret(host: Host | None) -> bytes:
+    """32 random bytes made once per start of phasewatch, the same in each of its workers
+    (the first worker to need them writes them to the workers' private folder; a worker
+    restarted by the supervisor reads the same). What is keyed with them (the page
+    cookie, the default prefix-affinity key) ends with the process."""
+    if host is None:
+        return _PROCESS_SECRET
+    path = host.path("start.secret")
+    try:
+        with open(path, "rb") as f:
+            got = f.read()
+        if len(got) == 32:
+            return got
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    try:
+        os.link(tmp, path)  # atomic, and fails where another worker was first
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    with open(path, "rb") as f:
+        return f.read()
 
 
 class Board:

@@ -76,7 +76,8 @@ class Pools:
             raise PoolDown(pool, members)
         key = None
         if self.balancer.options.affinity == "prefix":
-            key = prefix_key(body, self.balancer.options.prefix_bytes)
+            options = self.balancer.options
+            key = prefix_key(body, options.prefix_bytes, options.secret)
         by_name = {u.name: u for u in alive}
         ordered = [
             by_name[m.name] for m in self.balancer.order(pool, [load(u) for u in alive], key)

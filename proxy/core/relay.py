@@ -25,7 +25,7 @@ from ..engines import Prepared
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
-from .access import Access
+from .access import Access, Throttled, peer_of, throttled
 from .admission import Admitted, queue_refusal
 from .asgi import Receive, Scope, Send
 from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
@@ -99,7 +99,12 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
-        key_client = self.access.client(headers)
+        try:
+            key_client = self.access.client(headers, peer=peer_of(scope))
+        except Throttled as exc:
+            refusal = throttled(exc, peer_of(scope), self.access.guesses.per_minute)
+            await self.refusals.refuse(Reply(send), refusal)
+            return
         if key_client is None:
             await self.refusals.refuse(Reply(send), UNAUTHENTICATED)
             return

@@ -17,7 +17,7 @@ import httpx
 
 from ..measure.timeline import Marks
 from ..transport.lean import LeanTransport
-from .access import Access
+from .access import Access, strip_key_param
 from .asgi import Scope
 from .errors import UpstreamFailure, describe
 from .headers import Headers, request_headers
@@ -79,6 +79,8 @@ class UpstreamCall:
         `extra` headers (the trace context, with --otel) replace the client's of the
         same name."""
         qs = scope.get("query_string", b"")
+        if qs and self.access.required:
+            qs = strip_key_param(qs)  # the page login's key is never the engine's
         target = scope.get("raw_path") or scope["path"].encode()
         headers = self.access.upstream_headers(request_headers(scope["headers"]), upstream.name)
         if extra:

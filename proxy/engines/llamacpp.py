@@ -145,8 +145,13 @@ class LlamaCppDialect(OpenAIDialect):
 
     name: ClassVar[str] = "llamacpp"
     health_path: ClassVar[str] = "/health"  # 503 while the model loads
-    #: Setting LoRA scales and saving, restoring or erasing a slot's cache.
-    admin_paths: ClassVar[frozenset[str]] = frozenset({"/lora-adapters", "/slots"})
+    #: Setting LoRA scales; saving, restoring or erasing a slot's cache; changing global
+    #: properties (``POST /props``); router mode's adding, loading, unloading and deleting
+    #: models (``/models...``, whose GETs are the model list); the web UI's server-side
+    #: tools and CORS proxy, which reach beyond the engine.
+    admin_paths: ClassVar[frozenset[str]] = frozenset(
+        {"/lora-adapters", "/slots", "/props", "/models", "/tools", "/cors-proxy"}
+    )
     answers_any_model: ClassVar[bool] = True
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"

@@ -68,9 +68,31 @@ POOLING = {
 class VLLMDialect(OpenAIDialect):
     name: ClassVar[str] = "vllm"
     health_path: ClassVar[str] = "/health"
-    #: Runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) changes the model list.
+    #: Runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) changes the model list;
+    #: the rest act on the whole engine: profiling, the dev-mode cache resets, sleep and
+    #: collective RPC (VLLM_SERVER_DEV_MODE), RLHF's pause and weight updates, and elastic
+    #: expert-parallel scaling.
     admin_paths: ClassVar[frozenset[str]] = frozenset(
-        {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+        {
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
+            "/start_profile",
+            "/stop_profile",
+            "/reset_prefix_cache",
+            "/reset_mm_cache",
+            "/reset_encoder_cache",
+            "/sleep",
+            "/wake_up",
+            "/collective_rpc",
+            "/pause",
+            "/resume",
+            "/init_weight_transfer_engine",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/scale_elastic_ep",
+            "/is_scaling_elastic_ep",
+        }
     )
     empty_stream_options_is_usage: ClassVar[bool] = True
     busy_gauges: ClassVar[tuple[str, ...]] = (

@@ -257,6 +257,19 @@ class Settings(BaseSettings):
         "client=NAME (repeatable; default: no proxy keys, the client's own "
         "Authorization reaches the engine).",
     )
+    max_key_failures: int = Field(
+        30,
+        ge=0,
+        description="Wrong proxy keys one client address may present a minute (Bearer, "
+        "x-api-key, Basic, the login form, ?key=); beyond, its keys get 429 unchecked "
+        "until it may try again (0: no limit).",
+    )
+    page_cookie_ttl: float = Field(
+        12 * 3600,
+        gt=0,
+        description="Seconds the status pages' login cookie is valid; a restart or a "
+        "changed key ends it sooner.",
+    )
     client_header: str | None = Field(
         None,
         description="Request header naming the client (e.g. x-team) for the client label "
@@ -384,6 +397,12 @@ class Settings(BaseSettings):
         "none",
         description="prefix: requests whose prompts share their first 512 bytes go to one "
         "member of the pool (its prefix cache), unless it is overloaded.",
+    )
+    affinity_secret: SecretStr | None = Field(
+        None,
+        description="The key of --affinity prefix's prompt hash, so clients cannot aim "
+        "prompts at one member; give every phasewatch in front of one pool the same one "
+        "(default: a random one per start, which replicas do not share).",
     )
     upstream_weight: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -602,8 +621,8 @@ class Settings(BaseSettings):
     def server_limits(self) -> views.ServerLimits:
         return views.server_limits(self)
 
-    def balance_options(self) -> views.BalanceOptions:
-        return views.balance_options(self)
+    def balance_options(self, start_secret: bytes = b"") -> views.BalanceOptions:
+        return views.balance_options(self, start_secret)
 
     def upstream_options(self) -> views.UpstreamOptions:
         return views.upstream_options(self)

@@ -6,6 +6,8 @@ whole section as one object: the relay its :class:`RelayOptions`, the server its
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,8 +56,15 @@ def server_limits(s: Settings) -> ServerLimits:
     )
 
 
-def balance_options(s: Settings) -> BalanceOptions:
-    return BalanceOptions(s.balance, s.affinity)
+def balance_options(s: Settings, start_secret: bytes = b"") -> BalanceOptions:
+    """The policy; the prefix hash keyed with --affinity-secret, else with a key derived
+    from this start's secret (`start_secret`)."""
+    given = s.affinity_secret
+    if given is not None:
+        secret = given.get_secret_value().encode()
+    else:
+        secret = hmac.new(start_secret, b"phasewatch prefix affinity", hashlib.sha256).digest()
+    return BalanceOptions(s.balance, s.affinity, secret=secret)
 
 
 def upstream_options(s: Settings) -> UpstreamOptions:

@@ -155,3 +155,33 @@ def test_a_request_routes_on_the_whole_model_list_not_the_labelled_part():
     before = set(u.models)
     u.models = u._labelled([f"new-{i}" for i in range(10)] + names)
     assert u.models == before
+
+
+def test_the_prefix_hash_is_keyed_so_clients_cannot_aim_it():
+    body = chat("a shared system prompt", "q")
+    assert prefix_key(body, secret=b"s1") == prefix_key(body, secret=b"s1")
+    keys = [
+        (prefix_key(chat(f"p{i}", "q"), secret=b"s1"), prefix_key(chat(f"p{i}", "q"), secret=b"s2"))
+        for i in range(50)
+    ]
+    assert all(a != b for a, b in keys)
+    assert prefix_key(body, secret=b"x" * 100) == prefix_key(body, secret=b"x" * 100)  # long keys
+
+
+def test_bounded_loads_spill_a_hot_prefix_over_the_pool():
+    """160 requests of one prefix arriving while none finishes: the home takes up to its
+    bound (1.25 x its share of the pool's load), the rest spill to the next member."""
+    b = Balancer(BalanceOptions("least-loaded", "prefix"))
+    members = [Load("a", service_s=0.1), Load("b", service_s=0.1)]
+    key = prefix_key(chat("one shared prefix", "q"), secret=b"k")
+    got = Counter()
+    for _ in range(160):
+        first = b.order("p", members, key)[0]
+        first.in_flight += 1
+        got[first.name] += 1
+    assert max(got.values()) <= 100 and min(got.values()) >= 60, got
+    # with a light load the prefix stays home
+    for m in members:
+        m.in_flight = 0
+    home = b.order("p", members, key)[0].name
+    assert all(b.order("p", members, key)[0].name == home for _ in range(20))
