@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .kvcache import KVModel
-from .metrics import Metrics, child, observe, observe_counts, prompt_band
+from .metrics import Metrics, child, observe, observe_counts, prompt_band, status_class
 from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -167,10 +167,11 @@ class Recorder:
             observe(child(m.queue_seconds, *base, "proxy"), f.queue_proxy)
         # every error kind is counted here: the one that failed the request, and those
         # that did not
+        klass = status_class(ex.status)
         if ex.error_kind:
-            child(m.errors_total, *base, ex.error_kind).inc()
+            child(m.errors_total, *base, ex.error_kind, klass).inc()
         for kind in ex.side_errors:
-            child(m.errors_total, *base, kind).inc()
+            child(m.errors_total, *base, kind, klass).inc()
         if ex.outcome == "aborted":
             child(m.aborts_total, *base, ex.abort_phase or "unknown").inc()
 
@@ -178,7 +179,7 @@ class Recorder:
             observe(child(m.ttft_seconds, *base, band), f.ttft, marker)
         gaps = ex.gaps
         if gaps is not None and ex.marks.output_events > 1:
-            observe_counts(child(m.inter_token_seconds, *base), gaps[0], gaps[1])
+            observe_counts(child(m.inter_token_seconds, *base, band), gaps[0], gaps[1])
 
         # Phase figures need the engine's counts: only complete responses have them.
         if ex.outcome == "ok":
