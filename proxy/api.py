@@ -55,12 +55,17 @@ class UpstreamState(BaseModel):
     engine: str
     up: bool | None
     models: int
+    #: Streams in flight whose output stopped (proxy.services.stall).
+    stalled: int = 0
 
 
 class Readiness(BaseModel):
     ready: bool
     draining: bool
     upstreams: list[UpstreamState]
+    #: Ready, but an upstream has stalled streams: `reasons` says which and why.
+    degraded: bool = False
+    reasons: list[str] = []
 
 
 class Debug(BaseModel):
@@ -97,6 +102,8 @@ class SummaryUpstream(BaseModel):
     queued: float
     watts: float | None
     reason: str | None = None  # why it is down (a refused connection, HTTP 500 on /health)
+    stalled: int = 0  # streams in flight whose output stopped (proxy.services.stall)
+    stall_reason: str | None = None
 
 
 class Summary(BaseModel):
@@ -152,16 +159,25 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
         responses={503: {"model": Readiness, "description": "not ready"}},
     )
     async def ready() -> JSONResponse:
-        """Readiness: 503 while no upstream answers, or while draining on SIGTERM."""
+        """Readiness: 503 while no upstream answers, or while draining on SIGTERM;
+        ``degraded`` (still 200) while an upstream has stalled streams, with the reasons."""
+        reasons = [f"upstream {u.name}: {u.stall_reason}" for u in upstreams.all if u.stalled]
         state = Readiness(
             ready=upstreams.ready and not relay.draining,
             draining=relay.draining,
             upstreams=[
                 UpstreamState(
-                    name=u.name, url=u.url, engine=u.engine, up=u.up, models=len(u.models)
+                    name=u.name,
+                    url=u.url,
+                    engine=u.engine,
+                    up=u.up,
+                    models=len(u.models),
+                    stalled=u.stalled,
                 )
                 for u in upstreams.all
             ],
+            degraded=bool(reasons),
+            reasons=reasons,
         )
         return JSONResponse(state.model_dump(), status_code=200 if state.ready else 503)
 

@@ -33,6 +33,7 @@ from .measure.metrics import Metrics
 from .measure.recorder import Recorder
 from .services import engine_state
 from .services.power import PowerService
+from .services.stall import StallWatch
 from .services.status import StatusPage
 from .services.tracing import Tracing
 from .settings import Settings
@@ -94,6 +95,9 @@ class ProxyApp:
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
         self.recorder.listeners.append(self.status.on_request)
+        # Streams whose output stopped: scanned in the background, rates learnt per request.
+        self.stalls = StallWatch(settings.stall_options(), self.metrics, self.upstreams)
+        self.recorder.listeners.append(self.stalls.on_request)
         self.access = Access(
             settings.api_keys,
             settings.upstream_keys,
@@ -141,6 +145,7 @@ class ProxyApp:
         engine_state.start(self.upstreams, self.metrics, s.engine_scrape, self.host)
         if self.primary:
             self.upstreams.spawn(self.power.check_mapping())
+        self.stalls.start()
         self.power.start()  # samples in the primary only: energy must not count N times
         for u in self.upstreams.all:
             log.info(

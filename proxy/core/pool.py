@@ -74,6 +74,9 @@ class Pools:
         alive = [u for u in members if u.up is not False]
         if not alive:
             raise PoolDown(pool, members)
+        # members with stalled streams (proxy.services.stall) take no new request while
+        # another member has none
+        alive = [u for u in alive if not u.stalled] or alive
         key = None
         if self.balancer.options.affinity == "prefix":
             options = self.balancer.options

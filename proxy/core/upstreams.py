@@ -171,6 +171,10 @@ class Upstream:
         #: from their own thread to classify the GPU's state: a request with no first
         #: token yet is in prefill, one with a first token is decoding.
         self.active: set[Exchange] = set()
+        #: Streams in flight whose output stopped (proxy.services.stall sets them): a pool
+        #: sends new requests elsewhere, readiness reports the reason.
+        self.stalled = 0
+        self.stall_reason: str | None = None
 
     # --- labels ---------------------------------------------------------------------
 

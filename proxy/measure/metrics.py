@@ -59,6 +59,11 @@ _BAND_NAMES = ("0-2k", "2k-6k", "6k-12k", "12k-24k", "24k-64k", "64k+")
 PROMPT_BANDS = _BAND_NAMES + ("unknown",)
 
 
+def status_class(status: int) -> str:
+    """The bounded `status_class` label of an HTTP status (``none``: no answer yet)."""
+    return f"{status // 100}xx" if 100 <= status <= 599 else "none"
+
+
 def prompt_band(prompt_tokens: int | None) -> str:
     """The bounded `prompt_band` label for a prompt of this many tokens."""
     if prompt_tokens is None or prompt_tokens < 0:
@@ -138,8 +143,9 @@ class Metrics:
         self.inter_token_seconds = hist(
             "inter_token_seconds",
             "Gaps between successive output events of a stream (an event may carry more "
-            "than one token when the engine merges them).",
-            (),
+            "than one token when the engine merges them), by prompt band (each step reads "
+            "the whole context, so gaps grow with it).",
+            ("prompt_band",),
             GAP_BUCKETS,
         )
         self.request_seconds = hist(
@@ -214,8 +220,10 @@ class Metrics:
             "stream), truncated (stream ended without its terminator), protocol; and "
             "oversized (a stream event over --max-event-bytes passed through unmeasured), "
             "undecodable (an answer in a coding not decoded, passed through unmeasured), "
-            "decode_limit (an answer decoded to its cap, or in stacked codings: refused).",
-            BASE + ("kind",),
+            "decode_limit (an answer decoded to its cap, or in stacked codings: refused); "
+            "status_class is the class of the status the client got (2xx, 4xx, 5xx; none "
+            "before any): a 4xx the engine answered is most often the client's own error.",
+            BASE + ("kind", "status_class"),
             registry=r,
         )
         self.rejected_total = Counter(
@@ -449,6 +457,32 @@ class Metrics:
             "Requests that could not be sent to one member (no byte reached it) and were "
             "sent to another member of the pool.",
             ("pool",),
+            registry=r,
+        )
+        # Stalled streams (proxy.services.stall): output that stopped advancing.
+        self.stalled_streams = Gauge(
+            PREFIX + "stalled_streams",
+            "Streams in flight to the upstream whose output has not advanced for longer "
+            "than it should (their prompt at the measured prefill rate before the first "
+            "token, many gaps at the measured decode rate after it; never less than "
+            "--stall-floor).",
+            ("upstream",),
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.stream_longest_silence_seconds = Gauge(
+            PREFIX + "stream_longest_silence_seconds",
+            "Longest time any stream in flight to the upstream has gone without output "
+            "(since it was sent, before its first token), stalled or not.",
+            ("upstream",),
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.stalls_total = Counter(
+            PREFIX + "stalls",
+            "Streams that stalled, by the phase they stalled in: prefill (no first "
+            "token) or decode.",
+            ("upstream", "phase"),
             registry=r,
         )
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .kvcache import KVModel
-from .metrics import Metrics, observe_counts, prompt_band
+from .metrics import Metrics, observe_counts, prompt_band, status_class
 from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -165,10 +165,11 @@ class Recorder:
             m.queue_seconds.labels(*base, "proxy").observe(f.queue_proxy)
         # every error kind is counted here: the one that failed the request, and those
         # that did not
+        klass = status_class(ex.status)
         if ex.error_kind:
-            m.errors_total.labels(*base, ex.error_kind).inc()
+            m.errors_total.labels(*base, ex.error_kind, klass).inc()
         for kind in ex.side_errors:
-            m.errors_total.labels(*base, kind).inc()
+            m.errors_total.labels(*base, kind, klass).inc()
         if ex.outcome == "aborted":
             m.aborts_total.labels(*base, ex.abort_phase or "unknown").inc()
 
@@ -176,7 +177,7 @@ class Recorder:
             m.ttft_seconds.labels(*base, band).observe(f.ttft, marker)
         gaps = ex.gaps
         if gaps is not None and ex.marks.output_events > 1:
-            observe_counts(m.inter_token_seconds.labels(*base), gaps[0], gaps[1])
+            observe_counts(m.inter_token_seconds.labels(*base, band), gaps[0], gaps[1])
 
         # Phase figures need the engine's counts: only complete responses have them.
         if ex.outcome == "ok":

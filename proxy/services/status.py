@@ -183,6 +183,9 @@ class StatusPage:
                     ),
                     "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
                     "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
+                    # streams whose output stopped (proxy.services.stall)
+                    "stalled": u.stalled,
+                    "stall_reason": u.stall_reason,
                     "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))
                     if rep.gpus
                     else None,

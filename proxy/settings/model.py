@@ -432,6 +432,27 @@ class Settings(BaseSettings):
         description="5xx answers in a row that mark an upstream down (0: never on status "
         "alone; a refused connection always does).",
     )
+    stall_floor: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds of silence below which a stream in flight is never called "
+        "stalled (before its first token and after it); 0 turns stall detection off. A "
+        "stalled stream is logged once, counted in phasewatch_stalls_total, shown on the "
+        "status page and in /phasewatch/ready, and a pool sends new requests elsewhere.",
+    )
+    stall_prefill_factor: float = Field(
+        4.0,
+        gt=0,
+        description="Before its first token a stream is stalled after this many times its "
+        "prompt's expected prefill (at the upstream's measured prefill rate), and only while "
+        "no other stream of the upstream advances.",
+    )
+    stall_gaps: float = Field(
+        100.0,
+        gt=0,
+        description="After its first token a stream is stalled after this many inter-token "
+        "gaps (at the upstream's measured decode rate) without output.",
+    )
     admin_api: Literal["auto", "deny", "allow", "keyed"] = Field(
         "auto",
         description="The engines' model-management endpoints (Ollama /api/copy, "
@@ -629,3 +650,6 @@ class Settings(BaseSettings):
 
     def power_options(self) -> views.PowerOptions:
         return views.power_options(self)
+
+    def stall_options(self) -> views.StallOptions:
+        return views.stall_options(self)

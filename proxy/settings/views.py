@@ -16,6 +16,7 @@ from ..core.relay_options import RelayOptions
 from ..core.upstreams import UpstreamOptions
 from ..measure.kvcache import kv_dtype
 from ..services.power import PowerOptions
+from ..services.stall import StallOptions
 from ..transport import ClientOptions
 
 if TYPE_CHECKING:
@@ -99,3 +100,7 @@ def upstream_options(s: Settings) -> UpstreamOptions:
 
 def power_options(s: Settings) -> PowerOptions:
     return PowerOptions(s.power_source, s.power_dcgm_url, s.power_interval, dict(s._power_gpu))
+
+
+def stall_options(s: Settings) -> StallOptions:
+    return StallOptions(s.stall_floor, s.stall_prefill_factor, s.stall_gaps)
