@@ -20,6 +20,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
+from ..measure.advice import advise
 from ..measure.summary import Samples, build
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ class StatusPage:
         self._power_tick(now, reg.get(_SAMPLE_SUM) + reg.get(_SAMPLE_COUNT))
         rep = build(reg, source="this proxy", include_idle_models=True)
         as_dict = rep.as_dict()
+        advice = [a.as_dict() for a in advise(reg, rep)]
         keys: list[tuple[str, str, str]] = sorted(self._keys, key=self._keys.__getitem__)
         cutoff = now - WINDOW_SECONDS
         points = [p for p in list(self.points) if p[0] >= cutoff]
@@ -200,6 +202,7 @@ class StatusPage:
             "pools": self.upstreams.pools.summary(),
             "bands": as_dict["bands"],
             "rows": rows,
+            "advice": advice,  # proxy.measure.advice's rows: the page's advice panel
             "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
             "points": [
                 [round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
@@ -209,6 +212,11 @@ class StatusPage:
                 [round(t - now, 3), w] for t, w in list(self.power_points) if t >= cutoff
             ],
         }
+
+    def advice(self) -> list[dict]:
+        """The advice rows (``GET /phasewatch/api/advice``): the summary's own, so the
+        API and the page's panel always agree."""
+        return list(self.summary()["advice"])
 
     def page(self) -> bytes:
         """The page, with the current summary inlined (it renders before its first poll)."""
