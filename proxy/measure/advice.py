@@ -148,6 +148,7 @@ def _row(
     queue_s = queue.sum
     prefill_s = pre.sum
     queue_note = "proxy admission queue"
+    moved = 0.0
     if up_queue.count:
         queue_s += up_queue.sum
         queue_note += " + engine-side wait (TTFT window minus the engine's prefill time)"
@@ -183,6 +184,9 @@ def _row(
     prefill_tokens = samples.total(_n("tokens_total"), **lab, phase="prefill")
     cached_tokens = samples.total(_n("tokens_total"), **lab, phase="cached")
     mean_processed = prefill_tokens / prompt_h.count if prompt_h.count else None
+    if moved and mean_processed and prefill_s > 0:
+        # the per-request rates include the engine's queue: tokens over queue-free time
+        prefill_rate = mean_processed * pre.count / prefill_s
     mean_output = completion_h.mean()
     req_h = hist(samples, _n("request_seconds"), **lab, outcome="ok")
     if prefill_rate and decode_rate and mean_processed is not None and mean_output is not None:
@@ -354,7 +358,7 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
         ev = (
             f"{s.model} ({s.precision}) decodes at {s.decode_tok_s:.1f} tok/s against "
             f"{r.decode_tok_s:.1f} here: {speed:.2f}× measured, over "
-            f"{min(s.decode_samples, r.decode_samples):.0f}+ requests each"
+            f"{s.decode_samples:.0f} and {r.decode_samples:.0f} requests"
         )
         if pre_x:
             ev += f"; prefill {pre_x:.2f}×"
