@@ -102,6 +102,7 @@ class Summary(BaseModel):
     version: str
     now: float
     uptime_s: float
+    simulated: bool = False  # phasewatch demo: engine, GPUs and watts are simulated
     window_s: float
     recent_s: float
     power_sampled: bool

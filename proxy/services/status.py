@@ -49,6 +49,9 @@ class StatusPage:
         self.metrics = metrics
         self.upstreams = upstreams
         self.started = time.time()
+        #: Set by ``phasewatch demo``: the engine, its GPUs and their watts are simulated,
+        #: and the page says so.
+        self.simulated = False
         self.points: collections.deque = collections.deque(maxlen=MAX_POINTS)
         self._keys: dict[tuple[str, str, str], int] = {}
         self._template: str | None = None
@@ -194,6 +197,7 @@ class StatusPage:
             "version": __version__,
             "now": now,
             "uptime_s": now - self.started,
+            "simulated": self.simulated,
             "window_s": WINDOW_SECONDS,
             "recent_s": RECENT_SECONDS,
             "power_sampled": rep.power,
