@@ -435,6 +435,8 @@ def _kv_lever(samples: Samples, lab: dict, r: Row) -> Lever | None:
         return None
     preempted = samples.total(_n("engine_preemptions_total"), **lab)
     fit = r.kv_fit_requests
+    if fit is not None and r.engine_slots and fit >= r.engine_slots:
+        fit = None  # the engine's slots bound concurrency here, not its KV cache
     busy = samples.total(_n("engine_requests_running"), **lab) + samples.total(
         _n("engine_requests_waiting"), **lab
     )

@@ -48,7 +48,7 @@ _COUNTERS = (
 )
 _GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
 #: Gauges every replica reports the same value of (a model's figure, an engine's size).
-_SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens")
+_SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens", "engine_slots")
 
 
 def load(url: str, window: str | None = None, timeout: float = 15.0) -> Samples:
@@ -359,10 +359,13 @@ def kv_section(rep: Report) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rep.rows:
+        fit = _f(r.kv_fit_requests, "{:,.0f}")
+        if r.engine_slots and r.kv_fit_requests == r.engine_slots:
+            fit += f" (the engine's {r.engine_slots:.0f} slots)"
         out.append(
             f"| {r.upstream} | {r.model} | {r.precision} | {_kv(r.kv_bytes_per_token, r.kv_dtype)} "
             f"| {_bytes(r.kv_request_bytes)} | {_f(r.kv_capacity_tokens, '{:,.0f}')} "
-            f"| {_f(r.kv_fit_requests, '{:,.0f}')} |"
+            f"| {fit} |"
         )
     out.append("")
     return out
