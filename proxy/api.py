@@ -35,6 +35,7 @@ from .core.asgi import Receive, Scope, Send
 from .core.bridge import bridge_metrics
 from .core.refusals import Refusal, Refusals
 from .core.reply import Reply
+from .measure.advice import AdviceRow
 from .measure.summary import Row
 from .services.status import StatusPage
 
@@ -110,6 +111,7 @@ class Summary(BaseModel):
     version: str
     now: float
     uptime_s: float
+    simulated: bool = False  # phasewatch demo: engine, GPUs and watts are simulated
     window_s: float
     recent_s: float
     power_sampled: bool
@@ -118,6 +120,7 @@ class Summary(BaseModel):
     pools: list[dict[str, Any]] = []  # upstreams listing one model, their shares
     bands: dict[str, str]
     rows: list[SummaryRow]
+    advice: list[AdviceRow] = []  # proxy.measure.advice: which phase to tune, per row
     series: list[dict[str, str]]
     points: list[list[Any]]
     power_points: list[list[Any]]
@@ -191,6 +194,18 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
         """The status page's data: the table per upstream x model x precision, recent
         points for the charts, upstreams and GPUs."""
         return status.summary()
+
+    @api.get(
+        PREFIX + "/api/advice",
+        response_model=list[AdviceRow],
+        dependencies=[Depends(key)],
+        tags=["status"],
+    )
+    async def advice() -> list[dict[str, Any]]:
+        """Which phase to tune, per upstream x model x precision: the workload, where
+        wall time and energy go, the formula checked, and the levers ordered by what
+        they would save (the rows of ``phasewatch advise``)."""
+        return status.advice()
 
     @api.get(
         PREFIX + "/upstreams/{name}/metrics",

@@ -166,6 +166,14 @@ class LlamaCppDialect(OpenAIDialect):
 
     # --- recognising it, its model and its precision, its state --------------------------
 
+    def canonical(self, model: str, listed: set[str]) -> str | None:
+        """The listed name, or the file name a path-shaped one is listed under (a
+        llama-server started without ``-a`` lists its model by the GGUF's path)."""
+        if model in listed:
+            return model
+        name = file_label(model)
+        return name if name != model and name in listed else None
+
     @staticmethod
     async def detect(probe: Prober) -> bool:
         props = await probe.get_dict("/props")
@@ -189,23 +197,26 @@ class LlamaCppDialect(OpenAIDialect):
             entries = [
                 e
                 for e in (data if isinstance(data, list) else ())
-                if isinstance(e, dict) and isinstance(e.get("id"), str) and query.fits(e["id"])
+                if isinstance(e, dict)
+                and isinstance(e.get("id"), str)
+                and query.fits(file_label(e["id"]))
             ]
             props = None
-            if any(e["id"] not in query.known for e in entries):
+            if any(file_label(e["id"]) not in query.known for e in entries):
                 p_status, props = await get_json(query.client, "GET", "/props")
                 props = props if p_status == 200 else None
         except httpx.HTTPError:
             return None
         out = ModelList([])
         for i, e in enumerate(entries):
-            out.names.append(e["id"])
+            name = file_label(e["id"])
+            out.names.append(name)
             # every name routes; only the first max_models are read in detail
-            if e["id"] not in query.known and i < query.max_models:
+            if name not in query.known and i < query.max_models:
                 # /props describes the loaded model; with one model it is this one
                 mine = props if len(entries) == 1 else None
-                out.precision[e["id"]] = llamacpp_precision(mine, e)
-                out.kv[e["id"]] = await gguf_kv_shape(mine, query.model_dir)
+                out.precision[name] = llamacpp_precision(mine, e)
+                out.kv[name] = await gguf_kv_shape(mine, query.model_dir)
         return out
 
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
@@ -400,15 +411,29 @@ async def gguf_kv_shape(props: object, model_dir: str | None) -> KVShape | None:
     return None
 
 
+_PATH_SHAPED = re.compile(r"^(?:/|\./|\.\./|~|[A-Za-z]:[\\/])|\\|/.*\.gguf$", re.IGNORECASE)
+
+
+def file_label(model_id: str) -> str:
+    """A model id as its label: a path-shaped one (llama-server without ``-a`` lists
+    ``/home/me/models/qwen2.5-7b-instruct-q4_k_m.gguf``) by its file name, so series do
+    not carry a local path; any other id unchanged."""
+    if not _PATH_SHAPED.search(model_id):
+        return model_id
+    name = re.split(r"[\\/]", model_id.rstrip("/\\"))[-1]
+    return name or model_id
+
+
 def slots_state(slots: object) -> dict[str, float]:
     """Running requests and KV-cache use from llama-server's /slots."""
     if not isinstance(slots, list):
         return {}
     running = 0
-    ctx = held = 0
+    ctx = held = n = 0
     for slot in slots:
         if not isinstance(slot, dict):
             continue
+        n += 1
         ctx += _count(slot.get("n_ctx"))
         if slot.get("is_processing"):
             running += 1
@@ -417,6 +442,8 @@ def slots_state(slots: object) -> dict[str, float]:
             if isinstance(nxt, list) and nxt and isinstance(nxt[0], dict):
                 held += _count(nxt[0].get("n_decoded"))
     state = {"running": float(running)}
+    if n:
+        state["slots"] = float(n)  # -np: at most this many requests run at once
     if ctx:
         state["kv"] = min(1.0, held / ctx)
         state["kv_capacity"] = float(ctx)  # tokens: the slots' contexts together

@@ -369,6 +369,12 @@ class Metrics:
             "Tokens the engine's KV cache holds in all (vLLM num_gpu_blocks x block_size from "
             "cache_config_info; llama-server: the slots' contexts together).",
         )
+        self.engine_slots = engine_gauge(
+            "slots",
+            "Requests the engine runs at once at most, where it has a fixed number of "
+            "sequences: llama-server's slots (-np); more wait in its queue however much KV "
+            "cache is free.",
+        )
         self.engine_model_loaded = engine_gauge(
             "model_loaded", "1 for each model the engine has loaded (Ollama /api/ps)."
         )

@@ -227,6 +227,7 @@ class Row:
     kv_request_bytes: float | None = None  # median KV-cache bytes a request held
     kv_capacity_tokens: float | None = None  # the engine's KV-cache size, where it says
     kv_fit_requests: float | None = None  # requests of median size the cache holds at once
+    engine_slots: float | None = None  # requests the engine runs at once at most (llama-server -np)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -399,7 +400,8 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
 def kv_memory(samples: Samples, lab: dict, r: Row) -> None:
     """Time per output token and the KV-cache figures of one row: bytes per token (the
     gauge; NaN or absent where unknown), the median bytes a request held, the engine's
-    capacity, and how many requests of that median size it holds at once."""
+    capacity, and how many requests of that median size it holds at once (never more
+    than the engine's slots, where it has a fixed number)."""
     for src in ("proxy", "engine"):
         h = hist(samples, _n("time_per_output_token_seconds"), **lab, source=src)
         if h.count:
@@ -414,8 +416,12 @@ def kv_memory(samples: Samples, lab: dict, r: Row) -> None:
     r.kv_request_bytes = h.quantile(0.5) if h.count else None
     capacity = [s.value for s in samples.get(_n("engine_kv_cache_capacity_tokens"), **lab)]
     r.kv_capacity_tokens = max(capacity) if capacity else None
+    slots = [s.value for s in samples.get(_n("engine_slots"), **lab)]
+    r.engine_slots = max(slots) if slots else None
     if r.kv_capacity_tokens and r.kv_bytes_per_token and r.kv_request_bytes:
         r.kv_fit_requests = r.kv_capacity_tokens * r.kv_bytes_per_token / r.kv_request_bytes
+        if r.engine_slots:  # llama-server: one request per slot, whatever the cache holds
+            r.kv_fit_requests = min(r.kv_fit_requests, r.engine_slots)
 
 
 def _gpus_of(samples: Samples, upstream: str, model: str) -> tuple[list[dict], bool]:

@@ -49,6 +49,7 @@ class EngineGauges:
             "waiting": metrics.engine_requests_waiting,
             "kv": metrics.engine_kv_cache_usage_ratio,
             "kv_capacity": metrics.engine_kv_cache_capacity_tokens,
+            "slots": metrics.engine_slots,
             "loaded": metrics.engine_model_loaded,
             "vram": metrics.engine_model_vram_bytes,
             "size": metrics.engine_model_size_bytes,

@@ -20,6 +20,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
+from ..measure.advice import advise
 from ..measure.summary import Samples, build
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class StatusPage:
         self.metrics = metrics
         self.upstreams = upstreams
         self.started = time.time()
+        #: Set by ``phasewatch demo``: the engine, its GPUs and their watts are simulated,
+        #: and the page says so.
+        self.simulated = False
         self.points: collections.deque = collections.deque(maxlen=MAX_POINTS)
         self._keys: dict[tuple[str, str, str], int] = {}
         self._template: str | None = None
@@ -143,6 +147,7 @@ class StatusPage:
         self._power_tick(now, reg.get(_SAMPLE_SUM) + reg.get(_SAMPLE_COUNT))
         rep = build(reg, source="this proxy", include_idle_models=True)
         as_dict = rep.as_dict()
+        advice = [a.as_dict() for a in advise(reg, rep)]
         keys: list[tuple[str, str, str]] = sorted(self._keys, key=self._keys.__getitem__)
         cutoff = now - WINDOW_SECONDS
         points = [p for p in list(self.points) if p[0] >= cutoff]
@@ -195,6 +200,7 @@ class StatusPage:
             "version": __version__,
             "now": now,
             "uptime_s": now - self.started,
+            "simulated": self.simulated,
             "window_s": WINDOW_SECONDS,
             "recent_s": RECENT_SECONDS,
             "power_sampled": rep.power,
@@ -203,6 +209,7 @@ class StatusPage:
             "pools": self.upstreams.pools.summary(),
             "bands": as_dict["bands"],
             "rows": rows,
+            "advice": advice,  # proxy.measure.advice's rows: the page's advice panel
             "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
             "points": [
                 [round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]
@@ -212,6 +219,11 @@ class StatusPage:
                 [round(t - now, 3), w] for t, w in list(self.power_points) if t >= cutoff
             ],
         }
+
+    def advice(self) -> list[dict]:
+        """The advice rows (``GET /phasewatch/api/advice``): the summary's own, so the
+        API and the page's panel always agree."""
+        return list(self.summary()["advice"])
 
     def page(self) -> bytes:
         """The page, with the current summary inlined (it renders before its first poll)."""

@@ -17,11 +17,13 @@ def build_app(
     deterministic: bool = False,
     model_dir: str | None = None,
     ctx_size: int | None = None,
+    alias: bool = True,
 ):
     """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server). With
     `model_dir`, the simulated vLLM's checkpoints' config.json files are written there (a
     proxy reads them with --model-dir); `ctx_size` is llama-server's context per slot
-    (default: the real captures' 4096)."""
+    (default: the real captures' 4096); without `alias`, llama-server lists its model by
+    the GGUF file's path, as one started without ``-a`` does."""
 
     def make(models: tuple[ModelSpec, ...] = DEFAULT_MODELS) -> SimEngine:
         return SimEngine(
@@ -51,5 +53,5 @@ def build_app(
         from .gguf import LLAMACPP_MODELS
         from .llamacpp import N_CTX, LlamaServerSim
 
-        return LlamaServerSim(make(LLAMACPP_MODELS), ctx_size or N_CTX)
+        return LlamaServerSim(make(LLAMACPP_MODELS), ctx_size or N_CTX, alias)
     raise ValueError(f"the simulator does not speak {engine!r} (vllm, ollama, llamacpp)")

@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "captures; 32768 takes the bench's ~16K prompts].",
     )
 
+    parser.add_argument(
+        "--no-alias",
+        action="store_true",
+        help="llama-server: list the model by its GGUF file's path, as llama-server "
+        "started without -a (--alias) does.",
+    )
+
 
 def from_args(args: argparse.Namespace) -> Any:
     """The simulator's ASGI app for parsed flags; ValueError names a bad flag."""
@@ -84,4 +91,5 @@ def from_args(args: argparse.Namespace) -> Any:
         deterministic=args.deterministic,
         model_dir=getattr(args, "model_dir", None),
         ctx_size=ctx_size,
+        alias=not getattr(args, "no_alias", False),
     )

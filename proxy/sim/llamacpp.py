@@ -55,12 +55,14 @@ class _Bad(Exception):
 class LlamaServerSim:
     """ASGI app speaking llama-server's HTTP API over a :class:`SimEngine` (one model)."""
 
-    def __init__(self, engine: SimEngine, n_ctx: int = N_CTX) -> None:
+    def __init__(self, engine: SimEngine, n_ctx: int = N_CTX, alias: bool = True) -> None:
         self.engine = engine
         self.n_ctx = n_ctx
         self.alias, self.me = next(iter(engine.models.items()))
         #: the model's GGUF file (its metadata; the simulator has no tensors)
         self.model_path = model_file(self.me.spec, LLAMACPP_PATH)
+        if not alias:  # started without -a: the model goes by its file's path
+            self.alias = self.model_path
         self.cache = PrefixCache()
         self.vocab = Vocabulary()
         self.slots: list[dict] = [

@@ -1,4 +1,4 @@
-"""Command line: ``phasewatch serve | simulate | demo | bench | report``.
+"""Command line: ``phasewatch serve | simulate | demo | bench | report | advise``.
 
 Parses flags and hands over: the proxy (proxy.app under proxy.runtime), the simulator
 (proxy.sim), the demo, the benchmark and the report (this package).
@@ -194,12 +194,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from .advise import run
+
+    return run(args)
+
+
 # --- entry --------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ..sim import command as sim_command
-    from . import bench, demo, report
+    from . import advise, bench, demo, report
 
     parser = argparse.ArgumentParser(
         prog=_PROG,
@@ -267,6 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_arguments(r)
     r.set_defaults(func=cmd_report)
+    a = sub.add_parser(
+        "advise",
+        help="which phase to tune: workload, time and energy shares, levers",
+        description="Per upstream x model x precision: the workload's shape, where "
+        "wall time and energy go (queue, prefill, decode), the formula total = "
+        "prompt / prefill tok/s + output / decode tok/s checked, and the levers "
+        "ordered by what they would save, each with its evidence; from a phasewatch "
+        "/metrics URL or a Prometheus server, like report.",
+    )
+    advise.add_arguments(a)
+    a.set_defaults(func=cmd_advise)
     return parser
 
 

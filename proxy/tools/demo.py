@@ -88,6 +88,7 @@ async def _run(
         model_dir=model_dir,
     )
     proxy_app = ProxyApp(settings)
+    proxy_app.status.simulated = True  # the page says the figures are the simulator's
     proxy_server = SignalFreeServer(
         guard(uvicorn_config(proxy_app, args.host, args.port, "info"), proxy_app)
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..measure.advice import AdviceRow, advise
 from ..measure.attribution import ClientRow, by_client
 from ..measure.metrics import PREFIX, PROMPT_BANDS
 from ..measure.summary import (
@@ -47,7 +48,7 @@ _COUNTERS = (
 )
 _GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
 #: Gauges every replica reports the same value of (a model's figure, an engine's size).
-_SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens")
+_SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens", "engine_slots")
 
 
 def load(url: str, window: str | None = None, timeout: float = 15.0) -> Samples:
@@ -155,7 +156,7 @@ _PREFILL_SOURCES = {
 }
 
 
-def markdown(rep: Report) -> str:
+def markdown(rep: Report, advice: list[AdviceRow] | None = None) -> str:
     na = "—" if rep.power else "n/a"
     out = []
     rows = [r for r in rep.rows if r.measured]
@@ -266,6 +267,70 @@ def markdown(rep: Report) -> str:
             + "."
         )
     out.extend("- " + n for n in notes)
+    if advice is not None:
+        out.append("")
+        out.append(advice_markdown(advice).rstrip("\n"))
+    return "\n".join(out) + "\n"
+
+
+# --- advice (phasewatch advise; a section of the report) ---------------------------------------
+
+
+def _shares(shares: dict | None) -> str:
+    if not shares:
+        return "—"
+    return " / ".join(f"{shares[k] * 100:.0f}%" for k in shares)
+
+
+def advice_markdown(rows: list[AdviceRow]) -> str:
+    """The advice rows: per upstream x model x precision, the workload, where time and
+    energy go, the formula checked, and the levers by what they would save."""
+    out = ["## Advice: which phase to tune", ""]
+    if not rows:
+        return "\n".join(
+            out + ["No measured requests yet: send some traffic through phasewatch first.", ""]
+        )
+    for a in rows:
+        out.append(f"### {a.upstream} / {a.model} ({a.precision})")
+        out.append("")
+        out.append(
+            f"- workload: {a.workload or '—'} ({a.workload_evidence}); "
+            f"{a.requests:.0f} requests measured"
+        )
+        if a.shares:
+            s = a.seconds
+            out.append(
+                f"- wall time queue / prefill / decode: {_shares(a.shares)} "
+                f"(mean {s['queue']:.2f} / {s['prefill']:.2f} / {s['decode']:.2f} s per request); "
+                f"dominant phase: {a.dominant_phase}"
+            )
+        f = a.formula
+        if f:
+            out.append(
+                f"- formula: {f['prompt_tokens']:,.0f} prompt tokens / "
+                f"{f['prefill_tok_s']:,.0f} tok/s "
+                f"+ {f['output_tokens']:,.0f} output tokens / {f['decode_tok_s']:,.1f} tok/s "
+                f"= {f['predicted_s']:.2f} s predicted; {f['measured_s']:.2f} s measured "
+                f"(prefill + decode, {f['ratio']:.2f}×)"
+                + (f"; whole request {f['request_s']:.2f} s" if f.get("request_s") else "")
+            )
+        e = a.energy
+        if e.get("shares"):
+            out.append(
+                f"- energy idle / prefill / decode: {_shares(e['shares'])} "
+                f"({e.get('samples', 0):.0f} power samples)"
+            )
+        else:
+            out.append(f"- energy: {e.get('note', 'unavailable')}")
+        if a.note:
+            out.append(f"- {a.note}")
+        for i, lv in enumerate(a.levers, 1):
+            tag = "measured" if lv.measured else "expected, not measured"
+            out.append(
+                f"{i}. **{lv.title}** [{lv.phase}; {tag}]: {lv.expected_effect.summary}. "
+                f"Evidence: {lv.evidence}." + (f" ({lv.caveat})" if lv.caveat else "")
+            )
+        out.append("")
     return "\n".join(out) + "\n"
 
 
@@ -294,17 +359,23 @@ def kv_section(rep: Report) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rep.rows:
+        fit = _f(r.kv_fit_requests, "{:,.0f}")
+        if r.engine_slots and r.kv_fit_requests == r.engine_slots:
+            fit += f" (the engine's {r.engine_slots:.0f} slots)"
         out.append(
             f"| {r.upstream} | {r.model} | {r.precision} | {_kv(r.kv_bytes_per_token, r.kv_dtype)} "
             f"| {_bytes(r.kv_request_bytes)} | {_f(r.kv_capacity_tokens, '{:,.0f}')} "
-            f"| {_f(r.kv_fit_requests, '{:,.0f}')} |"
+            f"| {fit} |"
         )
     out.append("")
     return out
 
 
-def to_json(rep: Report) -> str:
-    return json.dumps(rep.as_dict(), indent=2, sort_keys=False)
+def to_json(rep: Report, advice: list[AdviceRow] | None = None) -> str:
+    out = rep.as_dict()
+    if advice is not None:
+        out["advice"] = [a.as_dict() for a in advice]
+    return json.dumps(out, indent=2, sort_keys=False)
 
 
 def clients_markdown(rows: list[ClientRow], source: str) -> str:
@@ -368,7 +439,10 @@ def run(args) -> int:
             sys.stdout.write(clients_markdown(rows, args.source))
         return 0
     rep = build(samples, source=args.source)
-    sys.stdout.write(to_json(rep) + "\n" if args.format == "json" else markdown(rep))
+    advice = advise(samples, rep)
+    sys.stdout.write(
+        to_json(rep, advice) + "\n" if args.format == "json" else markdown(rep, advice)
+    )
     if args.plot:
         from .plots import report_charts
 

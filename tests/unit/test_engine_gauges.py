@@ -28,7 +28,12 @@ def test_llama_server_metrics_and_slots():
     }
     idle = json.loads((LLAMA / "get_slots_idle.response.body").read_text())
     # the capture: 4 slots of 4096 tokens (-c 16384 -np 4)
-    assert slots_state(idle) == {"running": 0.0, "kv": 0.0, "kv_capacity": 4 * 4096.0}
+    assert slots_state(idle) == {
+        "running": 0.0,
+        "slots": 4.0,
+        "kv": 0.0,
+        "kv_capacity": 4 * 4096.0,
+    }
     busy = [
         {
             "id": 0,
@@ -39,7 +44,12 @@ def test_llama_server_metrics_and_slots():
         },
         {"id": 1, "n_ctx": 4096, "is_processing": False, "n_prompt_tokens": 3000},
     ]
-    assert slots_state(busy) == {"running": 1.0, "kv": 1024 / 8192, "kv_capacity": 8192.0}
+    assert slots_state(busy) == {
+        "running": 1.0,
+        "slots": 2.0,
+        "kv": 1024 / 8192,
+        "kv_capacity": 8192.0,
+    }
 
 
 def test_ollama_ps():

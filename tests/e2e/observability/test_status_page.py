@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -222,6 +223,40 @@ def test_status_page_renders_live_numbers_in_chromium(demo, browser):
         page.close()
 
 
+def test_the_first_screen_at_800_px(demo, browser):
+    """What a new user sees first: the speed-up and power columns on screen at 800 px, the
+    prompt bands that hold the traffic, each GPU's power labelled, and the demo saying its
+    figures are simulated."""
+    page = browser.page(demo + "/", 800, 900)
+    try:
+        page.wait("+document.body.dataset.rendered >= 1")
+        got = page.eval(
+            """(() => {
+              const box = document.getElementById("table").parentElement.getBoundingClientRect();
+              const right = {};
+              for (const c of ["speedup", "prefillx", "saving", "decodew", "jtok"])
+                right[c] = document.querySelector('td[data-col="' + c + '"]').getBoundingClientRect().right;
+              return {box: box.right, right,
+                      heads: [...document.querySelectorAll("#table thead th[title]")].map(t => t.dataset.col || t.textContent),
+                      cols: [...document.querySelectorAll("tr[data-precision] td[data-col]")].map(t => t.dataset.col),
+                      simulated: !document.getElementById("simulated").hidden && document.getElementById("simulated").textContent,
+                      title: document.title,
+                      card: document.querySelector('.card[data-upstream="sim"]').textContent,
+                      page: document.documentElement.scrollWidth};
+            })()"""
+        )
+        assert got["page"] <= 800, got  # the page itself never scrolls sideways
+        for col, right in got["right"].items():
+            assert right <= got["box"] + 0.5, (col, got)  # on screen, no scrolling needed
+        # the demo's chat-length prompts (<2K) have their own TTFT and prefill columns
+        assert "prefill:0-2k" in got["cols"] and "ttft:0-2k" in got["cols"], got["cols"]
+        assert got["simulated"] and "simulated" in got["simulated"] and "simulated" in got["title"]
+        for i in range(3):
+            assert re.search(rf"GPU {i} · Llama-3\.1-8B-Instruct[-\w]*\d+ W", got["card"]), got
+    finally:
+        page.close()
+
+
 def test_a_dead_upstream_shows_failures_not_an_empty_page(browser):
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = start_proxy(f"dead={dead}")
@@ -233,6 +268,8 @@ def test_a_dead_upstream_shows_failures_not_an_empty_page(browser):
         try:
             page.wait("+document.body.dataset.rendered >= 1")
             row = page.eval(ROWS_JS)["dead/unknown"]
+            # a real proxy's page does not say simulated
+            assert page.eval('document.getElementById("simulated").hidden') is True
             assert (row["requests"], row["failed"]) == ("2", "2 / 0")
             assert "bad" in row["_class"]["failed"]
             assert row["decode"] == "—"

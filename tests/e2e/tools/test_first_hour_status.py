@@ -124,7 +124,10 @@ def test_the_page_with_20_models_and_an_upstream_down(busy_proxy, browser, width
                  .map(c => [c.dataset.upstream, c.textContent]))"""
         )
         assert "no GPU mapped" in cards["big"] and "0 W" not in cards["big"], cards
-        assert re.search(r"GPU power now\d+ W", cards["sim"]), cards
+        # one line per GPU, labelled by its index and model, not one unlabelled sum
+        for i, model in enumerate(SIM_MODELS):
+            assert re.search(rf"GPU {i} · {re.escape(model.split('/')[-1])}\d+ W", cards["sim"])
+        assert "GPU power now" not in cards["sim"], cards
         reason = page.eval(
             """(async () => {
                  const d = await (await fetch(SUMMARY_URL)).json();

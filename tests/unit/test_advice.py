@@ -1,0 +1,136 @@
+"""The advice's arithmetic on hand-made metrics: shares of wall time, the formula, the
+levers' order and figures, energy shares from power samples, and silence on too little
+traffic (proxy.measure.advice: figures in, rows out)."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import generate_latest
+
+from proxy.measure.advice import MIN_REQUESTS, advise
+from proxy.measure.metrics import Metrics, prompt_band
+from proxy.measure.summary import Sample, Samples, build
+
+BF16 = ("gpu", "meta-llama/Llama-3.1-8B-Instruct", "bf16")
+INT4 = ("gpu", "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4", "int4")
+
+
+def traffic(m, key, n, prompt, out, prefill_s, decode_s, queue_s=0.0, stream=True, watts=None):
+    band = prompt_band(prompt)
+    for _ in range(n):
+        m.requests_total.labels(*key, "chat", "ok", "unknown").inc()
+        m.queue_seconds.labels(*key, "proxy").observe(queue_s)
+        m.prompt_tokens.labels(*key).observe(prompt)
+        m.completion_tokens.labels(*key).observe(out)
+        m.tokens_total.labels(*key, "prefill", "unknown").inc(prompt)
+        m.tokens_total.labels(*key, "decode", "unknown").inc(out)
+        m.request_seconds.labels(*key, "chat", "ok").observe(queue_s + prefill_s + decode_s)
+        if not stream:
+            continue
+        m.ttft_seconds.labels(*key, band).observe(queue_s + prefill_s)
+        m.prefill_seconds.labels(*key, "proxy", band).observe(prefill_s)
+        m.prefill_tokens_per_second.labels(*key, "proxy", band).observe(prompt / prefill_s)
+        m.decode_seconds.labels(*key, "proxy", band).observe(decode_s)
+        m.decode_tokens_per_second.labels(*key, "proxy", band).observe((out - 1) / decode_s)
+        if watts:
+            m.gpu_power_watts.labels(*key, "decode").observe(watts)
+
+
+def rows(m, extra=()):
+    samples = Samples.from_text(generate_latest(m.registry).decode())
+    if extra:
+        samples = Samples([s for v in samples.by_name.values() for s in v] + list(extra))
+    return {a.precision: a for a in advise(samples, build(samples))}
+
+
+def test_the_issues_rag_example_prefill_dominates_and_shorter_prompts_come_first():
+    # 12,000-token prompts at 1,500 tok/s: 8 s of prefill; 24 tokens at 40 tok/s; 7.5 s queued
+    m = Metrics()
+    traffic(m, BF16, 40, 12000, 24, 8.0, 23 / 40, queue_s=7.5)
+    a = rows(m)["bf16"]
+    assert a.enough and a.requests == 40 and a.workload == "document analysis"
+    assert a.dominant_phase == "prefill"
+    total = 7.5 + 8.0 + 23 / 40
+    assert math.isclose(a.shares["prefill"], 8.0 / total)
+    assert math.isclose(a.formula["predicted_s"], 12000 / 1500 + 23 / 40, rel_tol=0.01)
+    assert math.isclose(a.formula["ratio"], 1.0, rel_tol=0.01)
+    # by what they would save: the 7.5 s queue, then halving the prompt (4 s of TTFT)
+    queue, first = a.levers[:2]
+    assert queue.lever == "queueing" and math.isclose(queue.expected_effect.seconds, 7.5)
+    assert (first.lever, first.phase, first.measured) == ("shorter_prompts", "prefill", True)
+    assert math.isclose(first.expected_effect.seconds, 4.0, rel_tol=0.01)
+    assert "halving the median prompt saves 4.00 s of TTFT" in first.expected_effect.summary
+    assert "over 40 requests" in first.evidence and "1,500 tok/s" in first.evidence
+    assert "prefix_caching" in [lv.lever for lv in a.levers]
+    assert [lv.expected_effect.seconds for lv in a.levers] == sorted(
+        (lv.expected_effect.seconds for lv in a.levers), reverse=True
+    )
+    assert a.energy["shares"] is None and "unavailable" in a.energy["note"]
+
+
+def test_too_little_traffic_gets_no_levers():
+    m = Metrics()
+    traffic(m, BF16, MIN_REQUESTS - 1, 12000, 24, 8.0, 0.6)
+    a = rows(m)["bf16"]
+    assert not a.enough and a.levers == []
+    assert a.dominant_phase == "prefill"  # the shares are shown, nothing is recommended
+    assert f"only {MIN_REQUESTS - 1} measured requests" in a.note
+
+
+def test_a_served_lower_precision_is_measured_not_typical():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 399 / 50, watts=360.0)
+    traffic(m, INT4, 40, 150, 400, 0.04, 399 / 150, watts=240.0)
+    got = rows(m)
+    a = got["bf16"]
+    assert a.workload == "interactive chat" and a.dominant_phase == "decode"
+    first = a.levers[0]
+    assert (first.lever, first.measured) == ("lower_precision", True)
+    assert INT4[1] in first.title and "3.00× measured" in first.evidence
+    assert "240 W against 360 W (33% less)" in first.evidence
+    assert math.isclose(first.expected_effect.seconds, (399 / 50) * (1 - 1 / 3), rel_tol=0.02)
+    # J/token at decode load: 360 / 50 against 240 / 150
+    assert math.isclose(first.expected_effect.joules_per_token, 360 / 50 - 240 / 150, rel_tol=0.02)
+    assert "outside what phasewatch measures" in first.caveat
+    # fp8 is not served: its typical range stays, marked expected
+    fp8 = [lv for lv in a.levers if lv.title == "serve fp8"]
+    assert len(fp8) == 1 and fp8[0].measured is False and "1.80–2.00×" in fp8[0].evidence
+    # int4 has nothing lower to go to
+    assert not [lv for lv in got["int4"].levers if lv.lever == "lower_precision"]
+
+
+def test_energy_shares_from_power_samples_by_state():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 8.0)
+    sample = m.gpu_power_sample_watts
+    for state, watts, n in (("idle", 50.0, 10), ("prefill", 400.0, 10), ("decode", 300.0, 20)):
+        for _ in range(n):
+            sample.labels("gpu", BF16[1], "bf16", "0", state).observe(watts)
+    e = rows(m)["bf16"].energy
+    total = 500 + 4000 + 6000
+    assert e["samples"] == 40
+    assert math.isclose(e["shares"]["idle"], 500 / total)
+    assert math.isclose(e["shares"]["decode"], 6000 / total)
+
+
+def test_unstreamed_traffic_is_batch():
+    m = Metrics()
+    traffic(m, BF16, 40, 3000, 600, 1.0, 10.0, stream=False)
+    a = rows(m)["bf16"]
+    assert a.workload == "batch" and "0 of 40 answers streamed" in a.workload_evidence
+    assert a.shares is None and a.levers == []
+
+
+def test_an_fp8_kv_cache_where_the_engine_preempted_for_want_of_cache():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 8.0)
+    m.model_kv_bytes_per_token.labels(*BF16, "bf16").set(131072)
+    lab = dict(zip(("upstream", "model", "precision"), BF16, strict=True))
+    a = rows(m, [Sample("phasewatch_engine_preemptions_total", lab, 12.0)])["bf16"]
+    kv = [lv for lv in a.levers if lv.lever == "fp8_kv_cache"]
+    assert len(kv) == 1 and "preempted 12 requests" in kv[0].evidence
+    assert kv[0].measured is False and kv[0].expected_effect.seconds is None
+    assert a.levers[-1].lever == "fp8_kv_cache"  # no seconds to its name: last
+    # no preemption, no shortage: no lever
+    assert not [lv for lv in rows(m)["bf16"].levers if lv.lever == "fp8_kv_cache"]
