@@ -17,6 +17,9 @@ def build_app(
     deterministic: bool = False,
     model_dir: str | None = None,
     ctx_size: int | None = None,
+    sensor: str = "ideal",
+    dcgm_interval: float = 0.0,
+    dcgm_instant: bool = True,
 ):
     """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server). With
     `model_dir`, the simulated vLLM's checkpoints' config.json files are written there (a
@@ -32,6 +35,9 @@ def build_app(
             truth_path=truth_path,
             seed=seed,
             deterministic=deterministic,
+            sensor=sensor,
+            dcgm_interval=dcgm_interval,
+            dcgm_instant=dcgm_instant,
         )
 
     if engine == "vllm":
