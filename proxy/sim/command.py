@@ -62,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "captures; 32768 takes the bench's ~16K prompts].",
     )
 
-
     parser.add_argument(
         "--gpu-sensor",
         choices=("ideal", "instant", "ampere"),

@@ -47,7 +47,9 @@ def dcgm_metrics(engine: SimEngine) -> str:
         "# HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W).",
         "# TYPE DCGM_FI_DEV_POWER_USAGE gauge",
     ]
-    lines += [f"DCGM_FI_DEV_POWER_USAGE{{{_labels(me)}}} {seen[me.gpu_index].usage:f}" for me in gpus]
+    lines += [
+        f"DCGM_FI_DEV_POWER_USAGE{{{_labels(me)}}} {seen[me.gpu_index].usage:f}" for me in gpus
+    ]
     lines += [
         "# HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION Total energy consumption since boot (in mJ).",
         "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter",

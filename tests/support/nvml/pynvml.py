@@ -35,7 +35,7 @@ _url: str | None = None
 def _gpus() -> list[dict]:
     if _url is None:
         raise NVMLError(NVML_ERROR_UNINITIALIZED)
-    with urllib.request.urlopen(_url, timeout=5) as resp:  # noqa: S310 - loopback
+    with urllib.request.urlopen(_url, timeout=5) as resp:
         return json.loads(resp.read())["gpus"]
 
 
@@ -43,33 +43,33 @@ def _gpu(handle: int) -> dict:
     return _gpus()[handle]
 
 
-def nvmlInit() -> None:  # noqa: N802
+def nvmlInit() -> None:
     global _url
     _url = os.environ["PHASEWATCH_TEST_NVML_URL"]
 
 
-def nvmlShutdown() -> None:  # noqa: N802
+def nvmlShutdown() -> None:
     global _url
     _url = None
 
 
-def nvmlDeviceGetCount() -> int:  # noqa: N802
+def nvmlDeviceGetCount() -> int:
     return len(_gpus())
 
 
-def nvmlDeviceGetHandleByIndex(i: int) -> int:  # noqa: N802
+def nvmlDeviceGetHandleByIndex(i: int) -> int:
     return i
 
 
-def nvmlDeviceGetPowerUsage(handle: int) -> int:  # noqa: N802
+def nvmlDeviceGetPowerUsage(handle: int) -> int:
     return int(_gpu(handle)["power_usage_mw"])
 
 
-def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:  # noqa: N802
+def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:
     return int(_gpu(handle)["energy_mj"])
 
 
-def nvmlDeviceGetFieldValues(handle: int, field_ids: list[int]) -> list:  # noqa: N802
+def nvmlDeviceGetFieldValues(handle: int, field_ids: list[int]) -> list:
     g = _gpu(handle)
     out = []
     for fid in field_ids:
