@@ -207,42 +207,57 @@ class PowerService:
             got = self._settle_one(e)
             if got or (e.ended is not None and now - e.ended > GIVE_UP_SECONDS):
                 if not got:  # the sensor never covered it (power went down)
-                    self._unresolved(e.ex, ("prefill", "decode"))
+                    left = self._windows(e.ex).keys() - e.decided
+                    self._unresolved(e.ex, sorted(left))
                 book.drop(e)
                 done += 1
         return done
 
+    @staticmethod
+    def _windows(ex: Any) -> dict[str, tuple[float, float]]:
+        """The request's phases by the proxy's marks (absent: no such phase)."""
+        mk = ex.marks
+        end = mk.t_end if mk.t_end is not None else mk.t_last
+        out = {}
+        if mk.t_sent is not None and mk.t_first is not None and mk.t_first > mk.t_sent:
+            out["prefill"] = (mk.t_sent, mk.t_first)
+        start = mk.t_first if mk.t_first is not None else mk.t_sent
+        if start is not None and end is not None and end > start:
+            out["decode"] = (start, end)
+        return out
+
     def _settle_one(self, e: Entry) -> bool:
-        sums, mins = {}, []
-        for gpu in e.gpus:
-            ring = self.rings.get(gpu)
-            if ring is None:
-                return False
+        ex = e.ex
+        base = (ex.upstream_name, ex.model_label, ex.precision)
+        m = self.metrics
+        rings = [self.rings.get(gpu) for gpu in e.gpus]
+        if any(r is None for r in rings):
+            return False
+        windows = self._windows(ex)
+        mins = [r.min_phase for r in rings]
+        # a phase the sensor cannot resolve is said so at once, not when it has covered it
+        for phase, (a, b) in windows.items():
+            known = phase not in e.decided and all(x is not None for x in mins)
+            if known and b - a < max(x for x in mins if x is not None):
+                e.decided.add(phase)
+                m.gpu_power_unresolved_total.labels(*base, phase).inc()
+        sums = []
+        for ring in rings:
             got = ring.settle(self.worker, e)
             if got is None:
                 return False
-            sums[gpu] = got
-            mins.append(ring.min_phase)
-        ex, mk = e.ex, e.ex.marks
-        base = (ex.upstream_name, ex.model_label, ex.precision)
-        m = self.metrics
-        end = mk.t_end if mk.t_end is not None else mk.t_last
-        windows = {
-            "prefill": (mk.t_sent, mk.t_first),
-            "decode": (mk.t_first if mk.t_first is not None else mk.t_sent, end),
-        }
+            sums.append(got)
         total = 0.0
         for phase in ("prefill", "decode"):
-            joules = sum(s[phase].joules for s in sums.values())
-            share = sum(s[phase].share for s in sums.values())
-            seconds = max((s[phase].seconds for s in sums.values()), default=0.0)
+            joules = sum(s[phase].joules for s in sums)
+            share = sum(s[phase].share for s in sums)
+            seconds = max((s[phase].seconds for s in sums), default=0.0)
             total += share
             if share > 0:
                 m.request_phase_energy_joules_total.labels(*base, phase).inc(share)
-            a, b = windows[phase]
-            if a is None or b is None or b <= a:
-                continue  # no such phase (a non-streamed request has no prefill mark)
-            if seconds > 0 and all(x is not None and b - a >= x for x in mins):
+            if phase not in windows or phase in e.decided:
+                continue
+            if seconds > 0 and all(x is not None for x in mins):
                 m.gpu_power_watts.labels(*base, phase).observe(joules / seconds)
             else:
                 m.gpu_power_unresolved_total.labels(*base, phase).inc()

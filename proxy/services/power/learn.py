@@ -20,7 +20,7 @@ PROBE_SECONDS = 1.0
 FASTEST_POLL = 0.01
 #: A phase is measured when it lasts this many resolutions (s): shorter, the sensor's
 #: refresh edges hold too large a share of it.
-PHASES_PER_RESOLUTION = 3.0
+PHASES_PER_RESOLUTION = 2.5
 #: Preferred field for phase energy, best first.
 PREFERENCE = ("energy_counter", "power_instant", "power_usage", "power_average")
 #: A power-usage field is assumed to be a 1 s mean (Ampere and later) unless the source
@@ -94,7 +94,7 @@ class SensorWatch:
         period (a 1 s mean usage field: a second more), never below two polls; None until
         known. A field silent for longer than twice its period (an exporter slowed down),
         or that has changed at most once so far, is as slow as its silence says. A DCGM page
-        adds its own collection lag, up to one more period."""
+        adds its collection lag (up to a period, unknown within it)."""
         name = self.preferred()
         w = self.fields.get(name)
         if w is None or self.first_t is None:
@@ -109,7 +109,7 @@ class SensorWatch:
             period = silent
         res = max(period, 2.0 * poll)
         if self.source == "dcgm":
-            res += period
+            res += 2.0 * period  # the exporter's lag, corrected by half a period on average
         if name in ("power_usage", "power_average"):
             res += USAGE_MEAN_SECONDS
         return res

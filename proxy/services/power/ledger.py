@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: How long ticks are kept (s): a request longer than this gets no energy.
@@ -46,6 +46,9 @@ class Entry:
     ended: float | None = None  # when the snapshots first missed it
     completion_tokens: int | None = None
     recorded: bool = False  # the recorder has finished it (its figures are final)
+    #: phases already counted unresolved (too short for the sensor, known before the
+    #: sensor covers the request)
+    decided: set[str] = field(default_factory=set)
 
 
 class InFlightBook:
