@@ -341,6 +341,54 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
 
+        # --- GPU power as the sensor resolves it (issue 42) ---------------------------
+        self.request_phase_energy_joules_total = Counter(
+            PREFIX + "request_phase_energy_joules",
+            "GPU energy attributed to requests by phase: energy-counter deltas at the "
+            "sensor's resolution, each moment's split evenly among the requests in flight. "
+            "With gpu_idle_energy_joules_total it adds up to gpu_energy_joules_total.",
+            BASE + ("phase",),
+            registry=r,
+        )
+        self.gpu_idle_energy_joules_total = Counter(
+            PREFIX + "gpu_idle_energy_joules",
+            "GPU energy while no request was in flight on the GPU.",
+            BASE + ("gpu",),
+            registry=r,
+        )
+        self.gpu_power_unresolved_total = Counter(
+            PREFIX + "gpu_power_unresolved",
+            "Request phases too short for the GPU power sensor's resolution (or sampled "
+            "too coarsely): no gpu_power_watts observation was made for them.",
+            BASE + ("phase",),
+            registry=r,
+        )
+        self.gpu_power_sensor_info = Gauge(
+            PREFIX + "gpu_power_sensor_info",
+            "1 for the field phase energy is taken from on each GPU: energy_counter, "
+            "power_instant, power_usage or power_average.",
+            ("gpu", "source", "field"),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.gpu_power_resolution_seconds = Gauge(
+            PREFIX + "gpu_power_resolution_seconds",
+            "The shortest request phase whose power is measured on this GPU, from the "
+            "sensor's measured refresh period.",
+            ("gpu",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.gpu_power_refresh_seconds = Gauge(
+            PREFIX + "gpu_power_refresh_seconds",
+            "Measured refresh period of each power field the source has (how often its "
+            "value really changes).",
+            ("gpu", "field"),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        # --- end GPU power as the sensor resolves it ----------------------------------
+
         # The engines' own state, scraped by proxy.services.engine_state off the request
         # path: what phasewatch cannot see per request.
         def engine_gauge(name: str, doc: str) -> Gauge:

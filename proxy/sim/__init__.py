@@ -18,6 +18,9 @@ def build_app(
     model_dir: str | None = None,
     ctx_size: int | None = None,
     alias: bool = True,
+    sensor: str = "ideal",
+    dcgm_interval: float = 0.0,
+    dcgm_instant: bool = True,
 ):
     """An ASGI app simulating `engine`: vllm, ollama or llamacpp (llama-server). With
     `model_dir`, the simulated vLLM's checkpoints' config.json files are written there (a
@@ -34,6 +37,9 @@ def build_app(
             truth_path=truth_path,
             seed=seed,
             deterministic=deterministic,
+            sensor=sensor,
+            dcgm_interval=dcgm_interval,
+            dcgm_instant=dcgm_instant,
         )
 
     if engine == "vllm":

@@ -68,6 +68,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="llama-server: list the model by its GGUF file's path, as llama-server "
         "started without -a (--alias) does.",
     )
+    parser.add_argument(
+        "--gpu-sensor",
+        choices=("ideal", "instant", "ampere"),
+        default=os.environ.get("PHASEWATCH_SIM_GPU_SENSOR", "ideal"),
+        help="How the simulated GPUs' sensors report power: ideal (the true power, every "
+        "instant), instant (GA100 and older: instant power, a fast energy counter), ampere "
+        "(Ampere and later: a 1 s mean, a 25 ms instant window and an energy counter "
+        "refreshed every 100 ms) [env PHASEWATCH_SIM_GPU_SENSOR; default ideal].",
+    )
+    parser.add_argument(
+        "--dcgm-interval",
+        type=float,
+        default=float(os.environ.get("PHASEWATCH_SIM_DCGM_INTERVAL", "0")),
+        help="Seconds between the simulated dcgm-exporter's collections (a real one's "
+        "default is 30, `-c 100` makes it 0.1); 0: every scrape [default 0].",
+    )
+    parser.add_argument(
+        "--dcgm-counters",
+        choices=("default", "power"),
+        default=os.environ.get("PHASEWATCH_SIM_DCGM_COUNTERS", "power"),
+        help="The simulated exporter's counters file: default (dcgm-exporter's own, no "
+        "DCGM_FI_DEV_POWER_USAGE_INSTANT) or power (deploy/dcgm/phasewatch-counters.csv, "
+        "with it) [default power].",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Any:
@@ -79,6 +103,8 @@ def from_args(args: argparse.Namespace) -> Any:
     if args.jitter < 0:
         raise ValueError("--jitter must not be negative")
     ctx_size = getattr(args, "ctx_size", None)
+    if getattr(args, "dcgm_interval", 0.0) < 0:
+        raise ValueError("--dcgm-interval must not be negative")
     if ctx_size is not None and ctx_size < 16:
         raise ValueError("--ctx-size must be at least 16 tokens")
     return build_app(
@@ -92,4 +118,7 @@ def from_args(args: argparse.Namespace) -> Any:
         model_dir=getattr(args, "model_dir", None),
         ctx_size=ctx_size,
         alias=not getattr(args, "no_alias", False),
+        sensor=getattr(args, "gpu_sensor", "ideal"),
+        dcgm_interval=getattr(args, "dcgm_interval", 0.0),
+        dcgm_instant=getattr(args, "dcgm_counters", "power") == "power",
     )

@@ -28,6 +28,7 @@ from .physics import (
     power_watts,
     prefill_seconds,
 )
+from .sensors import PROFILES, DcgmExporter, PowerTrace, Sensor
 
 _WORDS = (
     "the",
@@ -168,6 +169,7 @@ class ModelEngine:
         speed: float,
         jitter: float,
         rng: random.Random,
+        sensor: str = "ideal",
     ) -> None:
         self.spec = spec
         self.gpu = gpu
@@ -187,6 +189,9 @@ class ModelEngine:
         self.request_energy: dict[int, float] = {}  # running request key -> joules so far
         self._power_t = time.monotonic()
         self._power_lock = threading.Lock()
+        #: the true power, step by step, and what the GPU's sensor makes of it
+        self.trace = PowerTrace(self._power_t, self.power())
+        self.sensor = Sensor(PROFILES[sensor], self.trace, self.power, gpu_index)
 
     # --- power (integrated on every state change and on read) -------------------------
 
@@ -201,7 +206,7 @@ class ModelEngine:
     def _integrate(self) -> None:
         with self._power_lock:
             now = time.monotonic()
-            joules = self.power() * (now - self._power_t)
+            joules = self.trace.segment(now, self.power()) if now > self._power_t else 0.0
             self.energy_joules += joules
             self._power_t = now
             if self.running:
@@ -299,12 +304,18 @@ class SimEngine:
         truth_path: str | None = None,
         seed: int = 0,
         deterministic: bool = False,
+        sensor: str = "ideal",
+        dcgm_interval: float = 0.0,
+        dcgm_instant: bool = True,
     ) -> None:
         rng = random.Random(seed)
         self.models = {
-            m.id: ModelEngine(m, gpu, i, max_num_seqs, speed, jitter, rng)
+            m.id: ModelEngine(m, gpu, i, max_num_seqs, speed, jitter, rng, sensor)
             for i, m in enumerate(models)
         }
+        #: the dcgm-exporter beside the simulated GPUs (its collection interval, whether
+        #: its counters file has the instant field)
+        self.exporter = DcgmExporter(dcgm_interval, dcgm_instant)
         self.gpu = gpu
         self.deterministic = deterministic
         self.started = int(time.time())
@@ -322,7 +333,15 @@ class SimEngine:
 
     def write_truth(self, truth: Truth) -> None:
         if self._truth is not None and not self._truth.closed:  # closed: shutting down
-            self._truth.write(truth.as_json() + "\n")
+            line = truth.as_json()
+            me = next((m for m in self.models.values() if m.gpu_index == truth.gpu), None)
+            if me is not None and truth.t_end is not None:
+                # the GPU's true power over the request's life (each step), so a test can
+                # take the true mean over any window the proxy measured
+                me._integrate()
+                trace = me.trace.steps(truth.t_recv, truth.t_end, me.power())
+                line = line[:-1] + ', "power_trace": ' + json.dumps(trace) + "}"
+            self._truth.write(line + "\n")
 
     def close(self) -> None:
         if self._truth is not None:

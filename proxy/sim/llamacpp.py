@@ -38,7 +38,7 @@ from .llamacpp_tokens import (
     tokenize_body,
 )
 from .llamacpp_wire import BUILD, _send, nl_json, timings
-from .power import dcgm_metrics
+from .power import dcgm_metrics, nvml_view
 from .tools import ToolCallPlan
 
 #: Context of each slot in the real captures (``-c 16384 -np 4``); ``--ctx-size`` sets it.
@@ -105,6 +105,8 @@ class LlamaServerSim:
             await _send(send, 200, nl_json(self.slots))
         elif path in ("/tokenize", "/detokenize", "/apply-template") and method == "POST":
             await self.tokenizer(path, receive, send)
+        elif path == "/sim/nvml" and method == "GET":  # for the tests' stand-in pynvml
+            await _send(send, 200, nvml_view(self.engine), b"application/json")
         elif path == "/metrics" and method == "GET":
             await _send(send, 200, self.metrics().encode(), b"text/plain; version=0.0.4")
         else:

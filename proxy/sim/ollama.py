@@ -30,7 +30,7 @@ from .engine import SimEngine, plan_output, tokenize
 from .gguf import FILE_TYPES, EngineTruth, PrefixCache, chat_text
 from .ollama_extras import embeddings_route, shape_info
 from .ollama_tools import call_id, native_calls, plan_for, v1_calls
-from .power import dcgm_metrics
+from .power import dcgm_metrics, nvml_view
 from .tools import CLOSE
 
 VERSION = "0.12.3"
@@ -101,6 +101,8 @@ class OllamaSim:
             await self.show(receive, send)
         elif path in ("/api/embed", "/api/embeddings", "/v1/embeddings") and method == "POST":
             await embeddings_route(self, path, receive, send, go_json, _send)
+        elif path == "/sim/nvml" and method == "GET":  # for the tests' stand-in pynvml
+            await _send(send, 200, nvml_view(self.engine), b"application/json")
         elif path == "/metrics" and method == "GET":
             # Ollama has no /metrics: this is the dcgm-exporter beside it (simulated power)
             await _send(

@@ -11,6 +11,7 @@ texts, ``gpu``/``UUID``/``pci_bus_id``/``device``/``modelName``/``Hostname``/
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 
 from .engine import ModelEngine, SimEngine
@@ -36,22 +37,70 @@ def _labels(me: ModelEngine) -> str:
 
 
 def dcgm_metrics(engine: SimEngine) -> str:
-    """DCGM_FI_DEV_POWER_USAGE and DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION for every GPU."""
+    """DCGM_FI_DEV_POWER_USAGE and DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION for every GPU (and
+    DCGM_FI_DEV_POWER_USAGE_INSTANT when the exporter's counters file has it), as the
+    exporter last collected them from each GPU's sensor; then the simulator's truth, the
+    true energy of each GPU now (``phasewatch_sim_gpu_true_energy_joules_total``)."""
     gpus = sorted(engine.models.values(), key=lambda me: me.gpu_index)
+    seen = {me.gpu_index: engine.exporter.fields(me.gpu_index, me.sensor) for me in gpus}
     lines = [
         "# HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W).",
         "# TYPE DCGM_FI_DEV_POWER_USAGE gauge",
     ]
-    lines += [f"DCGM_FI_DEV_POWER_USAGE{{{_labels(me)}}} {me.power():f}" for me in gpus]
+    lines += [
+        f"DCGM_FI_DEV_POWER_USAGE{{{_labels(me)}}} {seen[me.gpu_index].usage:f}" for me in gpus
+    ]
     lines += [
         "# HELP DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION Total energy consumption since boot (in mJ).",
         "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter",
     ]
     lines += [
-        f"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{_labels(me)}}} {int(me.read_energy() * 1000)}"
+        f"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{{_labels(me)}}} {seen[me.gpu_index].energy_mj}"
+        for me in gpus
+    ]
+    if engine.exporter.instant_field:
+        lines += [
+            "# HELP DCGM_FI_DEV_POWER_USAGE_INSTANT Current instantaneous power usage (in W).",
+            "# TYPE DCGM_FI_DEV_POWER_USAGE_INSTANT gauge",
+        ]
+        lines += [
+            f"DCGM_FI_DEV_POWER_USAGE_INSTANT{{{_labels(me)}}} {seen[me.gpu_index].instant:f}"
+            for me in gpus
+        ]
+    lines += [
+        "# HELP phasewatch_sim_gpu_true_energy_joules_total The simulated GPU's true energy.",
+        "# TYPE phasewatch_sim_gpu_true_energy_joules_total counter",
+    ]
+    lines += [
+        f'phasewatch_sim_gpu_true_energy_joules_total{{gpu="{me.gpu_index}"}} '
+        f"{me.read_energy():.6f}"
         for me in gpus
     ]
     return "\n".join(lines) + "\n"
+
+
+def nvml_view(engine: SimEngine) -> bytes:
+    """What NVML would answer now about each simulated GPU (no exporter between): the
+    stand-in ``pynvml`` of the tests reads this from ``/sim/nvml``."""
+    out = []
+    for me in sorted(engine.models.values(), key=lambda me: me.gpu_index):
+        f = me.sensor.read()
+        out.append(
+            {
+                "index": me.gpu_index,
+                "name": me.gpu.name,
+                "uuid": gpu_uuid(me.gpu_index),
+                "power_usage_mw": int(f.usage * 1000),
+                "power_instant_mw": int(f.instant * 1000),
+                "power_average_mw": None if f.mean is None else int(f.mean * 1000),
+                "energy_mj": f.energy_mj,
+            }
+        )
+    return json.dumps({"profile": sensor_name(engine), "gpus": out}).encode()
+
+
+def sensor_name(engine: SimEngine) -> str:
+    return next(iter(engine.models.values())).sensor.profile.name if engine.models else ""
 
 
 def gpu_models(engine: SimEngine) -> dict[str, str]:

@@ -16,7 +16,7 @@ from .asgi import lifespan, loads, read_body
 from .choices import plans as choice_plans
 from .choices import run_request
 from .engine import SimEngine, Truth, count_tokens, plan_output, tokenize
-from .power import dcgm_metrics
+from .power import dcgm_metrics, nvml_view
 from .tools import ToolCallPlan, vllm_dumps
 from .vllm_choices import generate_choices
 from .vllm_extras import VLLMStats, inputs, vllm_embeddings_body
@@ -90,6 +90,8 @@ class VLLMSim:
             await self.tokenize(receive, send)
         elif path == "/v1/embeddings" and method == "POST":
             await self.embeddings(receive, send)
+        elif path == "/sim/nvml" and method == "GET":  # for the tests' stand-in pynvml
+            await json_response(send, 200, nvml_view(self.engine))
         elif path == "/metrics" and method == "GET":
             body = self.metrics_text().encode()
             await send(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...measure.metrics import Metrics
-from .energy import RING_SECONDS, EnergyMeter, Ring, integrate, phase_integral
-from .sampler import GpuMap, Owner, PowerSampler, classify, request_power
+from .energy import EnergyMeter
+from .ledger import Entry, InFlightBook, TickRing
+from .sampler import GpuMap, Owner, PowerSampler, classify
 from .shared import SharedInFlight, SharedRings
 from .sources import (
     DcgmSource,
@@ -30,6 +32,13 @@ if TYPE_CHECKING:
     from ...core.host import Host
 
 log = logging.getLogger(__name__)
+
+#: How often finished requests are checked for a sensor that has covered them (s).
+SETTLE_EVERY = 0.05
+#: How often a worker publishes what it has in flight (s).
+PUBLISH_EVERY = 0.01
+#: A finished request the sensor has not covered after this long (s) is unresolved.
+GIVE_UP_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,8 @@ class PowerService:
         self.rings: Any = None
         self.shared_in_flight: SharedInFlight | None = None
         self._publisher: asyncio.Task[None] | None = None
+        self._settler: asyncio.Task[None] | None = None
+        self.book: InFlightBook | None = None
         source = choose_source(options.source, options.dcgm_url, options.interval)
         if source is None:
             metrics.power_sampling_up.labels("none").set(0)
@@ -73,14 +84,16 @@ class PowerService:
                 log.info("GPU power is not sampled (--power-source none)")
             return
         self.gpus = GpuMap(options.gpu_map, upstreams.all, upstreams.route)
-        in_flight = None
+        self.worker = 0
+        membership = None
         if host is not None:
-            capacity = int(RING_SECONDS / options.interval) + 1
-            self.rings = SharedRings(host.path("power-rings.bin"), capacity)
+            self.book = InFlightBook(self.gpus.in_flight)
+            self.worker = host.index
+            self.rings = SharedRings(host.path("power-rings.bin"), host.workers)
             self.shared_in_flight = SharedInFlight(
-                host.path("power-in-flight.bin"), host.workers, stale_after=5 * options.interval + 1
+                host.path("power-in-flight.bin"), host.workers, stale_after=30.0
             )
-            in_flight = self._host_in_flight
+            membership = self._host_membership
         else:
             self.rings = {}
         if host is None or host.primary:
@@ -91,38 +104,50 @@ class PowerService:
                 interval=options.interval,
                 timeout=max(1.0, 4 * options.interval),
                 rings=self.rings,
-                in_flight=in_flight,
+                membership=membership,
+                describe=options.dcgm_url if source.name == "dcgm" and options.dcgm_url else "",
             )
+            if self.book is None:
+                self.book = self.sampler.book
 
-    def _host_in_flight(self, gpu: str) -> tuple[int, int]:
-        """Every worker's (prefill, decode) on `gpu`, from their published rows."""
+    def _host_membership(self, gpus: list[str], now: float):
+        """Every worker's snapshot number and (prefill, decode) per GPU, from their rows."""
         assert self.shared_in_flight is not None and self.rings is not None
-        slot = self.rings.slot(gpu)
-        if slot is None:  # first sample of this GPU: the workers have not seen it yet
-            return self.gpus.counts(gpu)
-        return self.shared_in_flight.counts(slot)
+        slots = {gpu: self.rings.slot(gpu) for gpu in gpus}
+        seqs, by_slot = self.shared_in_flight.read()
+        counts = {
+            gpu: by_slot.get(slot, (0, 0)) if slot is not None else (0, 0)
+            for gpu, slot in slots.items()
+        }
+        return seqs, counts
 
     async def _publish_forever(self) -> None:
-        """Tell the sampler what this worker has in flight, every sampling interval."""
+        """Tell the sampler what this worker has in flight, numbered, every few ms."""
         assert self.host is not None and self.shared_in_flight is not None
+        assert self.book is not None
         while True:
-            counts = {}
-            for gpu, _ in self.rings.items():
+            gpus = self.rings.gpus()
+            seq, counts = self.book.snapshot(gpus, time.monotonic())
+            by_slot = {}
+            for gpu, c in counts.items():
                 slot = self.rings.slot(gpu)
                 if slot is not None:
-                    counts[slot] = self.gpus.counts(gpu)
-            self.shared_in_flight.publish(self.host.index, counts)
-            await asyncio.sleep(self.options.interval / 2)
+                    by_slot[slot] = c
+            self.shared_in_flight.publish(self.host.index, seq, by_slot)
+            await asyncio.sleep(PUBLISH_EVERY)
 
     def start(self) -> None:
         if self.sampler is not None:
             self.sampler.start()
         if self.shared_in_flight is not None:
             self._publisher = asyncio.create_task(self._publish_forever())
+        if self.book is not None:
+            self._settler = asyncio.create_task(self._settle_forever())
 
     def stop(self) -> None:
-        if self._publisher is not None:
-            self._publisher.cancel()
+        for task in (self._publisher, self._settler):
+            if task is not None:
+                task.cancel()
         if self.sampler is not None:
             self.sampler.stop()
 
@@ -148,32 +173,106 @@ class PowerService:
             )
 
     def on_request(self, ex: Any, f: Any) -> dict | None:
-        """Recorder listener: observes per-phase power and returns the log-line fields."""
-        if not self.rings:
+        """Recorder listener: the request is finished; its power is settled once the
+        sensor has covered its end (:meth:`settle`). A request no tick saw in flight was
+        shorter than the sampling could resolve."""
+        book = self.book
+        if book is None or not self.rings:  # no power read (yet): no power figures
             return None
-        got = request_power(self.rings, self.gpus, ex, f.completion_tokens)
-        if not got:
-            return None
+        if book.recorded(ex, f.completion_tokens) is None and ex.marks.t_sent is not None:
+            self._unresolved(ex, ("prefill", "decode") if ex.marks.t_first else ("decode",))
+        return None
+
+    def _unresolved(self, ex: Any, phases) -> None:
         base = (ex.upstream_name, ex.model_label, ex.precision)
-        fields: dict = {}
+        for phase in phases:
+            self.metrics.gpu_power_unresolved_total.labels(*base, phase).inc()
+
+    async def _settle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SETTLE_EVERY)
+            try:
+                self.settle()
+            except Exception:
+                log.exception("settling requests' power failed")
+
+    def settle(self) -> int:
+        """Observe the power of each finished request the sensor has covered; how many."""
+        book = self.book
+        if book is None:
+            return 0
+        done = 0
+        now = time.monotonic()
+        for e in book.ended():
+            got = self._settle_one(e)
+            if got or (e.ended is not None and now - e.ended > GIVE_UP_SECONDS):
+                if not got:  # the sensor never covered it (power went down)
+                    left = self._windows(e.ex).keys() - e.decided
+                    self._unresolved(e.ex, sorted(left))
+                book.drop(e)
+                done += 1
+        return done
+
+    @staticmethod
+    def _windows(ex: Any) -> dict[str, tuple[float, float]]:
+        """The request's phases by the proxy's marks (absent: no such phase)."""
+        mk = ex.marks
+        end = mk.t_end if mk.t_end is not None else mk.t_last
+        out = {}
+        if mk.t_sent is not None and mk.t_first is not None and mk.t_first > mk.t_sent:
+            out["prefill"] = (mk.t_sent, mk.t_first)
+        start = mk.t_first if mk.t_first is not None else mk.t_sent
+        if start is not None and end is not None and end > start:
+            out["decode"] = (start, end)
+        return out
+
+    def _settle_one(self, e: Entry) -> bool:
+        ex = e.ex
+        base = (ex.upstream_name, ex.model_label, ex.precision)
+        m = self.metrics
+        rings = [self.rings.get(gpu) for gpu in e.gpus]
+        if any(r is None for r in rings):
+            return False
+        windows = self._windows(ex)
+        mins = [r.min_phase for r in rings]
+        # a phase the sensor cannot resolve is said so at once, not when it has covered it
+        for phase, (a, b) in windows.items():
+            known = phase not in e.decided and all(x is not None for x in mins)
+            if known and b - a < max(x for x in mins if x is not None):
+                e.decided.add(phase)
+                m.gpu_power_unresolved_total.labels(*base, phase).inc()
+        sums = []
+        for ring in rings:
+            got = ring.settle(self.worker, e)
+            if got is None:
+                return False
+            sums.append(got)
+        total = 0.0
         for phase in ("prefill", "decode"):
-            if phase in got:
-                self.metrics.gpu_power_watts.labels(*base, phase).observe(got[phase])
-                fields[f"{phase}_watts"] = round(got[phase], 1)
-        if "energy" in got:
-            fields["energy_j"] = round(got["energy"], 3)
-            if got["energy"] > 0:  # the request's share, attributed to its client
-                client = getattr(ex, "client", "unknown")
-                self.metrics.request_energy_joules_total.labels(*base, client).inc(got["energy"])
-        if "joules_per_token" in got:
-            fields["joules_per_token"] = round(got["joules_per_token"], 4)
-        return fields
+            joules = sum(s[phase].joules for s in sums)
+            share = sum(s[phase].share for s in sums)
+            seconds = max((s[phase].seconds for s in sums), default=0.0)
+            total += share
+            if share > 0:
+                m.request_phase_energy_joules_total.labels(*base, phase).inc(share)
+            if phase not in windows or phase in e.decided:
+                continue
+            if seconds > 0 and all(x is not None for x in mins):
+                m.gpu_power_watts.labels(*base, phase).observe(joules / seconds)
+            else:
+                m.gpu_power_unresolved_total.labels(*base, phase).inc()
+        if total > 0:  # the request's share, attributed to its client
+            client = getattr(ex, "client", "unknown")
+            m.request_energy_joules_total.labels(*base, client).inc(total)
+        return True
 
 
 __all__ = [
     "DcgmSource",
     "EnergyMeter",
+    "Entry",
     "GpuMap",
+    "InFlightBook",
     "NvmlSource",
     "Owner",
     "PowerOptions",
@@ -181,11 +280,9 @@ __all__ = [
     "PowerService",
     "PowerUnavailable",
     "Reading",
-    "Ring",
     "Source",
+    "TickRing",
     "choose_source",
     "classify",
-    "integrate",
     "parse_dcgm",
-    "phase_integral",
 ]

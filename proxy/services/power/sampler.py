@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...measure.metrics import Metrics
-from .energy import EnergyMeter, Ring, integrate, phase_integral
-from .sources import PowerUnavailable, Source
+from .energy import EnergyMeter
+from .learn import FASTEST_POLL, PROBE_SECONDS, SensorWatch
+from .ledger import InFlightBook, TickRing
+from .sources import PowerUnavailable, Reading, Source
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +183,21 @@ class _Caller:
             raise TimeoutError(f"no answer within {timeout:g}s") from None
 
 
-class PowerSampler:
-    """Samples a source, feeds the power metrics and the per-GPU rings.
+#: A resolution above this (s) is too coarse for per-request figures: warned about once.
+COARSE_RESOLUTION = 2.0
 
-    :meth:`tick` does one sample; :meth:`start` runs it every `interval` on a daemon thread.
-    Tests drive :meth:`tick` with their own clock.
+#: (snapshot numbers, one per process; gpu -> (prefill, decode) in flight)
+Membership = tuple[tuple[int, ...], dict[str, tuple[int, int]]]
+
+
+class PowerSampler:
+    """Samples a source, learns what it resolves, feeds the power metrics and the per-GPU
+    tick rings (energy by tick, :mod:`.ledger`).
+
+    :meth:`tick` does one sample; :meth:`start` runs it on a daemon thread, fast for the
+    first second (learning each field's refresh period), then every `interval` or a
+    quarter of the sensor's refresh period, whichever is shorter. Tests drive
+    :meth:`tick` with their own clock.
     """
 
     def __init__(
@@ -198,27 +210,46 @@ class PowerSampler:
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
         rings: RingStore = None,
-        in_flight: Callable[[str], tuple[int, int]] | None = None,
+        membership: Callable[[list[str], float], Membership] | None = None,
+        describe: str = "",
     ) -> None:
         self.source = source
         self.metrics = metrics
         self.gpus = gpus
         self.interval = interval
+        self.poll = FASTEST_POLL
         self.timeout = timeout
         self.clock = clock
-        #: gpu -> its samples: this process's, or (--workers N) the shared file's
+        self.describe = describe or source.name
+        #: gpu -> its ticks: this process's, or (--workers N) the shared file's
         self.rings: RingStore = rings if rings is not None else {}
-        #: gpu -> (prefill, decode) in flight: this process's, or every worker's
-        self.in_flight = in_flight or gpus.counts
+        if membership is None:
+            book = InFlightBook(gpus.in_flight)
+            self.book: InFlightBook | None = book
+
+            def membership(gs: list[str], now: float) -> Membership:
+                seq, counts = book.snapshot(gs, now)
+                return (seq,), counts
+
+        else:
+            self.book = None
+        self.membership = membership
         self.meters: dict[str, EnergyMeter] = {}
+        self.watches: dict[str, SensorWatch] = {}
+        self._since: dict[str, float] = {}  # gpu -> start of the energy not yet spread
+        self._state: dict[str, str] = {}  # gpu -> state at its last tick
+        self._told: dict[str, float | None] = {}  # gpu -> resolution last logged
+        self._warned = False
+        self.started: float | None = None
         self.up: bool | None = None  # None until the first tick
         self.opened = False
         self._current: dict[str, tuple] = {}  # gpu -> labels of its current-watts gauge
         #: gpu -> joules counted under its current labels (carried over when an
         #: ``unknown`` precision is detected and the series is relabelled)
         self._joules: dict[str, float] = {}
-        #: gpu -> joules measured before its labels were settled, not yet counted
-        self._pending: dict[str, float] = {}
+        self._idle: dict[str, float] = {}
+        #: gpu -> (joules, idle joules) measured before its labels were settled
+        self._pending: dict[str, tuple[float, float]] = {}
         self._caller = _Caller()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -262,7 +293,7 @@ class PowerSampler:
                 self.tick()
             except Exception:
                 log.exception("power sampler tick failed")
-            next_t += self.interval
+            next_t += self.poll
             delay = next_t - time.monotonic()
             if delay < 0:  # fell behind (a hang): skip the missed ticks
                 next_t, delay = time.monotonic(), 0.0
@@ -271,11 +302,10 @@ class PowerSampler:
     # --- one sample -----------------------------------------------------------------------
 
     def tick(self) -> None:
-        # what each GPU had in flight before the read: a sample whose state changed while
-        # the source answered (a request ended, a first token came) read a power that
-        # belongs to neither state, so it is left out of the by-state histogram
-        before = {gpu: classify(*self.in_flight(gpu)) for gpu in self._current}
-        t0 = self.clock()
+        t_c = self.clock()
+        if self.started is None:
+            self.started = t_c
+        seqs, counts = self.membership(sorted(self.meters), t_c)
         try:
             readings = self._caller.call(self.source.read, self.timeout)
         except TimeoutError as exc:
@@ -284,33 +314,65 @@ class PowerSampler:
         except Exception as exc:  # noqa: BLE001 - driver or HTTP error: said once
             self._set_down(f"reading {self.source.name} failed: {exc}")
             return
-        t = (t0 + self.clock()) / 2.0
+        t = (t_c + self.clock()) / 2.0
         seen = 0
         for gpu, r in sorted(readings.items()):
             if not self.gpus.owners(gpu):
                 continue
             seen += 1
-            prefill, decode = self.in_flight(gpu)
-            joules = self.meters.setdefault(gpu, EnergyMeter()).step(t, r.watts, r.energy_mj)
-            if not self.gpus.settled(gpu):
-                # no series labelled with a precision not detected yet: the energy waits
-                # for the labels, the sample is only kept for per-request power
-                self._pending[gpu] = self._pending.get(gpu, 0.0) + max(joules, 0.0)
-            else:
-                self._publish(gpu, r.watts, joules, classify(prefill, decode), before)
-            ring = self.rings.get(gpu)
-            if ring is None:
-                ring = self.rings.setdefault(gpu, Ring())
-            ring.append(t, r.watts, prefill + decode)
+            self._sample(gpu, r, t_c, t, counts.get(gpu, (0, 0)), seqs)
         if seen:
             self._set_up(len(readings), seen)
+            self._learnt(t)
         else:
             self._set_down(
                 f"{self.source.name} reports GPUs {sorted(readings)}, none of them "
                 "mapped by --power-gpu"
             )
 
-    def _publish(self, gpu: str, watts: float, joules: float, state: str, before: dict) -> None:
+    def _sample(
+        self, gpu: str, r: Reading, t_c: float, t: float, counts: tuple[int, int], seqs
+    ) -> None:
+        watch = self.watches.get(gpu)
+        if watch is None:
+            watch = self.watches[gpu] = SensorWatch(self.source.name)
+        prev_t = watch.prev_t
+        changed = watch.see(t, r.fields())
+        ring = self.rings.get(gpu)
+        if ring is None:
+            ring = self.rings.setdefault(gpu, TickRing())
+        ring.append(t_c, counts[0], counts[1], seqs)
+        state = classify(*counts)
+        use = watch.preferred()
+        counter = r.energy_mj if use == "energy_counter" else None
+        watts = r.instant if r.instant is not None else r.watts
+        joules = self.meters.setdefault(gpu, EnergyMeter()).step(t, watts, counter)
+        spread = idle = 0.0
+        if use != "energy_counter":  # a power reading: held over the last poll
+            if prev_t is not None:
+                spread, idle = joules, ring.distribute(prev_t, t, joules)
+        elif "energy_counter" in changed:  # the counter stepped: the energy since its last step
+            period = watch.refresh(use) or 0.0
+            at = (t + prev_t) / 2.0 if prev_t is not None else t
+            if self.source.name == "dcgm":
+                at -= period / 2.0  # the exporter collected it up to a period before
+            since = self._since.get(gpu)
+            if since is not None and at > since:
+                spread, idle = joules, ring.distribute(since, at, joules)
+            self._since[gpu] = at
+        if not self.gpus.settled(gpu):
+            # no series labelled with a precision not detected yet: the energy waits
+            # for the labels
+            pj, pi = self._pending.get(gpu, (0.0, 0.0))
+            self._pending[gpu] = (pj + spread, pi + idle)
+        else:
+            same = self._state.get(gpu, state) == state
+            self._publish(gpu, watts, spread, idle, state if same else None)
+        self._state[gpu] = state
+
+    def _publish(
+        self, gpu: str, watts: float, joules: float, idle: float, state: str | None
+    ) -> None:
         m = self.metrics
         labels = self.gpus.labels(gpu)
         current = labels + (gpu,)
@@ -319,27 +381,110 @@ class PowerSampler:
             _remove(m.gpu_power_current_watts, old)
             if old[2] == "unknown":  # the precision is known now: no stale unknown series
                 _remove(m.gpu_energy_joules_total, old)
+                _remove(m.gpu_idle_energy_joules_total, old)
                 for st in ("idle", "prefill", "decode"):
                     _remove(m.gpu_power_sample_watts, old + (st,))
                 joules += self._joules.get(gpu, 0.0)  # the GPU's energy stays counted
-            self._joules[gpu] = 0.0
-        if before.get(gpu, state) == state:
+                idle += self._idle.get(gpu, 0.0)
+            self._joules[gpu] = self._idle[gpu] = 0.0
+        if state is not None:  # a tick whose state changed since the last is in no state
             m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(watts)
         m.gpu_power_current_watts.labels(*current).set(watts)
         self._current[gpu] = current
-        joules += self._pending.pop(gpu, 0.0)
+        pj, pi = self._pending.pop(gpu, (0.0, 0.0))
+        joules, idle = joules + pj, idle + pi
         if joules > 0:
             m.gpu_energy_joules_total.labels(*current).inc(joules)
             self._joules[gpu] = self._joules.get(gpu, 0.0) + joules
+        if idle > 0:
+            m.gpu_idle_energy_joules_total.labels(*current).inc(idle)
+            self._idle[gpu] = self._idle.get(gpu, 0.0) + idle
+
+    # --- what the sensor resolves -------------------------------------------------------
+
+    def min_phase(self, gpu: str, now: float | None = None) -> float | None:
+        """The shortest phase measured on `gpu` (s); None while not known yet."""
+        watch = self.watches.get(gpu)
+        if watch is None:
+            return None
+        return watch.min_phase(self.poll, self.clock() if now is None else now)
+
+    def _learnt(self, now: float) -> None:
+        """After the fast first second: the poll interval, the gauges, and one line per
+        GPU (again when its resolution changes twofold)."""
+        assert self.started is not None
+        if now - self.started < PROBE_SECONDS:
+            return
+        m = self.metrics
+        polls = []
+        for gpu, watch in self.watches.items():
+            use = watch.preferred()
+            period = watch.refresh(use)
+            polls.append(self.interval if period is None else max(0.02, period / 4.0))
+            res = watch.resolution(self.poll, now)
+            for name in watch.fields:
+                p = watch.refresh(name)
+                if p is not None:
+                    m.gpu_power_refresh_seconds.labels(gpu, name).set(p)
+            for name in watch.fields:
+                m.gpu_power_sensor_info.labels(gpu, self.source.name, name).set(
+                    1 if name == use else 0
+                )
+            min_phase = watch.min_phase(self.poll, now)
+            ring = self.rings.get(gpu)
+            if ring is not None:
+                ring.min_phase = min_phase
+            if min_phase is not None:
+                m.gpu_power_resolution_seconds.labels(gpu).set(min_phase)
+            told = self._told.get(gpu, -1.0)
+            if res is not None and (told is None or told < 0 or not told / 2 < res < told * 2):
+                self._told[gpu] = res
+                self._say(gpu, watch, use, period, res)
+        self.poll = min(self.interval, min(polls)) if polls else self.interval
+
+    def _say(self, gpu: str, watch: SensorWatch, use: str, period, res: float) -> None:
+        fields = ", ".join(
+            f"{n} every {watch.refresh(n):.3g}s" if watch.refresh(n) else f"{n} unchanged"
+            for n in sorted(watch.fields)
+        )
+        min_phase = watch.min_phase(self.poll, self.clock())
+        log.info(
+            "GPU %s power sensor (%s): %s; phase energy from %s, phases of %.2gs or "
+            "longer are measured, shorter ones counted unresolved",
+            gpu,
+            self.describe,
+            fields,
+            use,
+            min_phase or res,
+        )
+        if res > COARSE_RESOLUTION and not self._warned:
+            self._warned = True
+            if self.source.name == "dcgm":
+                fix = (
+                    "run dcgm-exporter with -c 100 and a counters file with "
+                    "DCGM_FI_DEV_POWER_USAGE_INSTANT and "
+                    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION (deploy/dcgm/phasewatch-counters.csv)"
+                )
+            else:
+                fix = "read NVML on the GPU's own host (--power-source nvml)"
+            log.warning(
+                "GPU power from %s changes only every %.3gs or more: too slow for "
+                "per-request phase power, every phase is counted in "
+                "phasewatch_gpu_power_unresolved_total; to fix it, %s",
+                self.describe,
+                res,
+                fix,
+            )
 
     def _set_up(self, visible: int, used: int) -> None:
         if self.up is None:
             log.info(
-                "GPU power sampled from %s every %gs: %d of %d GPUs",
+                "GPU power sampled from %s: %d of %d GPUs (learning each field's refresh "
+                "period for %gs)",
                 self.source.name,
-                self.interval,
                 used,
                 visible,
+                PROBE_SECONDS,
             )
         elif self.up is False:
             log.info("GPU power sampling from %s resumed", self.source.name)
@@ -366,44 +511,6 @@ class PowerSampler:
         for labels in self._current.values():
             _remove(self.metrics.gpu_power_current_watts, labels)
         self._current.clear()
-
-    # --- per request ------------------------------------------------------------------------
-
-    def request_power(self, ex: Any, completion_tokens: int | None) -> dict:
-        return request_power(self.rings, self.gpus, ex, completion_tokens)
-
-
-def request_power(rings: RingStore, gpus: GpuMap, ex: Any, completion_tokens: int | None) -> dict:
-    """Mean watts over the request's prefill and decode windows (its GPUs summed; each from
-    the samples inside the window) and its share of their energy (split evenly among the
-    requests in flight on them)."""
-    mine = [ring for gpu, ring in list(rings.items()) if gpus.serves(gpu, ex)]
-    mk = ex.marks
-    if not mine or mk.t_sent is None:
-        return {}
-    out: dict = {}
-    for phase, a, b in (("prefill", mk.t_sent, mk.t_first), ("decode", mk.t_first, mk.t_last)):
-        if a is None or b is None or b <= a:
-            continue
-        total, inside = 0.0, 0
-        for ring in mine:
-            ts, ws, _, k = ring.window(a, b)
-            total += phase_integral(ts, ws, a, b)
-            inside = max(inside, k)
-        if inside:  # a window between two samples has no measurement of its own
-            out[phase] = total / (b - a)
-    end = mk.t_last if mk.t_last is not None else mk.t_end
-    if end is not None and end > mk.t_sent:
-        joules, inside = 0.0, 0
-        for ring in mine:
-            ts, ws, ns, k = ring.window(mk.t_sent, end)
-            joules += integrate(ts, [w / max(1, n) for w, n in zip(ws, ns)], mk.t_sent, end)
-            inside = max(inside, k)
-        if inside:
-            out["energy"] = joules
-            if completion_tokens:
-                out["joules_per_token"] = joules / completion_tokens
-    return out
 
 
 def _remove(metric, labels: tuple) -> None:

@@ -17,10 +17,24 @@ class PowerUnavailable(Exception):
 
 @dataclass(slots=True)
 class Reading:
-    """One GPU at one moment."""
+    """One GPU at one moment: its power usage field (W), and the other fields its source
+    has (None where it has not)."""
 
     watts: float
     energy_mj: int | None = None  # the device's cumulative energy counter, if it has one
+    instant: float | None = None  # the instant power field (W)
+    average: float | None = None  # the 1 s mean power field (W), where separate
+
+    def fields(self) -> dict[str, float]:
+        """Each field present by its name in phasewatch_gpu_power_*{field}."""
+        out = {"power_usage": self.watts}
+        if self.instant is not None:
+            out["power_instant"] = self.instant
+        if self.average is not None:
+            out["power_average"] = self.average
+        if self.energy_mj is not None:
+            out["energy_counter"] = float(self.energy_mj)
+        return out
 
 
 class Source(Protocol):
@@ -52,6 +66,7 @@ class NvmlSource:
         self.nvml: Any = None
         self.handles: dict[str, object] = {}
         self.has_counter: dict[str, bool] = {}
+        self.field_ids: dict[str, list[int]] = {}  # gpu -> power fields it supports
 
     def open(self) -> None:
         nvml = _import_pynvml()
@@ -70,6 +85,32 @@ class NvmlSource:
                 self.has_counter[gpu] = True
             except nvml.NVMLError:  # pre-Volta or not exposed: integrate power instead
                 self.has_counter[gpu] = False
+            self.field_ids[gpu] = [f for f in self._fields() if self._field(h, f) is not None]
+
+    def _fields(self) -> list[int]:
+        """NVML_FI_DEV_POWER_INSTANT and _AVERAGE where these bindings know them."""
+        return [
+            getattr(self.nvml, n)
+            for n in ("NVML_FI_DEV_POWER_INSTANT", "NVML_FI_DEV_POWER_AVERAGE")
+            if hasattr(self.nvml, n)
+        ]
+
+    def _field(self, handle: object, fid: int) -> float | None:
+        vals = self._field_values(handle, [fid])
+        return vals.get(fid)
+
+    def _field_values(self, handle: object, fids: list[int]) -> dict[int, float]:
+        """Field id -> W for the fields NVML answered (an old driver answers none)."""
+        nvml = self.nvml
+        try:
+            got = nvml.nvmlDeviceGetFieldValues(handle, fids)
+        except (nvml.NVMLError, AttributeError):
+            return {}
+        return {
+            v.fieldId: v.value.uiVal / 1000.0
+            for v in got
+            if getattr(v, "nvmlReturn", 1) == getattr(nvml, "NVML_SUCCESS", 0)
+        }
 
     def read(self) -> dict[str, Reading]:
         nvml = self.nvml
@@ -82,7 +123,14 @@ class NvmlSource:
                     energy = int(nvml.nvmlDeviceGetTotalEnergyConsumption(h))
                 except nvml.NVMLError:
                     energy = None  # this interval is integrated instead
-            out[gpu] = Reading(watts, energy)
+            fids = self.field_ids.get(gpu) or []
+            vals = self._field_values(h, fids) if fids else {}
+            out[gpu] = Reading(
+                watts,
+                energy,
+                vals.get(getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", -1)),
+                vals.get(getattr(nvml, "NVML_FI_DEV_POWER_AVERAGE", -1)),
+            )
         return out
 
     def close(self) -> None:
@@ -94,7 +142,8 @@ class NvmlSource:
 
 
 _DCGM_LINE = re.compile(
-    r"^(DCGM_FI_DEV_POWER_USAGE|DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)\{([^}]*)\}\s+(\S+)",
+    r"^(DCGM_FI_DEV_POWER_USAGE_INSTANT|DCGM_FI_DEV_POWER_USAGE|"
+    r"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)\{([^}]*)\}\s+(\S+)",
     re.MULTILINE,
 )
 _GPU_LABEL = re.compile(r'(?:^|,)\s*gpu="([^"]*)"')
@@ -108,6 +157,7 @@ def parse_dcgm(text: str) -> dict[str, Reading]:
     """
     power: dict[str, float] = {}
     energy: dict[str, int] = {}
+    instant: dict[str, float] = {}
     for m in _DCGM_LINE.finditer(text):
         g = _GPU_LABEL.search(m.group(2))
         if g is None:
@@ -120,16 +170,18 @@ def parse_dcgm(text: str) -> dict[str, Reading]:
             continue
         if m.group(1) == "DCGM_FI_DEV_POWER_USAGE":
             power.setdefault(g.group(1), value)
+        elif m.group(1) == "DCGM_FI_DEV_POWER_USAGE_INSTANT":
+            instant.setdefault(g.group(1), value)
         else:
             energy.setdefault(g.group(1), int(value))
-    return {gpu: Reading(w, energy.get(gpu)) for gpu, w in power.items()}
+    return {gpu: Reading(w, energy.get(gpu), instant.get(gpu)) for gpu, w in power.items()}
 
 
 class DcgmSource:
     """A DCGM-exporter (or the simulator's) /metrics endpoint, for GPUs on another host.
 
-    dcgm-exporter refreshes its fields every 30 s by default; for per-request power run it
-    with a short collect interval (``-c 200``).
+    dcgm-exporter collects its fields every 30 s by default; for per-request power run it
+    with ``-c 100`` and a counters file with DCGM_FI_DEV_POWER_USAGE_INSTANT.
     """
 
     name = "dcgm"

@@ -1,0 +1,256 @@
+"""Energy by request and phase, at the sensor's resolution, conserved.
+
+Every sampler tick records what was in flight on a GPU (a numbered *snapshot* of each
+process's requests, :class:`InFlightBook`). When the sensor refreshes (its energy counter
+steps, or a power reading integrated over the last tick), the energy of the interval it
+covers is spread over the ticks inside it (:meth:`TickRing.distribute`), weighted by the
+power each tick's state (idle / prefill / decode) was last seen to draw, so an interval that
+holds a phase edge gives each side its due. A tick's energy then belongs evenly to the
+requests in flight at it, or to idle when there were none: the requests' shares plus idle
+add up to the counter's delta.
+
+A request's phases are settled once the sensor has covered its end: its ticks are found by
+snapshot number, so a request is charged for exactly the ticks whose in-flight count
+included it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+#: How long ticks are kept (s): a request longer than this gets no energy.
+RING_SECONDS = 600.0
+#: How fast a state's learnt power follows a new pure interval (0..1).
+WEIGHT_GAIN = 0.3
+
+
+def phase_of(ex: Any) -> str:
+    """prefill before the first token of a streamed request, else decode (a non-streamed
+    request shows no first token and spends most of its time decoding)."""
+    return "prefill" if ex.marks.t_first is None and ex.prepared.stream else "decode"
+
+
+@dataclass(eq=False)
+class Entry:
+    """One request as the snapshots saw it."""
+
+    ex: Any
+    gpus: tuple[str, ...]
+    first_seq: int
+    t_seen: float
+    decode_seq: int | None = None
+    end_seq: int | None = None
+    ended: float | None = None  # when the snapshots first missed it
+    completion_tokens: int | None = None
+    recorded: bool = False  # the recorder has finished it (its figures are final)
+    #: phases already counted unresolved (too short for the sensor, known before the
+    #: sensor covers the request)
+    decided: set[str] = field(default_factory=set)
+
+
+class InFlightBook:
+    """This process's requests in flight on each GPU, as numbered snapshots.
+
+    :meth:`snapshot` (the sampler's thread, or a worker's publisher) compares what is in
+    flight now with the last snapshot; any change makes a new number. Each request keeps
+    the numbers at which it appeared, moved to decode, and left.
+    """
+
+    def __init__(self, in_flight) -> None:
+        self.in_flight = in_flight  # gpu -> this process's exchanges on it
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.live: dict[Any, tuple[str, tuple[str, ...]]] = {}  # ex -> (phase, gpus)
+        self.entries: dict[Any, Entry] = {}
+
+    def snapshot(self, gpus: list[str], now: float) -> tuple[int, dict[str, tuple[int, int]]]:
+        cur: dict[Any, tuple[str, list[str]]] = {}
+        for gpu in gpus:
+            for ex in self.in_flight(gpu):
+                got = cur.get(ex)
+                if got is None:
+                    cur[ex] = (phase_of(ex), [gpu])
+                else:
+                    got[1].append(gpu)
+        with self.lock:
+            now_live = {ex: (ph, tuple(g)) for ex, (ph, g) in cur.items()}
+            if now_live != self.live:
+                self.seq += 1
+                for ex, (ph, g) in now_live.items():
+                    e = self.entries.get(ex)
+                    if e is None or e.end_seq is not None:
+                        e = self.entries[ex] = Entry(ex, g, self.seq, now)
+                    if ph == "decode" and e.decode_seq is None:
+                        e.decode_seq = self.seq
+                for ex in self.live.keys() - now_live.keys():
+                    e = self.entries.get(ex)
+                    if e is not None and e.end_seq is None:
+                        e.end_seq, e.ended = self.seq, now
+                self.live = now_live
+            counts: dict[str, list[int]] = {g: [0, 0] for g in gpus}
+            for ph, g in now_live.values():
+                for gpu in g:
+                    counts[gpu][0 if ph == "prefill" else 1] += 1
+            return self.seq, {g: (c[0], c[1]) for g, c in counts.items()}
+
+    def recorded(self, ex: Any, completion_tokens: int | None) -> Entry | None:
+        """The recorder finished `ex`; its entry when a snapshot saw it."""
+        with self.lock:
+            e = self.entries.get(ex)
+            if e is not None:
+                e.recorded, e.completion_tokens = True, completion_tokens
+            return e
+
+    def ended(self) -> list[Entry]:
+        with self.lock:
+            return [e for e in self.entries.values() if e.end_seq is not None and e.recorded]
+
+    def drop(self, e: Entry) -> None:
+        with self.lock:
+            if self.entries.get(e.ex) is e:
+                del self.entries[e.ex]
+
+
+@dataclass
+class PhaseSum:
+    joules: float = 0.0  # the GPU's energy over the phase's ticks
+    share: float = 0.0  # the request's share of it
+    seconds: float = 0.0  # the ticks' length
+
+
+class ListStore:
+    """Ticks in this process's memory (the sampler and the requests in one process)."""
+
+    def __init__(self, keep_seconds: float = RING_SECONDS) -> None:
+        self.keep = keep_seconds
+        self.base = 0  # absolute index of the first kept tick
+        self.ts: list[float] = []
+        self.recs: list[tuple[int, int, tuple[int, ...]]] = []
+        self.es: list[float] = []
+        self.horizon = float("-inf")
+        self.min_phase: float | None = None
+
+    def span(self) -> tuple[int, int]:
+        return self.base, self.base + len(self.ts)
+
+    def t(self, i: int) -> float:
+        return self.ts[i - self.base]
+
+    def rec(self, i: int) -> tuple[int, int, tuple[int, ...]]:
+        return self.recs[i - self.base]
+
+    def e(self, i: int) -> float:
+        return self.es[i - self.base]
+
+    def add_e(self, i: int, joules: float) -> None:
+        self.es[i - self.base] += joules
+
+    def append(self, t: float, n_prefill: int, n_decode: int, seqs: tuple[int, ...]) -> None:
+        self.ts.append(t)
+        self.recs.append((n_prefill, n_decode, seqs))
+        self.es.append(0.0)
+        if len(self.ts) % 1024 == 0 and self.ts[0] < t - self.keep:
+            k = bisect.bisect_left(self.ts, min(t - self.keep, self.horizon))
+            del self.ts[:k], self.recs[:k], self.es[:k]
+            self.base += k
+
+
+class TickRing:
+    """One GPU's ticks (start time, in-flight counts, snapshot numbers, energy so far) over
+    a store: this process's lists, or (``--workers N``) the workers' shared file. One
+    writer (the sampler); readers settle requests behind its horizon."""
+
+    def __init__(self, store: Any = None) -> None:
+        self.store = store if store is not None else ListStore()
+        self.lock = threading.Lock()
+        self.weights: dict[str, float] = {}  # state -> learnt watts (the writer's)
+
+    def append(self, t: float, n_prefill: int, n_decode: int, seqs: tuple[int, ...]) -> None:
+        with self.lock:
+            self.store.append(t, n_prefill, n_decode, seqs)
+
+    @property
+    def min_phase(self) -> float | None:
+        return self.store.min_phase
+
+    @min_phase.setter
+    def min_phase(self, value: float | None) -> None:
+        self.store.min_phase = value
+
+    def _first_after(self, t: float) -> int:
+        """The first tick starting after `t`."""
+        lo, hi = self.store.span()
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.store.t(mid) <= t:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _state(self, i: int) -> str:
+        n_prefill, n_decode, _ = self.store.rec(i)
+        return "prefill" if n_prefill else "decode" if n_decode else "idle"
+
+    def distribute(self, a: float, b: float, joules: float) -> float:
+        """Spread `joules` drawn over [a, b] on the ticks it overlaps; the idle part."""
+        st = self.store
+        with self.lock:
+            first, end = st.span()
+            if first == end or b <= a:
+                return 0.0
+            parts: list[tuple[int, float, str]] = []
+            for i in range(max(first, self._first_after(a) - 1), end):
+                start = st.t(i)
+                if start >= b:
+                    break
+                stop = st.t(i + 1) if i + 1 < end else b
+                overlap = min(stop, b) - max(start, a)
+                if overlap > 0:
+                    parts.append((i, overlap, self._state(i)))
+            if not parts:  # the interval lies before the first tick: the first takes it
+                parts = [(first, 1.0, self._state(first))]
+            states = {s for _, _, s in parts}
+            known = all(s in self.weights for s in states)
+            w = [ov * (self.weights[s] if known else 1.0) for _, ov, s in parts]
+            total = sum(w) or 1.0
+            idle = 0.0
+            for (i, _, s), wi in zip(parts, w):
+                share = joules * wi / total
+                st.add_e(i, share)
+                if s == "idle":
+                    idle += share
+            if len(states) == 1:  # a pure interval: what this state draws
+                s = states.pop()
+                watts = joules / (b - a)
+                old = self.weights.get(s)
+                self.weights[s] = watts if old is None else old + WEIGHT_GAIN * (watts - old)
+            st.horizon = max(st.horizon, b)
+            return idle
+
+    def settle(self, worker: int, e: Entry) -> dict[str, PhaseSum] | None:
+        """The request's phases once the energy of all its ticks is final (None before)."""
+        st = self.store
+        assert e.end_seq is not None
+        with self.lock:
+            first, end = st.span()
+            out = {"prefill": PhaseSum(), "decode": PhaseSum()}
+            i = max(first, self._first_after(e.t_seen) - 1)
+            while i < end:
+                n_prefill, n_decode, seqs = st.rec(i)
+                s = seqs[worker] if worker < len(seqs) else 0
+                if s >= e.end_seq:
+                    return out if st.t(i) <= st.horizon else None
+                if s >= e.first_seq:
+                    ph = "prefill" if e.decode_seq is None or s < e.decode_seq else "decode"
+                    if i + 1 >= end:
+                        return None
+                    p = out[ph]
+                    p.joules += st.e(i)
+                    p.share += st.e(i) / max(1, n_prefill + n_decode)
+                    p.seconds += st.t(i + 1) - st.t(i)
+                i += 1
+            return None
