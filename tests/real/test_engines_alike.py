@@ -123,7 +123,9 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("name, case, body, status", ERRORS)
+@pytest.mark.parametrize(
+    "name, case, body, status", ERRORS, ids=[f"{n}: {c}" for n, c, *_ in ERRORS]
+)
 def test_errors_pass_through(request, name, case, body, status):
     _, engine, proxy = started(request, name)
     direct = capture(engine.url, "/v1/chat/completions", body)
