@@ -1,7 +1,9 @@
 """phasewatch in front of a real llama-server (llama.cpp b11434, Gemma 3 270M Q4_K_M).
 
-Passthrough, SDK, hang-up and concurrency checks; the llama-server dialect's own figures
-(source="engine", prefix-cache hits, Q4_K_M detection) are in test_llama_dialect.py.
+Passthrough, hang-up and concurrency checks; what every engine gets alike (info
+endpoints, errors, the openai SDK) is in test_engines_alike.py, and the llama-server
+dialect's own figures (source="engine", prefix-cache hits, Q4_K_M detection) in
+test_llama_dialect.py.
 
 Greedy requests (temperature 0, fixed seed, `cache_prompt: false` so the prefix cache
 cannot change `cached_tokens` or the numerics between the direct and the proxied run).
@@ -14,7 +16,6 @@ import time
 import uuid
 
 import httpx
-import openai
 import pytest
 
 from .engines import LLAMA_ALIAS
@@ -110,86 +111,6 @@ def test_native_completion_stream_is_byte_exact(llama, llama_proxy):
     direct = capture(llama.url, "/completion", body)
     via = capture(llama_proxy.url, "/completion", body)
     assert_same(direct, via, "native /completion stream")
-
-
-@pytest.mark.parametrize("path", ["/health", "/v1/models", "/props"])
-def test_info_endpoints_pass_through(llama, llama_proxy, path):
-    direct = capture(llama.url, path, method="GET")
-    via = capture(llama_proxy.url, path, method="GET")
-    assert_same(direct, via, f"GET {path}")
-
-
-@pytest.mark.parametrize(
-    "case, body",
-    [
-        ("malformed JSON", b'{"model": "gemma-3-270m", "messages": [, "stream": true}'),
-        ("missing messages", b'{"model": "gemma-3-270m", "stream": true}'),
-        ("prompt over the slot context", None),
-    ],
-)
-def test_errors_pass_through(llama, llama_proxy, case, body):
-    if body is None:
-        body = chat(content="red green blue " * 2000)
-    direct = capture(llama.url, "/v1/chat/completions", body)
-    via = capture(llama_proxy.url, "/v1/chat/completions", body)
-    assert direct.status == 400, direct.body
-    assert_same(direct, via, case)
-
-
-# --- the openai SDK ---------------------------------------------------------------------------
-
-
-def _sdk(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def test_openai_sdk_non_stream(llama, llama_proxy):
-    kw = dict(
-        model=LLAMA_ALIAS,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=12,
-        temperature=0,
-        seed=42,
-        extra_body={"cache_prompt": False},
-    )
-    direct = _sdk(llama.url).chat.completions.create(**kw)
-    via = _sdk(llama_proxy.url).chat.completions.create(**kw)
-    assert via.choices[0].message.content == direct.choices[0].message.content
-    assert via.choices[0].finish_reason == direct.choices[0].finish_reason == "length"
-    assert via.usage.completion_tokens == direct.usage.completion_tokens == 12
-    assert via.usage.prompt_tokens == direct.usage.prompt_tokens
-    assert via.model == direct.model == LLAMA_ALIAS
-
-
-@pytest.mark.parametrize("usage", [False, True])
-def test_openai_sdk_stream(llama, llama_proxy, usage):
-    kw = dict(
-        model=LLAMA_ALIAS,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=12,
-        temperature=0,
-        seed=42,
-        stream=True,
-        extra_body={"cache_prompt": False},
-    )
-    if usage:
-        kw["stream_options"] = {"include_usage": True}
-
-    def run(base):
-        text, finish, usage_seen, n = "", None, None, 0
-        for chunk in _sdk(base).chat.completions.create(**kw):
-            n += 1
-            for c in chunk.choices:
-                text += c.delta.content or ""
-                finish = c.finish_reason or finish
-            if chunk.usage is not None:
-                usage_seen = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
-        return text, finish, usage_seen, n
-
-    direct, via = run(llama.url), run(llama_proxy.url)
-    assert via == direct
-    assert via[1] == "length" and via[0]
-    assert (via[2] is not None) == usage
 
 
 # --- hang-up ------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ so the text is the same on every run.
 vLLM is the proxy's default dialect: on a stream whose client did not ask for usage the
 proxy injects `stream_options.include_usage` and strips the usage event on the way back,
 putting `system_fingerprint` back on the finish event where vLLM would have sent it.
+What every engine gets alike (info endpoints, errors, the openai SDK) is in
+test_engines_alike.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import time
 import uuid
 
 import httpx
-import openai
 import pytest
 
 from .engines import VLLM_MODEL
@@ -146,89 +147,6 @@ def test_nonstream_chat_equals_direct(vllm, vllm_proxy):
     via = capture(vllm_proxy.url, "/v1/chat/completions", body)
     assert_same(direct, via, "non-stream chat")
     assert via.json()["usage"]["completion_tokens"] == 8
-
-
-@pytest.mark.parametrize("path", ["/health", "/version", "/v1/models"])
-def test_info_endpoints_pass_through(vllm, vllm_proxy, path):
-    direct = capture(vllm.url, path, method="GET")
-    via = capture(vllm_proxy.url, path, method="GET")
-    assert_same(direct, via, f"GET {path}")
-
-
-@pytest.mark.parametrize(
-    "case, body, status",
-    [
-        ("prompt over max-model-len", chat(content="hello world " * 400), 400),
-        ("unknown model", {**chat(), "model": "nope"}, 404),
-        (
-            "stream_options without stream",
-            chat(stream=False, stream_options={"include_usage": True}),
-            400,
-        ),
-        # usage is injected only into a request with messages: vLLM's validation message of an
-        # invalid one counts the body's keys, and must count the client's
-        ("missing messages", {"model": VLLM_MODEL, "stream": True}, 400),
-    ],
-)
-def test_errors_pass_through(vllm, vllm_proxy, case, body, status):
-    direct = capture(vllm.url, "/v1/chat/completions", body)
-    via = capture(vllm_proxy.url, "/v1/chat/completions", body)
-    assert direct.status == status, direct.body
-    assert_same(direct, via, case)
-
-
-# --- the openai SDK ---------------------------------------------------------------------------
-
-
-def _sdk(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def test_openai_sdk_non_stream(vllm, vllm_proxy):
-    kw = dict(
-        model=VLLM_MODEL,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=8,
-        temperature=0,
-        seed=42,
-    )
-    direct = _sdk(vllm.url).chat.completions.create(**kw)
-    via = _sdk(vllm_proxy.url).chat.completions.create(**kw)
-    assert via.choices[0].message.content == direct.choices[0].message.content
-    assert via.usage.completion_tokens == direct.usage.completion_tokens == 8
-    assert via.usage.prompt_tokens == direct.usage.prompt_tokens
-    assert via.system_fingerprint == direct.system_fingerprint
-
-
-@pytest.mark.parametrize("usage", [False, True])
-def test_openai_sdk_stream(vllm, vllm_proxy, usage):
-    kw = dict(
-        model=VLLM_MODEL,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=8,
-        temperature=0,
-        seed=42,
-        stream=True,
-    )
-    if usage:
-        kw["stream_options"] = {"include_usage": True}
-
-    def run(base):
-        text, finish, usage_seen, fps = "", None, None, []
-        for chunk in _sdk(base).chat.completions.create(**kw):
-            for c in chunk.choices:
-                text += c.delta.content or ""
-                finish = c.finish_reason or finish
-            if chunk.usage is not None:
-                usage_seen = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
-            if chunk.system_fingerprint:
-                fps.append(chunk.system_fingerprint)
-        return text, finish, usage_seen, fps  # chunk count varies (vLLM merges when behind)
-
-    direct, via = run(vllm.url), run(vllm_proxy.url)
-    assert via == direct
-    assert (via[2] is not None) == usage
-    assert len(via[3]) == 1  # the fingerprint once per stream, as vLLM sends it
 
 
 # --- phasewatch's figures against vLLM's own metrics ------------------------------------------
