@@ -160,3 +160,21 @@ def test_non_streamed_and_finished_requests_are_not_streams_in_flight():
     ex.marks.t_end = T0 + 1
     watch.scan(T0 + 100)
     assert a.stalled == 0
+
+
+def test_with_the_defaults_a_steady_100_second_generation_is_never_stalled():
+    watch, _, (a, _b) = setup()  # --stall-floor 60, --stall-prefill-factor 4, --stall-gaps 100
+    assert watch.options == StallOptions(60.0, 4.0, 100.0)
+    ex = stream(a, T0, prompt_bytes=8000)  # a 2K-token prompt, nothing measured yet
+    ex.marks.t_first = ex.marks.t_last = T0 + 3
+    t = T0 + 3
+    while t < T0 + 103:  # an event every 1.5 s: slow, steady
+        for now in (t + 0.5, t + 1.0, t + 1.49):
+            watch.scan(now)
+            assert a.stalled == 0, now - T0
+        t += 1.5
+        ex.marks.t_last = t
+    watch.scan(t + 59)
+    assert a.stalled == 0
+    watch.scan(t + 61)  # then silence past the floor: stalled
+    assert a.stalled == 1
