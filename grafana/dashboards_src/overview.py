@@ -252,8 +252,8 @@ def build() -> dict:
             legend_calcs=("mean", "lastNotNull"),
         )
     )
-    band_decode = f'sum by (prompt_band) (rate(phasewatch_decode_seconds_sum{{{SEL}, source="proxy"}}[$__range]))'
-    band_prefill = f'sum by (prompt_band) (rate(phasewatch_prefill_seconds_sum{{{SEL}, source="proxy"}}[$__range]))'
+    band_decode = f'sum by (prompt_band) (increase(phasewatch_decode_seconds_sum{{{SEL}, source="proxy"}}[$__range]))'
+    band_prefill = f'sum by (prompt_band) (increase(phasewatch_prefill_seconds_sum{{{SEL}, source="proxy"}}[$__range]))'
     d.add(
         bargauge_panel(
             "Decode share of the wait by prompt length",

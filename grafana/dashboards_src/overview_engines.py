@@ -111,7 +111,7 @@ def engine_rows(d: Dash) -> None:
                 "indexByName": {},
                 "renameByName": {"precision_source": "precision from"},
             },
-        ),
+        ).unit("string"),  # label values: text, not numbers
         w=16,
         h=6,
     )
@@ -503,7 +503,7 @@ def physics(d: Dash) -> None:
         f"{{{SEL}}}) * on (upstream, model) max by (upstream, model) "
         f'(phasewatch_model_kv_bytes_per_token{{{SEL}, kv_dtype!="unknown"}}) / on (upstream, model) '
         "histogram_quantile(0.5, sum by (upstream, model, le) "
-        f"(rate(phasewatch_kv_cache_bytes_bucket{{{SEL}}}[$__range])))"
+        f"(increase(phasewatch_kv_cache_bytes_bucket{{{SEL}}}[$__range])))"
     )
     d.add(
         bargauge_panel(

@@ -62,8 +62,8 @@ def build() -> dict:
             "the GPU's upstream), prefill (a request before its first token), decode.",
             [
                 target(
-                    f"sum by (state) (rate(phasewatch_gpu_power_sample_watts_sum{{{PG}}}[$__range]))"
-                    f" / sum by (state) (rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))",
+                    f"sum by (state) (increase(phasewatch_gpu_power_sample_watts_sum{{{PG}}}[$__range]))"
+                    f" / sum by (state) (increase(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))",
                     "{{state}}",
                     instant=True,
                 )
@@ -81,8 +81,8 @@ def build() -> dict:
             "Share of power samples in each state: how busy the GPUs were.",
             [
                 target(
-                    f"sum by (state) (rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))"
-                    f" / scalar(sum(rate(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range])))",
+                    f"sum by (state) (increase(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range]))"
+                    f" / scalar(sum(increase(phasewatch_gpu_power_sample_watts_count{{{PG}}}[$__range])))",
                     "{{state}}",
                     instant=True,
                 )

@@ -34,20 +34,20 @@ def figures(pm: str, rng: str = "$__range") -> dict[str, str]:
     per_gpu = "upstream, model, precision, gpu"
     by = "family, precision"
     idle_per_model = (
-        f'sum by (upstream, model, precision) (sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_sum{{{s}, state="idle"}}[{rng}]))'
-        f' / sum by ({per_gpu}) (rate(phasewatch_gpu_power_sample_watts_count{{{s}, state="idle"}}[{rng}])))'
+        f'sum by (upstream, model, precision) (sum by ({per_gpu}) (increase(phasewatch_gpu_power_sample_watts_sum{{{s}, state="idle"}}[{rng}]))'
+        f' / sum by ({per_gpu}) (increase(phasewatch_gpu_power_sample_watts_count{{{s}, state="idle"}}[{rng}])))'
     )
 
     def median(metric: str, matchers: str) -> str:
         return (
             f"histogram_quantile(0.5, sum by ({by}, le) "
-            f"({fam(f'rate({metric}_bucket{{{s}, {matchers}}}[{rng}])')}))"
+            f"({fam(f'increase({metric}_bucket{{{s}, {matchers}}}[{rng}])')}))"
         )
 
     def mean(metric: str, matchers: str) -> str:
         return (
-            f"sum by ({by}) ({fam(f'rate({metric}_sum{{{s}, {matchers}}}[{rng}])')})"
-            f" / sum by ({by}) ({fam(f'rate({metric}_count{{{s}, {matchers}}}[{rng}])')})"
+            f"sum by ({by}) ({fam(f'increase({metric}_sum{{{s}, {matchers}}}[{rng}])')})"
+            f" / sum by ({by}) ({fam(f'increase({metric}_count{{{s}, {matchers}}}[{rng}])')})"
         )
 
     out = {
@@ -381,7 +381,7 @@ def build() -> dict:
             "time range.",
             [
                 target(
-                    "histogram_quantile(0.5, sum by (precision, le) (rate(phasewatch_kv_cache_bytes_bucket"
+                    "histogram_quantile(0.5, sum by (precision, le) (increase(phasewatch_kv_cache_bytes_bucket"
                     f"{{{precision_sel}}}[$__range])))",
                     "{{precision}}",
                     instant=True,

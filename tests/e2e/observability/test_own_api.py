@@ -56,8 +56,16 @@ def test_readiness_follows_the_upstream_liveness_does_not(sim):
         ready = httpx.get(proxy.url + "/phasewatch/ready")
         assert ready.status_code == 503
         assert ready.json()["upstreams"] == [
-            {"name": "dead", "url": dead, "engine": "unknown", "up": False, "models": 0}
+            {
+                "name": "dead",
+                "url": dead,
+                "engine": "unknown",
+                "up": False,
+                "models": 0,
+                "stalled": 0,
+            }
         ]
+        assert ready.json()["degraded"] is False and ready.json()["reasons"] == []
         assert httpx.get(proxy.url + "/phasewatch/health").status_code == 200
         # said in the log at start, with the upstream's name
         assert any(
