@@ -171,6 +171,8 @@ class Upstream:
         #: from their own thread to classify the GPU's state: a request with no first
         #: token yet is in prefill, one with a first token is decoding.
         self.active: set[Exchange] = set()
+        #: How many of them per model label (the decode batch a request joins).
+        self.active_by_model: dict[str, int] = {}
 
     # --- labels ---------------------------------------------------------------------
 

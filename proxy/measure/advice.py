@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .metrics import BATCH_BANDS
 from .summary import (
     BASELINES,
     PRECISION_ORDER,
@@ -42,6 +43,11 @@ _KV_16BIT = ("bf16", "fp16", "f16", "auto", "float16", "bfloat16")
 QUALITY = "quality trade-off: outside what phasewatch measures; check it on your own evaluations"
 WORKLOADS = ("interactive chat", "document analysis", "coding agents", "batch")
 PHASES = ("queue", "prefill", "decode")
+#: A batch band's typical batch (its bounds' middle): per-stream rate x this = in all.
+BATCH_SIZE = {"1": 1, "2": 2, "3-4": 3.5, "5-8": 6.5, "9-16": 12.5, "17-32": 24.5, "33-64": 48.5}
+BATCH_SIZE["65+"] = 65
+#: Requests a batch band needs before its rate counts as evidence.
+MIN_BATCH_REQUESTS = 10
 
 
 @dataclass
@@ -83,6 +89,7 @@ class AdviceRow:
     seconds: dict[str, float] = field(default_factory=dict)  # mean per request, by phase
     formula: dict | None = None
     energy: dict = field(default_factory=dict)
+    batching: dict = field(default_factory=dict)  # decode rates by in-flight batch
     levers: list[Lever] = field(default_factory=list)
     note: str = ""
 
@@ -205,6 +212,7 @@ def _row(
         }
 
     out.energy = _energy(samples, r, rows_per_upstream)
+    out.batching = _batching(samples, lab)
 
     if not out.enough:
         out.note = (
@@ -226,6 +234,9 @@ def _row(
         )
     if share["decode"] >= MIN_SHARE and decode_rate and (r.decode_samples or 0) >= min_requests:
         levers += _precision_levers(out, r, report, min_requests)
+        batching = _batching_lever(out, r)
+        if batching is not None:
+            levers.append(batching)
     kv = _kv_lever(samples, lab, r)
     if kv is not None:
         levers.append(kv)
@@ -392,12 +403,18 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
         typical = [("int4", (lo, hi))]
     else:
         typical = []
+    line = out.batching.get("fp8_energy_line")
+    if line:
+        for lv in levers:
+            if lv.lever == "lower_precision" and "fp8" in lv.title:
+                lv.evidence += f"; energy: {line}"
     for target, (lo, hi) in typical:
         saved = decode_s * (1 - 1 / lo)
         extra = ""
         if target == "int4" and r.precision in BASELINES:
             saved += prefill_s * (1 - 1 / TYPICAL_PREFILL_INT4[0])
             extra = f", prefill {TYPICAL_PREFILL_INT4[0]}–{TYPICAL_PREFILL_INT4[1]}×"
+        more = f"; energy: {line}" if line and target == "fp8" else ""
         levers.append(
             Lever(
                 "lower_precision",
@@ -406,7 +423,8 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
                 f"no {target} of this family is served here to measure; "
                 f"decode {r.decode_tok_s:.1f} tok/s measured here over "
                 f"{r.decode_samples:.0f} requests, {out.shares['decode'] if out.shares else 0:.0%} "
-                f"of wall time; typical {r.precision} → {target}: {lo:.2f}–{hi:.2f}× decode{extra}",
+                f"of wall time; typical {r.precision} → {target}: {lo:.2f}–{hi:.2f}× decode{extra}"
+                + more,
                 r.decode_samples,
                 Effect(
                     seconds=saved,
@@ -496,3 +514,81 @@ def _energy(samples: Samples, r: Row, rows_per_upstream: dict[str, int]) -> dict
         "note": "share of the GPUs' sampled power by what was in flight (idle, prefill, "
         "decode); samples at a steady interval, so shares of energy",
     }
+
+
+def _fp8_line(batch: str) -> str:
+    """Which side of the FP8-versus-BF16 energy line a typical batch is on (FP8 can cost
+    more energy per token than BF16 at batch 8-16, and less at 65 and beyond)."""
+    size = BATCH_SIZE[batch]
+    at = f"this traffic decodes at batch {batch}, "
+    costs = "the 8–16 range where FP8 can cost more energy per token than BF16"
+    if size < 8:
+        return at + "below " + costs
+    if size <= 16:
+        return at + "inside " + costs
+    if size < 65:
+        return at + "between " + costs + " and 65+, where it costs less"
+    return "this traffic decodes at batch 65+, where FP8 costs less energy per token than BF16"
+
+
+def _batching(samples: Samples, lab: dict) -> dict:
+    """Decode rates by the batch a request joined: per stream (measured) and in all (per
+    stream x the band's typical batch), and the batch most decode time was spent at."""
+    bands = {}
+    for b in BATCH_BANDS:
+        n = samples.total(_n("decode_batch_requests_total"), **lab, batch=b)
+        sec = samples.total(_n("decode_batch_seconds_total"), **lab, batch=b)
+        tok = samples.total(_n("decode_batch_tokens_total"), **lab, batch=b)
+        if n and sec > 0:
+            rate = tok / sec
+            bands[b] = {
+                "requests": n,
+                "decode_seconds": sec,
+                "tok_s_per_stream": rate,
+                "tok_s_in_all": rate * BATCH_SIZE[b],
+            }
+    if not bands:
+        return {}
+    typical = max(bands, key=lambda b: bands[b]["decode_seconds"])
+    return {"bands": bands, "typical": typical, "fp8_energy_line": _fp8_line(typical)}
+
+
+def _batching_lever(out: AdviceRow, r: Row) -> Lever | None:
+    """More requests at once, where a larger batch was measured to generate more tokens
+    per second in all than the batch this traffic mostly runs at."""
+    b = out.batching
+    if not b:
+        return None
+    bands = {k: v for k, v in b["bands"].items() if v["requests"] >= MIN_BATCH_REQUESTS}
+    typical = b["typical"]
+    if typical not in bands:
+        return None
+    now = bands[typical]
+    bigger = [k for k in bands if BATCH_SIZE[k] > BATCH_SIZE[typical]]
+    if not bigger:
+        return None
+    best = max(bigger, key=lambda k: bands[k]["tok_s_in_all"])
+    then = bands[best]
+    gain = then["tok_s_in_all"] / now["tok_s_in_all"]
+    if gain < 1.2:
+        return None
+    joules = None
+    if r.decode_watts:
+        joules = r.decode_watts / now["tok_s_in_all"] - r.decode_watts / then["tok_s_in_all"]
+    summary = f"about {gain:.1f}× the generated tokens per second from the same GPU"
+    if joules is not None:
+        summary += f", about {joules:.2f} J less per token"
+    return Lever(
+        "batching",
+        "decode",
+        "batching: more requests at once (parallel clients; the engine's --max-num-seqs or -np)",
+        f"one stream decodes {now['tok_s_per_stream']:.1f} tok/s at batch {typical} "
+        f"({now['requests']:.0f} requests) and {then['tok_s_per_stream']:.1f} tok/s at batch "
+        f"{best} ({then['requests']:.0f} requests): about {now['tok_s_in_all']:.0f} → "
+        f"{then['tok_s_in_all']:.0f} tok/s in all; {b['fp8_energy_line']}",
+        now["requests"] + then["requests"],
+        Effect(joules_per_token=joules, summary=summary),
+        measured=True,
+        caveat="each request's own decode gets somewhat slower; power at the larger batch "
+        "is taken as the decode power measured overall (it rises a little with the batch)",
+    )

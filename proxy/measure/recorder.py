@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .kvcache import KVModel
-from .metrics import Metrics, child, observe, observe_counts, prompt_band
+from .metrics import Metrics, batch_band, child, observe, observe_counts, prompt_band
 from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -39,6 +39,8 @@ class Finished(Protocol):
     marks: Marks
     #: Error kinds that did not fail the request (counted beside error_kind).
     side_errors: list[str]
+    #: Requests of its upstream and model in flight when it was admitted (itself included).
+    batch: int
 
     @property
     def upstream_name(self) -> str: ...
@@ -194,6 +196,12 @@ class Recorder:
                 observe(child(m.decode_tokens_per_second, *base, source, band), value, marker)
             for source, value in f.tpot.items():
                 observe(child(m.time_per_output_token_seconds, *base, source), value)
+            decode = f.decode_seconds.get("proxy")
+            if decode and "proxy" in f.decode_tps and f.completion_tokens:
+                batch = batch_band(ex.batch)
+                child(m.decode_batch_requests_total, *base, batch).inc()
+                child(m.decode_batch_seconds_total, *base, batch).inc(decode)
+                child(m.decode_batch_tokens_total, *base, batch).inc(f.completion_tokens - 1)
             kv = ex.kv
             kv_bytes = kv.request_bytes(f.context_tokens) if kv and f.context_tokens else None
             if kv_bytes is not None:

@@ -134,3 +134,30 @@ def test_an_fp8_kv_cache_where_the_engine_preempted_for_want_of_cache():
     assert a.levers[-1].lever == "fp8_kv_cache"  # no seconds to its name: last
     # no preemption, no shortage: no lever
     assert not [lv for lv in rows(m)["bf16"].levers if lv.lever == "fp8_kv_cache"]
+
+
+def test_batching_from_decode_rates_by_batch():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 8.0, watts=300.0)
+    for batch, n, rate in (("1", 30, 50.0), ("5-8", 12, 45.0)):
+        m.decode_batch_requests_total.labels(*BF16, batch).inc(n)
+        m.decode_batch_seconds_total.labels(*BF16, batch).inc(n * 8.0)
+        m.decode_batch_tokens_total.labels(*BF16, batch).inc(n * 8.0 * rate)
+    a = rows(m)["bf16"]
+    assert a.batching["typical"] == "1"  # most decode time was spent one stream at a time
+    assert "below the 8–16 range" in a.batching["fp8_energy_line"]
+    (lever,) = [lv for lv in a.levers if lv.lever == "batching"]
+    assert lever.measured and lever.requests == 42
+    # 45 tok/s per stream at about 6.5 streams against 50 alone
+    assert "about 5.8× the generated tokens per second" in lever.expected_effect.summary
+    assert math.isclose(
+        lever.expected_effect.joules_per_token, 300 / 50 - 300 / (45 * 6.5), rel_tol=1e-6
+    )
+    fp8 = next(lv for lv in a.levers if lv.title == "serve fp8")
+    assert "below the 8–16 range" in fp8.evidence
+    # a band with a handful of requests is no evidence
+    m.decode_batch_requests_total.labels(*BF16, "9-16").inc(3)
+    m.decode_batch_seconds_total.labels(*BF16, "9-16").inc(24)
+    m.decode_batch_tokens_total.labels(*BF16, "9-16").inc(24 * 44 * 3)
+    (lever,) = [lv for lv in rows(m)["bf16"].levers if lv.lever == "batching"]
+    assert "batch 5-8" in lever.evidence
