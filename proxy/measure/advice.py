@@ -483,10 +483,33 @@ def _kv_lever(samples: Samples, lab: dict, r: Row) -> Lever | None:
 
 
 def _energy(samples: Samples, r: Row, rows_per_upstream: dict[str, int]) -> dict:
-    """Where the row's GPU energy goes by state (idle / prefill / decode): each state's
-    share of the summed power samples (samples at a steady interval: the share of
-    joules), for GPUs that serve this row alone."""
+    """Where the row's GPU energy goes (idle / prefill / decode): from the per-phase
+    energy counters where the power service exports them, else each state's share of the
+    summed power samples (samples at a steady interval: the share of joules), for GPUs
+    that serve this row alone; unavailable otherwise."""
     gpus, own = _gpus_of(samples, r.upstream, r.model)
+    lab = {"upstream": r.upstream, "model": r.model, "precision": r.precision}
+    phase = {
+        p: samples.total(_n("request_phase_energy_joules_total"), **lab, phase=p)
+        for p in ("prefill", "decode")
+    }
+    if phase["prefill"] + phase["decode"] > 0:
+        # the per-phase energy counters (energy-counter deltas shared among the requests
+        # in flight), and the GPUs' idle energy where the GPUs are this row's
+        idle = None
+        if gpus and (own or rows_per_upstream.get(r.upstream, 0) <= 1):
+            idle = sum(samples.total(_n("gpu_idle_energy_joules_total"), **g) for g in gpus) or None
+        joules = {"idle": idle or 0.0, **phase}
+        total = sum(joules.values())
+        out: dict = {
+            "shares": {k: v / total for k, v in joules.items()},
+            "joules": joules,
+            "note": "per-phase energy from the GPUs' energy counters"
+            + ("" if idle else "; idle energy not attributable to this row (counted as 0)"),
+        }
+        if r.decode_tokens:
+            out["joules_per_token_decode"] = phase["decode"] / r.decode_tokens
+        return out
     if not gpus:
         return {"shares": None, "note": "unavailable: GPU power is not sampled for this upstream"}
     if not own and rows_per_upstream.get(r.upstream, 0) > 1:

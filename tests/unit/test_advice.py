@@ -161,3 +161,18 @@ def test_batching_from_decode_rates_by_batch():
     m.decode_batch_tokens_total.labels(*BF16, "9-16").inc(24 * 44 * 3)
     (lever,) = [lv for lv in rows(m)["bf16"].levers if lv.lever == "batching"]
     assert "batch 5-8" in lever.evidence
+
+
+def test_energy_shares_from_per_phase_energy_counters_where_exported():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 8.0)
+    lab = dict(zip(("upstream", "model", "precision"), BF16, strict=True))
+    extra = [
+        Sample("phasewatch_request_phase_energy_joules_total", {**lab, "phase": "prefill"}, 100.0),
+        Sample("phasewatch_request_phase_energy_joules_total", {**lab, "phase": "decode"}, 800.0),
+        Sample("phasewatch_gpu_idle_energy_joules_total", {**lab, "gpu": "0"}, 100.0),
+        Sample("phasewatch_gpu_energy_joules_total", {**lab, "gpu": "0"}, 1000.0),
+    ]
+    e = rows(m, extra)["bf16"].energy
+    assert e["shares"] == {"idle": 0.1, "prefill": 0.1, "decode": 0.8}
+    assert math.isclose(e["joules_per_token_decode"], 800 / (40 * 400))
