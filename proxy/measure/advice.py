@@ -40,7 +40,7 @@ TYPICAL_DECODE = {"fp8": (1.8, 2.0), "int4": (2.5, 3.5)}
 TYPICAL_PREFILL_INT4 = (1.2, 1.5)
 #: 16-bit KV-cache element types (an FP8 cache halves their bytes per token).
 _KV_16BIT = ("bf16", "fp16", "f16", "auto", "float16", "bfloat16")
-QUALITY = "quality trade-off: outside what phasewatch measures; check it on your own evaluations"
+QUALITY = "a quality trade-off outside what phasewatch measures: check it on your own evaluations"
 WORKLOADS = ("interactive chat", "document analysis", "coding agents", "batch")
 PHASES = ("queue", "prefill", "decode")
 #: A batch band's typical batch (its bounds' middle): per-stream rate x this = in all.
@@ -306,7 +306,7 @@ def _prefill_levers(
                 summary=f"halving the median prompt saves {_s(half)} of TTFT per request",
             ),
             measured=True,
-            caveat="what the model loses with less context: " + QUALITY,
+            caveat="the context the model loses is " + QUALITY,
         )
     ]
     total = processed + cached
