@@ -176,3 +176,19 @@ def test_energy_shares_from_per_phase_energy_counters_where_exported():
     e = rows(m, extra)["bf16"].energy
     assert e["shares"] == {"idle": 0.1, "prefill": 0.1, "decode": 0.8}
     assert math.isclose(e["joules_per_token_decode"], 800 / (40 * 400))
+
+
+def test_mixed_prompts_are_carried_by_the_long_ones():
+    # 30 short chats and 10 long documents: the median prompt is short, the prefill time
+    # is the documents'
+    m = Metrics()
+    traffic(m, BF16, 30, 200, 24, 0.01, 0.5)
+    traffic(m, BF16, 10, 12000, 24, 8.0, 0.5)
+    a = rows(m)["bf16"]
+    assert a.prompt_tokens_median < 2048 and a.dominant_phase == "prefill"
+    first = a.levers[0]
+    assert first.lever == "shorter_prompts"
+    mean_prefill = (30 * 0.01 + 10 * 8.0) / 40
+    assert math.isclose(first.expected_effect.seconds, mean_prefill / 2, rel_tol=1e-6)
+    assert "halving the prompts saves 1.00 s of TTFT" in first.expected_effect.summary
+    assert "halving the median prompt saves 0.0" in first.expected_effect.summary
