@@ -215,6 +215,7 @@ def _row(
     out.batching = _batching(samples, lab)
 
     if not out.enough:
+        out.dominant_phase = None  # the shares are figures; a verdict needs more traffic
         out.note = (
             f"only {ok:.0f} measured requests: advice needs at least {min_requests} "
             "of one shape, so none is given yet"

@@ -74,7 +74,8 @@ def test_too_little_traffic_gets_no_levers():
     traffic(m, BF16, MIN_REQUESTS - 1, 12000, 24, 8.0, 0.6)
     a = rows(m)["bf16"]
     assert not a.enough and a.levers == []
-    assert a.dominant_phase == "prefill"  # the shares are shown, nothing is recommended
+    # the shares are shown (the figures, with their count); no verdict, no recommendation
+    assert a.shares["prefill"] > 0.9 and a.dominant_phase is None
     assert f"only {MIN_REQUESTS - 1} measured requests" in a.note
 
 

@@ -228,7 +228,7 @@ def test_too_little_traffic_gives_no_recommendation():
     sim, proxy, advice, _ = _scenario([(BF16, 12000, 24)] * 5, 5)
     try:
         a = advice[BF16]
-        assert a["enough"] is False and a["levers"] == []
+        assert a["enough"] is False and a["levers"] == [] and a["dominant_phase"] is None
         assert "only 5 measured requests" in a["note"]
         md = cli("advise", "--from", proxy.url)
         assert "none is given yet" in md and "1. **" not in md
