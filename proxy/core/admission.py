@@ -52,6 +52,8 @@ class Admitted:
             self._queued.dec()
         self.held = True
         upstream.active.add(self.ex)
+        by_model = upstream.active_by_model
+        self.ex.batch = by_model[self.ex.model_label] = by_model.get(self.ex.model_label, 0) + 1
         self._in_flight.inc()
 
     def _leave(self) -> None:
@@ -59,6 +61,12 @@ class Admitted:
             self.held = False
             upstream = self.ex.upstream
             upstream.active.discard(self.ex)
+            by_model = upstream.active_by_model
+            left = by_model.get(self.ex.model_label, 1) - 1
+            if left > 0:
+                by_model[self.ex.model_label] = left
+            else:
+                by_model.pop(self.ex.model_label, None)
             upstream.gate.release()
             self._in_flight.dec()
 

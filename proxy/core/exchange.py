@@ -42,6 +42,9 @@ class Exchange:
     #: Errors that did not fail the request (events too large to measure, a body in a
     #: coding phasewatch cannot decode): the recorder counts them with the others.
     side_errors: list[str] = field(default_factory=list)
+    #: Requests of this upstream and model in flight when it was admitted, itself
+    #: included (the decode batch it joined; 0 until admitted).
+    batch: int = 0
 
     @property
     def upstream_name(self) -> str:

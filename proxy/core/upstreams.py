@@ -175,6 +175,8 @@ class Upstream:
         #: sends new requests elsewhere, readiness reports the reason.
         self.stalled = 0
         self.stall_reason: str | None = None
+        #: How many of them per model label (the decode batch a request joins).
+        self.active_by_model: dict[str, int] = {}
 
     # --- labels ---------------------------------------------------------------------
 

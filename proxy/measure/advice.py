@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .metrics import BATCH_BANDS
 from .summary import (
     BASELINES,
     PRECISION_ORDER,
@@ -39,9 +40,14 @@ TYPICAL_DECODE = {"fp8": (1.8, 2.0), "int4": (2.5, 3.5)}
 TYPICAL_PREFILL_INT4 = (1.2, 1.5)
 #: 16-bit KV-cache element types (an FP8 cache halves their bytes per token).
 _KV_16BIT = ("bf16", "fp16", "f16", "auto", "float16", "bfloat16")
-QUALITY = "quality trade-off: outside what phasewatch measures; check it on your own evaluations"
+QUALITY = "a quality trade-off outside what phasewatch measures: check it on your own evaluations"
 WORKLOADS = ("interactive chat", "document analysis", "coding agents", "batch")
 PHASES = ("queue", "prefill", "decode")
+#: A batch band's typical batch (its bounds' middle): per-stream rate x this = in all.
+BATCH_SIZE = {"1": 1, "2": 2, "3-4": 3.5, "5-8": 6.5, "9-16": 12.5, "17-32": 24.5, "33-64": 48.5}
+BATCH_SIZE["65+"] = 65
+#: Requests a batch band needs before its rate counts as evidence.
+MIN_BATCH_REQUESTS = 10
 
 
 @dataclass
@@ -83,6 +89,7 @@ class AdviceRow:
     seconds: dict[str, float] = field(default_factory=dict)  # mean per request, by phase
     formula: dict | None = None
     energy: dict = field(default_factory=dict)
+    batching: dict = field(default_factory=dict)  # decode rates by in-flight batch
     levers: list[Lever] = field(default_factory=list)
     note: str = ""
 
@@ -205,8 +212,10 @@ def _row(
         }
 
     out.energy = _energy(samples, r, rows_per_upstream)
+    out.batching = _batching(samples, lab)
 
     if not out.enough:
+        out.dominant_phase = None  # the shares are figures; a verdict needs more traffic
         out.note = (
             f"only {ok:.0f} measured requests: advice needs at least {min_requests} "
             "of one shape, so none is given yet"
@@ -226,6 +235,9 @@ def _row(
         )
     if share["decode"] >= MIN_SHARE and decode_rate and (r.decode_samples or 0) >= min_requests:
         levers += _precision_levers(out, r, report, min_requests)
+        batching = _batching_lever(out, r)
+        if batching is not None:
+            levers.append(batching)
     kv = _kv_lever(samples, lab, r)
     if kv is not None:
         levers.append(kv)
@@ -278,30 +290,37 @@ def _queueing(out: AdviceRow, r: Row, n: float, how: str) -> Lever:
 def _prefill_levers(
     out: AdviceRow, rate: float, n: float, processed: float, cached: float
 ) -> list[Lever]:
+    """Shorter prompts and a cacheable prefix. Their effect on this traffic is a share of
+    its mean prefill time (prefill time grows with the prompt, so halving every prompt
+    saves about half of it; mixed traffic is carried by its long prompts, which the
+    median alone would hide), with the median prompt's own figure beside it."""
     median = out.prompt_tokens_median or 0.0
     share = out.shares["prefill"] if out.shares else 0.0
-    half = median / 2 / rate
+    mean_prefill = out.seconds["prefill"]
+    half = mean_prefill / 2
+    half_median = median / 2 / rate
     levers = [
         Lever(
             "shorter_prompts",
             "prefill",
             "shorter prompts or fewer retrieved chunks",
-            f"median prompt {_fmt_n(median)} tokens at a measured prefill rate of "
-            f"{_fmt_n(rate)} tok/s; prefill is {share:.0%} of wall time; over {n:.0f} requests",
+            f"median prompt {_fmt_n(median)} tokens, mean prefill {_s(mean_prefill)} at a "
+            f"measured prefill rate of {_fmt_n(rate)} tok/s; prefill is {share:.0%} of wall "
+            f"time; over {n:.0f} requests",
             n,
             Effect(
                 seconds=half,
                 ttft=True,
-                summary=f"halving the median prompt saves {_s(half)} of TTFT per request",
+                summary=f"halving the prompts saves {_s(half)} of TTFT per request on this "
+                f"traffic (halving the median prompt saves {_s(half_median)} of TTFT)",
             ),
             measured=True,
-            caveat="what the model loses with less context: " + QUALITY,
+            caveat="the context the model loses is " + QUALITY,
         )
     ]
     total = processed + cached
     cached_share = cached / total if total else 0.0
-    prefix = median / 4
-    saves = prefix / rate
+    saves = mean_prefill / 4
     levers.append(
         Lever(
             "prefix_caching",
@@ -315,8 +334,8 @@ def _prefill_levers(
             Effect(
                 seconds=saves,
                 ttft=True,
-                summary=f"a stable prefix of a quarter of the median prompt "
-                f"({_fmt_n(prefix)} tokens) served from cache saves {_s(saves)} of TTFT "
+                summary=f"a stable prefix of a quarter of each prompt (median "
+                f"{_fmt_n(median / 4)} tokens) served from cache saves {_s(saves)} of TTFT "
                 "per request",
             ),
             measured=cached > 0,
@@ -392,12 +411,18 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
         typical = [("int4", (lo, hi))]
     else:
         typical = []
+    line = out.batching.get("fp8_energy_line")
+    if line:
+        for lv in levers:
+            if lv.lever == "lower_precision" and "fp8" in lv.title:
+                lv.evidence += f"; energy: {line}"
     for target, (lo, hi) in typical:
         saved = decode_s * (1 - 1 / lo)
         extra = ""
         if target == "int4" and r.precision in BASELINES:
             saved += prefill_s * (1 - 1 / TYPICAL_PREFILL_INT4[0])
             extra = f", prefill {TYPICAL_PREFILL_INT4[0]}–{TYPICAL_PREFILL_INT4[1]}×"
+        more = f"; energy: {line}" if line and target == "fp8" else ""
         levers.append(
             Lever(
                 "lower_precision",
@@ -406,7 +431,8 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
                 f"no {target} of this family is served here to measure; "
                 f"decode {r.decode_tok_s:.1f} tok/s measured here over "
                 f"{r.decode_samples:.0f} requests, {out.shares['decode'] if out.shares else 0:.0%} "
-                f"of wall time; typical {r.precision} → {target}: {lo:.2f}–{hi:.2f}× decode{extra}",
+                f"of wall time; typical {r.precision} → {target}: {lo:.2f}–{hi:.2f}× decode{extra}"
+                + more,
                 r.decode_samples,
                 Effect(
                     seconds=saved,
@@ -465,10 +491,33 @@ def _kv_lever(samples: Samples, lab: dict, r: Row) -> Lever | None:
 
 
 def _energy(samples: Samples, r: Row, rows_per_upstream: dict[str, int]) -> dict:
-    """Where the row's GPU energy goes by state (idle / prefill / decode): each state's
-    share of the summed power samples (samples at a steady interval: the share of
-    joules), for GPUs that serve this row alone."""
+    """Where the row's GPU energy goes (idle / prefill / decode): from the per-phase
+    energy counters where the power service exports them, else each state's share of the
+    summed power samples (samples at a steady interval: the share of joules), for GPUs
+    that serve this row alone; unavailable otherwise."""
     gpus, own = _gpus_of(samples, r.upstream, r.model)
+    lab = {"upstream": r.upstream, "model": r.model, "precision": r.precision}
+    phase = {
+        p: samples.total(_n("request_phase_energy_joules_total"), **lab, phase=p)
+        for p in ("prefill", "decode")
+    }
+    if phase["prefill"] + phase["decode"] > 0:
+        # the per-phase energy counters (energy-counter deltas shared among the requests
+        # in flight), and the GPUs' idle energy where the GPUs are this row's
+        idle = None
+        if gpus and (own or rows_per_upstream.get(r.upstream, 0) <= 1):
+            idle = sum(samples.total(_n("gpu_idle_energy_joules_total"), **g) for g in gpus) or None
+        joules = {"idle": idle or 0.0, **phase}
+        total = sum(joules.values())
+        out: dict = {
+            "shares": {k: v / total for k, v in joules.items()},
+            "joules": joules,
+            "note": "per-phase energy from the GPUs' energy counters"
+            + ("" if idle else "; idle energy not attributable to this row (counted as 0)"),
+        }
+        if r.decode_tokens:
+            out["joules_per_token_decode"] = phase["decode"] / r.decode_tokens
+        return out
     if not gpus:
         return {"shares": None, "note": "unavailable: GPU power is not sampled for this upstream"}
     if not own and rows_per_upstream.get(r.upstream, 0) > 1:
@@ -496,3 +545,81 @@ def _energy(samples: Samples, r: Row, rows_per_upstream: dict[str, int]) -> dict
         "note": "share of the GPUs' sampled power by what was in flight (idle, prefill, "
         "decode); samples at a steady interval, so shares of energy",
     }
+
+
+def _fp8_line(batch: str) -> str:
+    """Which side of the FP8-versus-BF16 energy line a typical batch is on (FP8 can cost
+    more energy per token than BF16 at batch 8-16, and less at 65 and beyond)."""
+    size = BATCH_SIZE[batch]
+    at = f"this traffic decodes at batch {batch}, "
+    costs = "the 8–16 range where FP8 can cost more energy per token than BF16"
+    if size < 8:
+        return at + "below " + costs
+    if size <= 16:
+        return at + "inside " + costs
+    if size < 65:
+        return at + "between " + costs + " and 65+, where it costs less"
+    return "this traffic decodes at batch 65+, where FP8 costs less energy per token than BF16"
+
+
+def _batching(samples: Samples, lab: dict) -> dict:
+    """Decode rates by the batch a request joined: per stream (measured) and in all (per
+    stream x the band's typical batch), and the batch most decode time was spent at."""
+    bands = {}
+    for b in BATCH_BANDS:
+        n = samples.total(_n("decode_batch_requests_total"), **lab, batch=b)
+        sec = samples.total(_n("decode_batch_seconds_total"), **lab, batch=b)
+        tok = samples.total(_n("decode_batch_tokens_total"), **lab, batch=b)
+        if n and sec > 0:
+            rate = tok / sec
+            bands[b] = {
+                "requests": n,
+                "decode_seconds": sec,
+                "tok_s_per_stream": rate,
+                "tok_s_in_all": rate * BATCH_SIZE[b],
+            }
+    if not bands:
+        return {}
+    typical = max(bands, key=lambda b: bands[b]["decode_seconds"])
+    return {"bands": bands, "typical": typical, "fp8_energy_line": _fp8_line(typical)}
+
+
+def _batching_lever(out: AdviceRow, r: Row) -> Lever | None:
+    """More requests at once, where a larger batch was measured to generate more tokens
+    per second in all than the batch this traffic mostly runs at."""
+    b = out.batching
+    if not b:
+        return None
+    bands = {k: v for k, v in b["bands"].items() if v["requests"] >= MIN_BATCH_REQUESTS}
+    typical = b["typical"]
+    if typical not in bands:
+        return None
+    now = bands[typical]
+    bigger = [k for k in bands if BATCH_SIZE[k] > BATCH_SIZE[typical]]
+    if not bigger:
+        return None
+    best = max(bigger, key=lambda k: bands[k]["tok_s_in_all"])
+    then = bands[best]
+    gain = then["tok_s_in_all"] / now["tok_s_in_all"]
+    if gain < 1.2:
+        return None
+    joules = None
+    if r.decode_watts:
+        joules = r.decode_watts / now["tok_s_in_all"] - r.decode_watts / then["tok_s_in_all"]
+    summary = f"about {gain:.1f}× the generated tokens per second from the same GPU"
+    if joules is not None:
+        summary += f", about {joules:.2f} J less per token"
+    return Lever(
+        "batching",
+        "decode",
+        "batching: more requests at once (parallel clients; the engine's --max-num-seqs or -np)",
+        f"one stream decodes {now['tok_s_per_stream']:.1f} tok/s at batch {typical} "
+        f"({now['requests']:.0f} requests) and {then['tok_s_per_stream']:.1f} tok/s at batch "
+        f"{best} ({then['requests']:.0f} requests): about {now['tok_s_in_all']:.0f} → "
+        f"{then['tok_s_in_all']:.0f} tok/s in all; {b['fp8_energy_line']}",
+        now["requests"] + then["requests"],
+        Effect(joules_per_token=joules, summary=summary),
+        measured=True,
+        caveat="each request's own decode gets somewhat slower; power at the larger batch "
+        "is taken as the decode power measured overall (it rises a little with the batch)",
+    )

@@ -71,6 +71,19 @@ def prompt_band(prompt_tokens: int | None) -> str:
     return _BAND_NAMES[bisect.bisect_right(_BAND_BOUNDS, prompt_tokens)]
 
 
+# --- batch bands -----------------------------------------------------------------------
+
+#: Upper bounds (inclusive) and names of the `batch` label: requests of one upstream and
+#: model in flight when a request was admitted, itself included.
+_BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BANDS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+")
+
+
+def batch_band(in_flight: int) -> str:
+    """The bounded `batch` label for a request admitted with this many in flight."""
+    return BATCH_BANDS[bisect.bisect_left(_BATCH_BOUNDS, max(1, in_flight))]
+
+
 # --- label sets ------------------------------------------------------------------------
 
 BASE = ("upstream", "model", "precision")
@@ -211,6 +224,28 @@ class Metrics:
             "cached = prompt tokens served from the engine's prefix cache, decode = "
             "generated tokens.",
             BASE + ("phase", "client"),
+            registry=r,
+        )
+        # Decode by batch: what batching does to the rate, per stream and in all.
+        self.decode_batch_requests_total = Counter(
+            PREFIX + "decode_batch_requests",
+            "Streamed requests with a decode rate (proxy clock), by batch: the requests of "
+            "their upstream and model in flight when they were admitted, themselves "
+            "included (1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, 65+).",
+            BASE + ("batch",),
+            registry=r,
+        )
+        self.decode_batch_seconds_total = Counter(
+            PREFIX + "decode_batch_seconds",
+            "Decode seconds (first to last output event) of those requests, by batch.",
+            BASE + ("batch",),
+            registry=r,
+        )
+        self.decode_batch_tokens_total = Counter(
+            PREFIX + "decode_batch_tokens",
+            "Tokens generated after the first by those requests, by batch: over "
+            "decode_batch_seconds, the decode rate of one stream at that batch.",
+            BASE + ("batch",),
             registry=r,
         )
         self.errors_total = Counter(

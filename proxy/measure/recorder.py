@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .kvcache import KVModel
-from .metrics import Metrics, observe_counts, prompt_band, status_class
+from .metrics import Metrics, batch_band, observe_counts, prompt_band, status_class
 from .sanity import FIELDS, bound_figures, checked
 from .timeline import EngineTimings, Figures, Marks, Usage, figures
 
@@ -39,6 +39,8 @@ class Finished(Protocol):
     marks: Marks
     #: Error kinds that did not fail the request (counted beside error_kind).
     side_errors: list[str]
+    #: Requests of its upstream and model in flight when it was admitted (itself included).
+    batch: int
 
     @property
     def upstream_name(self) -> str: ...
@@ -193,6 +195,12 @@ class Recorder:
                 m.decode_tokens_per_second.labels(*base, source, band).observe(value, marker)
             for source, value in f.tpot.items():
                 m.time_per_output_token_seconds.labels(*base, source).observe(value)
+            decode = f.decode_seconds.get("proxy")
+            if decode and "proxy" in f.decode_tps and f.completion_tokens:
+                batch = batch_band(ex.batch)
+                m.decode_batch_requests_total.labels(*base, batch).inc()
+                m.decode_batch_seconds_total.labels(*base, batch).inc(decode)
+                m.decode_batch_tokens_total.labels(*base, batch).inc(f.completion_tokens - 1)
             kv = ex.kv
             kv_bytes = kv.request_bytes(f.context_tokens) if kv and f.context_tokens else None
             if kv_bytes is not None:

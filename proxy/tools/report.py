@@ -39,14 +39,34 @@ _HISTOGRAMS = (
     "gpu_power_sample_watts",
     "time_per_output_token_seconds",
     "kv_cache_bytes",
+    # the advice's (proxy.measure.advice)
+    "queue_seconds",
+    "request_seconds",
+    "prompt_tokens",
+    "completion_tokens",
+    "engine_queue_seconds",
 )
 _COUNTERS = (
     "requests_total",
     "tokens_total",
     "gpu_energy_joules_total",
     "request_energy_joules_total",
+    # the advice's
+    "decode_batch_requests_total",
+    "decode_batch_seconds_total",
+    "decode_batch_tokens_total",
+    "engine_preemptions_total",
+    "request_phase_energy_joules_total",
+    "gpu_idle_energy_joules_total",
 )
-_GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
+_GAUGES = (
+    "in_flight_requests",
+    "queued_requests",
+    "model_info",
+    "gpu_power_current_watts",
+    "engine_requests_running",
+    "engine_requests_waiting",
+)
 #: Gauges every replica reports the same value of (a model's figure, an engine's size).
 _SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens", "engine_slots")
 

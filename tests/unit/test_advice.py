@@ -74,7 +74,8 @@ def test_too_little_traffic_gets_no_levers():
     traffic(m, BF16, MIN_REQUESTS - 1, 12000, 24, 8.0, 0.6)
     a = rows(m)["bf16"]
     assert not a.enough and a.levers == []
-    assert a.dominant_phase == "prefill"  # the shares are shown, nothing is recommended
+    # the shares are shown (the figures, with their count); no verdict, no recommendation
+    assert a.shares["prefill"] > 0.9 and a.dominant_phase is None
     assert f"only {MIN_REQUESTS - 1} measured requests" in a.note
 
 
@@ -134,3 +135,61 @@ def test_an_fp8_kv_cache_where_the_engine_preempted_for_want_of_cache():
     assert a.levers[-1].lever == "fp8_kv_cache"  # no seconds to its name: last
     # no preemption, no shortage: no lever
     assert not [lv for lv in rows(m)["bf16"].levers if lv.lever == "fp8_kv_cache"]
+
+
+def test_batching_from_decode_rates_by_batch():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 8.0, watts=300.0)
+    for batch, n, rate in (("1", 30, 50.0), ("5-8", 12, 45.0)):
+        m.decode_batch_requests_total.labels(*BF16, batch).inc(n)
+        m.decode_batch_seconds_total.labels(*BF16, batch).inc(n * 8.0)
+        m.decode_batch_tokens_total.labels(*BF16, batch).inc(n * 8.0 * rate)
+    a = rows(m)["bf16"]
+    assert a.batching["typical"] == "1"  # most decode time was spent one stream at a time
+    assert "below the 8–16 range" in a.batching["fp8_energy_line"]
+    (lever,) = [lv for lv in a.levers if lv.lever == "batching"]
+    assert lever.measured and lever.requests == 42
+    # 45 tok/s per stream at about 6.5 streams against 50 alone
+    assert "about 5.8× the generated tokens per second" in lever.expected_effect.summary
+    assert math.isclose(
+        lever.expected_effect.joules_per_token, 300 / 50 - 300 / (45 * 6.5), rel_tol=1e-6
+    )
+    fp8 = next(lv for lv in a.levers if lv.title == "serve fp8")
+    assert "below the 8–16 range" in fp8.evidence
+    # a band with a handful of requests is no evidence
+    m.decode_batch_requests_total.labels(*BF16, "9-16").inc(3)
+    m.decode_batch_seconds_total.labels(*BF16, "9-16").inc(24)
+    m.decode_batch_tokens_total.labels(*BF16, "9-16").inc(24 * 44 * 3)
+    (lever,) = [lv for lv in rows(m)["bf16"].levers if lv.lever == "batching"]
+    assert "batch 5-8" in lever.evidence
+
+
+def test_energy_shares_from_per_phase_energy_counters_where_exported():
+    m = Metrics()
+    traffic(m, BF16, 40, 150, 400, 0.05, 8.0)
+    lab = dict(zip(("upstream", "model", "precision"), BF16, strict=True))
+    extra = [
+        Sample("phasewatch_request_phase_energy_joules_total", {**lab, "phase": "prefill"}, 100.0),
+        Sample("phasewatch_request_phase_energy_joules_total", {**lab, "phase": "decode"}, 800.0),
+        Sample("phasewatch_gpu_idle_energy_joules_total", {**lab, "gpu": "0"}, 100.0),
+        Sample("phasewatch_gpu_energy_joules_total", {**lab, "gpu": "0"}, 1000.0),
+    ]
+    e = rows(m, extra)["bf16"].energy
+    assert e["shares"] == {"idle": 0.1, "prefill": 0.1, "decode": 0.8}
+    assert math.isclose(e["joules_per_token_decode"], 800 / (40 * 400))
+
+
+def test_mixed_prompts_are_carried_by_the_long_ones():
+    # 30 short chats and 10 long documents: the median prompt is short, the prefill time
+    # is the documents'
+    m = Metrics()
+    traffic(m, BF16, 30, 200, 24, 0.01, 0.5)
+    traffic(m, BF16, 10, 12000, 24, 8.0, 0.5)
+    a = rows(m)["bf16"]
+    assert a.prompt_tokens_median < 2048 and a.dominant_phase == "prefill"
+    first = a.levers[0]
+    assert first.lever == "shorter_prompts"
+    mean_prefill = (30 * 0.01 + 10 * 8.0) / 40
+    assert math.isclose(first.expected_effect.seconds, mean_prefill / 2, rel_tol=1e-6)
+    assert "halving the prompts saves 1.00 s of TTFT" in first.expected_effect.summary
+    assert "halving the median prompt saves 0.0" in first.expected_effect.summary

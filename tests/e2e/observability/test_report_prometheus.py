@@ -225,6 +225,36 @@ def test_report_from_prometheus_equals_report_from_metrics(proxy, prometheus):
         assert recent[key]["decode_tok_s"] == pytest.approx(d["decode_tok_s"], rel=0.1), key
 
 
+def _advise(source: str) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy", "advise", "--from", source, "--format", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return {(a["upstream"], a["model"], a["precision"]): a for a in json.loads(res.stdout)}
+
+
+def test_advise_from_prometheus_equals_advise_from_metrics(proxy, prometheus):
+    before = sum(r["requests"] for r in _report(proxy.url)["rows"])
+    _traffic(proxy.url, "c")
+    _counted(proxy.url, before + PER_ROUND)
+    _scraped(proxy.url, prometheus)
+    direct, via = _advise(proxy.url), _advise(prometheus)
+    assert direct.keys() == via.keys() and len(direct) >= 3
+    for key, d in direct.items():
+        v = via[key]
+        for field in ("requests", "enough", "workload", "dominant_phase", "note"):
+            assert v[field] == d[field], (key, field)
+        if d["shares"] is not None:
+            assert v["shares"] == pytest.approx(d["shares"]), key
+            assert v["seconds"] == pytest.approx(d["seconds"]), key
+            assert v["formula"] == pytest.approx(d["formula"]), key
+        assert [lv["lever"] for lv in v["levers"]] == [lv["lever"] for lv in d["levers"]]
+
+
 def test_window_needs_prometheus(proxy):
     res = subprocess.run(
         [sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--window", "5m"],

@@ -92,6 +92,7 @@ class Done:
     gaps: tuple[list[int], float] | None = None
     kv: None = None
     side_errors: list[str] = field(default_factory=list)
+    batch: int = 1
 
 
 class Lines(logging.Handler):

@@ -7,6 +7,8 @@ the same rows."""
 
 from __future__ import annotations
 
+import statistics
+
 import httpx
 import pytest
 
@@ -226,10 +228,39 @@ def test_too_little_traffic_gives_no_recommendation():
     sim, proxy, advice, _ = _scenario([(BF16, 12000, 24)] * 5, 5)
     try:
         a = advice[BF16]
-        assert a["enough"] is False and a["levers"] == []
+        assert a["enough"] is False and a["levers"] == [] and a["dominant_phase"] is None
         assert "only 5 measured requests" in a["note"]
         md = cli("advise", "--from", proxy.url)
         assert "none is given yet" in md and "1. **" not in md
     finally:
         proxy.stop()
         sim.stop()
+
+
+def test_batching_cites_the_measured_rates_by_batch():
+    # 30 requests one at a time, then 32 eight at a time: the same GPU, two batches
+    sim = start_sim("vllm", speed=SPEED, deterministic=False, jitter=0.02)
+    proxy = start_proxy(f"sim={sim.url}", args=["--engine-scrape", "0"])
+    try:
+        drive(proxy.url, [(BF16, 150, 150)] * 30, 1)
+        drive(proxy.url, [(BF16, 150, 150)] * 32, 8)
+        proxy.request_lines(62)
+        (a,) = advise_json(proxy.url)
+        truth = sim.truth(62)
+    finally:
+        proxy.stop()
+        sim.stop()
+    alone = statistics.median(t["decode_tokens_per_second"] for t in truth[:30])
+    bands = a["batching"]["bands"]
+    # the first of the eight may be admitted alone (batch 1 too); the rest join larger ones
+    assert a["batching"]["typical"] == "1" and 30 <= bands["1"]["requests"] < 36
+    assert bands["1"]["tok_s_per_stream"] == pytest.approx(alone, rel=0.15)
+    assert sum(b["requests"] for b in bands.values()) == 62
+    (lever,) = [lv for lv in a["levers"] if lv["lever"] == "batching"]
+    assert (
+        lever["measured"]
+        and "× the generated tokens per second" in lever["expected_effect"]["summary"]
+    )
+    assert "one stream decodes" in lever["evidence"]
+    assert f"({bands['1']['requests']:.0f} requests)" in lever["evidence"]
+    assert "below the 8–16 range" in lever["evidence"]
