@@ -4,12 +4,10 @@ An engine writes one event per read at pace, a few at full speed, nearly all of 
 token deltas. The SSE tap asks each read the same questions (whole single-line LF-only
 events? each ``data: {"`` and not an error? no usage key? no finish reason but one
 ``null``? output, by substring?) and forwards a read of plain token events as it came.
-:func:`token_kind` answers them all in one call (and :func:`token_runs` finds the token
-events around the others in a read that mixes them): in C where it was built (``_sse.c``, a
-tenth of the cost: in CPython 3.11 each bytes search or slice the Python version makes
-costs more in argument parsing and objects than in searching), else as
-:func:`token_kind_py` and :func:`token_runs_py`, the references. Tests hold each pair to
-the same answers on any input.
+:func:`token_kind` answers them all in one call, and :func:`token_runs` finds the token
+events around the others in a read that mixes them; both ask each event through
+:func:`event_kind`, the one test of a plain token event. Every other event is told by its
+payload (``SSETap._examine``).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ PATTERN = -2
 _FINISH_KEY = b'"finish_reason":'
 
 
-def _event_kind(ev: bytes) -> int:
+def event_kind(ev: bytes) -> int:
     """1 (output), PATTERN or GENERAL for one single-line event, its terminator in."""
     if ev[:8] != b'data: {"' or ev[8:14] == b'error"':
         return GENERAL
@@ -42,25 +40,25 @@ def _event_kind(ev: bytes) -> int:
     return PATTERN
 
 
-def token_kind_py(chunk: bytes) -> int:
+def token_kind(chunk: bytes) -> int:
     """n >= 1 (that many plain token events, each with output), PATTERN (one plain event
     the output pattern must look at) or GENERAL (see the module)."""
     if chunk[-2:] != b"\n\n" or chunk.find(b"\r") >= 0:
         return GENERAL
     if chunk.find(b"\n") == len(chunk) - 2:  # one event, how engines write them at pace
-        return _event_kind(chunk)
+        return event_kind(chunk)
     events = chunk[:-2].split(b"\n\n")
     if any(ev.find(b"\n") >= 0 for ev in events):
         return GENERAL  # a line that does not end its event
     if len(events) == 1:
-        return _event_kind(chunk)
+        return event_kind(chunk)
     for ev in events:
-        if _event_kind(ev + b"\n\n") != 1:
+        if event_kind(ev + b"\n\n") != 1:
             return GENERAL
     return len(events)
 
 
-def token_runs_py(chunk: bytes) -> tuple[int, int, int, int]:
+def token_runs(chunk: bytes) -> tuple[int, int, int, int]:
     """``(lead, lead_end, tail, tail_start)``: the plain token events (each with output)
     that begin a read, and where they end; those that end it, and where they begin (a
     read that ends inside an event has none). Events are found as the tap's framer
@@ -78,7 +76,7 @@ def token_runs_py(chunk: bytes) -> tuple[int, int, int, int]:
     while (i := chunk.find(b"\n\n", pos)) >= 0:
         end = i + 2
         ev = chunk[pos:end]
-        plain = ev.find(b"\n") == len(ev) - 2 and _event_kind(ev) == 1
+        plain = ev.find(b"\n") == len(ev) - 2 and event_kind(ev) == 1
         if plain and leading:
             lead += 1
             lead_end = end
@@ -93,10 +91,3 @@ def token_runs_py(chunk: bytes) -> tuple[int, int, int, int]:
     if pos < n:  # no trailing run before an unfinished event
         tail, tail_start = 0, n
     return lead, lead_end, tail, tail_start
-
-
-try:
-    from ._sse import token_kind, token_runs
-except ImportError:  # built without a compiler: the same answers, in Python
-    token_kind = token_kind_py
-    token_runs = token_runs_py

@@ -1,9 +1,6 @@
 """What an HTTP/1.1 exchange is on the wire, for the lean transport: a request's bytes, and
-what a response's framing says (a chunked body; a read that is exactly one chunk).
-
-:func:`whole_chunk` is asked of every read of a paced stream: in C where it was built
-(``_chunk.c``), else as :func:`whole_chunk_py`, its reference; tests hold the two to the
-same answers on any input.
+what a response's framing says (a chunked body; a read that is exactly one chunk, asked of
+every read of a paced stream: :func:`whole_chunk`).
 """
 
 from __future__ import annotations
@@ -11,22 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def whole_chunk_py(data: bytes) -> bytes | None:
+def whole_chunk(data: bytes) -> bytes | None:
     """The body piece of `data` when `data` is exactly one chunk of a chunked body, its
     size in lowercase hex without leading zeros and no extension (the form a proxy
-    writes itself), else None (the parser takes it). :func:`whole_chunk` is this, in C
-    where it was built (``_chunk.c``: the same answers, a fraction of the cost)."""
+    writes itself), else None (the parser takes it)."""
     i = data.find(b"\r\n", 0, 10)
     size = len(data) - i - 4
     if i <= 0 or size <= 0 or data[-2:] != b"\r\n" or b"%x" % size != data[:i]:
         return None
     return data[i + 2 : -2]
-
-
-try:
-    from ._chunk import whole_chunk
-except ImportError:  # built without a compiler: the same answers, in Python
-    whole_chunk = whole_chunk_py
 
 
 def chunked_only(headers: list[tuple[bytes, bytes]]) -> bool:
