@@ -24,13 +24,9 @@ from typing import NamedTuple
 
 import httpx
 
+from ..extensions import PUSH
 from ..transport.connection import Sink
 from .limited import LimitedLog
-
-#: The ASGI scope extension of the server's synchronous writer (proxy.runtime.direct).
-WRITE = "phasewatch.write"
-#: The upstream response extension that installs a sink (proxy.transport.lean).
-PUSH = "phasewatch.push"
 
 Feed = Callable[[bytes, float], bytes]
 #: A tap's paced-read shortcut: `token(chunk, now)` is True when it counted `chunk` as

@@ -19,8 +19,8 @@ from .limited import LimitedLog
 
 if TYPE_CHECKING:
     from ..measure.metrics import Metrics
+    from .answer import Reply
     from .exchange import Exchange
-    from .reply import Reply
 
 #: A refused client may come back in a second.
 RETRY_AFTER: tuple[tuple[bytes, bytes], ...] = ((b"retry-after", b"1"),)
