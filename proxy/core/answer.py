@@ -191,9 +191,9 @@ def _token(tap: Tap) -> Token | None:
 class Responder:
     """Relays measured responses (see the module's docstring)."""
 
-    def __init__(self, log: logging.Logger, said: LimitedLog, options: RelayOptions) -> None:
+    def __init__(self, log: logging.Logger, limited_log: LimitedLog, options: RelayOptions) -> None:
         self.log = log
-        self.said = said
+        self.limited_log = limited_log
         self.max_event_bytes = options.max_event_bytes
         self.echo_request_id = options.echo_request_id
 
@@ -221,7 +221,7 @@ class Responder:
                     tail = await self._stream_decoded(send, resp, decoded)
                 else:
                     push = (
-                        Push.of(resp, tap.feed, reply.writer, self.said, _token(tap))
+                        Push.of(resp, tap.feed, reply.writer, self.limited_log, _token(tap))
                         if source is tap
                         else None
                     )
@@ -319,7 +319,7 @@ class Responder:
         if decodable(applied):
             return Decoded(tap, applied, exact=not tap.rewrites)
         if tap.rewrites:  # (counted with the body, as undecodable)
-            self.said.warning(
+            self.limited_log.warning(
                 "undecodable_injected",
                 "upstream %s answered in a coding phasewatch cannot decode although asked "
                 "for identity: the usage it was asked for reaches the client (request %s)",
@@ -331,7 +331,7 @@ class Responder:
     def _undecodable(self, ex: Exchange, applied: list[bytes]) -> None:
         """A body in a coding phasewatch cannot decode passed through: counted, said once."""
         ex.side_errors.append("undecodable")
-        self.said.warning(
+        self.limited_log.warning(
             "undecodable",
             "upstream %s answered in content coding %r, which phasewatch does not decode: "
             "passed through unmeasured (request %s)",

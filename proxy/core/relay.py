@@ -86,11 +86,11 @@ class Relay:
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
         # the steps of a request's life; their lines all come from this module's logger
-        said = LimitedLog(log)
+        limited_log = LimitedLog(log)
         self.router = Router(upstreams, options.admin_api)
-        self.refusals = Refusals(recorder.metrics, said)
-        self.call = UpstreamCall(self.access, said)
-        self.responder = Responder(log, said, options)
+        self.refusals = Refusals(recorder.metrics, limited_log)
+        self.call = UpstreamCall(self.access, limited_log)
+        self.responder = Responder(log, limited_log, options)
 
     def busy(self) -> int:
         """Generation requests in flight or queued, over all upstreams."""
