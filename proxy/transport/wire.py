@@ -1,22 +1,17 @@
 """What an HTTP/1.1 exchange is on the wire, for the lean transport: a request's bytes, and
-what a response's framing says (a chunked body; a read that is exactly one chunk, asked of
-every read of a paced stream: :func:`whole_chunk`).
+what a response's framing says (a chunked body; a read that is exactly one chunk).
+
+:func:`whole_chunk` (``_chunk.c``, built by every install) is asked of every read of a
+paced stream: ``whole_chunk(data)`` is the body piece of `data` when `data` is exactly one
+chunk of a chunked body, its size in lowercase hex without leading zeros and no extension
+(the form a proxy writes itself), else None (the parser takes it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-
-def whole_chunk(data: bytes) -> bytes | None:
-    """The body piece of `data` when `data` is exactly one chunk of a chunked body, its
-    size in lowercase hex without leading zeros and no extension (the form a proxy
-    writes itself), else None (the parser takes it)."""
-    i = data.find(b"\r\n", 0, 10)
-    size = len(data) - i - 4
-    if i <= 0 or size <= 0 or data[-2:] != b"\r\n" or b"%x" % size != data[:i]:
-        return None
-    return data[i + 2 : -2]
+from ._chunk import whole_chunk
 
 
 def chunked_only(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -43,3 +38,6 @@ def request_wire(
         head += [k, b": ", v, b"\r\n"]
     head.append(b"\r\n")
     return b"".join(head) + body
+
+
+__all__ = ["chunked_only", "request_wire", "whole_chunk"]

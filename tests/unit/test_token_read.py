@@ -1,6 +1,8 @@
-"""One read asked once (proxy.engines.token_read): for any read, the answer means what the
-tap's per-event path (``SSETap._examine``, which tells every other event by its payload)
-would conclude: plain token events are forwarded as they came, output counted alike."""
+"""One read asked once (proxy.engines.token_read, compiled from ``_sse.c``): for any read,
+the C code gives the Python reference's answer (tests/unit/sse_reference.py), and the
+answer means what the tap's per-event path (``SSETap._examine``, which tells every other
+event by its payload) would conclude: plain token events are forwarded as they came,
+output counted alike."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from proxy.engines.sse import _KEEP, SSETap
 from proxy.engines.token_read import GENERAL, PATTERN, token_kind, token_runs
 from proxy.measure.timeline import Marks
 
+from . import sse_reference
 from .test_tap_once_per_read import EVENTS, TERMINATORS
 
 #: Fragments reads are made of: the keys and values the answer turns on, in every
@@ -98,12 +101,27 @@ def test_the_answer_is_the_per_event_paths(read):
     _holds_to_the_per_event_path(read)
 
 
+@settings(max_examples=3000, deadline=None)
+@given(_READS)
+def test_the_c_code_answers_as_the_reference(read):
+    assert token_kind(read) == sse_reference.token_kind(read)
+    assert token_runs(read) == sse_reference.token_runs(read)
+
+
+def test_the_c_code_refuses_what_is_not_bytes():
+    with pytest.raises(TypeError):
+        token_kind("data: {}\n\n")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        token_runs("data: {}\n\n")  # type: ignore[arg-type]
+
+
 _EVENT_SHAPED = _READS.map(lambda r: b'data: {"' + r + b"\n\n")
 
 
 @settings(max_examples=1000, deadline=None)
 @given(_EVENT_SHAPED)
 def test_the_answer_is_the_per_event_paths_on_event_shaped_reads(read):
+    assert token_kind(read) == sse_reference.token_kind(read)
     _holds_to_the_per_event_path(read)
 
 
@@ -113,7 +131,9 @@ _TOKEN = b'data: {"choices":[{"delta":{"content":" tok"},"finish_reason":null}]}
 @settings(max_examples=1000, deadline=None)
 @given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED), min_size=2, max_size=5))
 def test_the_answer_is_the_per_event_paths_on_reads_of_several_events(events):
-    _holds_to_the_per_event_path(b"".join(events))
+    read = b"".join(events)
+    assert token_kind(read) == sse_reference.token_kind(read)
+    _holds_to_the_per_event_path(read)
 
 
 @pytest.mark.parametrize("terminator", TERMINATORS)
@@ -169,6 +189,7 @@ def test_the_runs_are_the_plain_token_events_at_either_end(parts):
     the read ends with a whole event; a read with a CR has none."""
     read = b"".join(parts)
     lead, lead_end, tail, tail_start = token_runs(read)
+    assert (lead, lead_end, tail, tail_start) == sse_reference.token_runs(read)
     if b"\r" in read:
         assert (lead, lead_end, tail, tail_start) == (0, 0, 0, len(read))
         return

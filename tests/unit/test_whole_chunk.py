@@ -12,6 +12,7 @@ import itertools
 import re
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,6 +64,11 @@ def _reference(data: bytes) -> bytes | None:
 @given(st.lists(_PIECES, max_size=8).map(b"".join))
 def test_any_read_is_one_chunk_exactly_when_the_definition_says(data):
     assert whole_chunk(data) == _reference(data)
+
+
+def test_whole_chunk_refuses_what_is_not_bytes():
+    with pytest.raises(TypeError):
+        whole_chunk(bytearray(b"5\r\nhello\r\n"))  # type: ignore[arg-type]
 
 
 @settings(max_examples=500, deadline=None)
