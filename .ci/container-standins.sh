@@ -6,6 +6,9 @@
 #   docker.io/library/python:3.12-slim   debootstrap --variant=minbase bookworm with python3,
 #                                        python3-venv, python3-pip (Python 3.11: the project
 #                                        needs >= 3.11), `python`/`pip` in /usr/local/bin
+#   docker.io/library/python:3.12        the same with a C compiler and Python's headers
+#                                        (gcc, libc6-dev, python3-dev): deploy/Dockerfile's
+#                                        build stage compiles setup.py's modules
 #   docker.io/prom/prometheus:v2.54.1    that root file system + Debian's `prometheus`
 #                                        (2.42), as the real image: user nobody, /prometheus
 #   docker.io/prom/alertmanager:v0.27.0  the same + Debian's `prometheus-alertmanager`
@@ -21,6 +24,7 @@ set -euo pipefail
 
 CACHE="${PHASEWATCH_CONTAINERS_CACHE:-$HOME/.cache/phasewatch/containers}"
 PYTHON_IMAGE="docker.io/library/python:3.12-slim"
+PYTHON_BUILD_IMAGE="docker.io/library/python:3.12"
 PROM_IMAGE="docker.io/prom/prometheus:v2.54.1"
 AM_IMAGE="docker.io/prom/alertmanager:v0.27.0"
 
@@ -49,16 +53,19 @@ KEY=$( { cat "$0"; echo "$SUITE $PROM_VERSION $AM_VERSION"; } | sha256sum | cut 
 # The debootstrapped root file system depends only on this recipe (edit the version to redo it).
 BASE_RECIPE="$SUITE minbase python3,python3-venv,python3-pip,ca-certificates links-v1"
 BASE_KEY=$(printf '%s' "$BASE_RECIPE" | sha256sum | cut -c1-16)
+BUILD_RECIPE="$BASE_RECIPE gcc,libc6-dev,python3-dev"
+BUILD_KEY=$(printf '%s' "$BUILD_RECIPE" | sha256sum | cut -c1-16)
 
 have() {  # have IMAGE: present with the current key
   [ "$(podman image inspect --format '{{ index .Config.Labels "phasewatch.standin" }}' "$1" 2>/dev/null)" = "$KEY" ]
 }
-if have "$PYTHON_IMAGE" && have "$PROM_IMAGE" && have "$AM_IMAGE"; then
+if have "$PYTHON_IMAGE" && have "$PYTHON_BUILD_IMAGE" && have "$PROM_IMAGE" && have "$AM_IMAGE"; then
   say "stand-in images present (key $KEY)"
   exit 0
 fi
 
 BASE_TAR="$CACHE/python-base-$BASE_KEY.tar"
+BUILD_TAR="$CACHE/python-build-$BUILD_KEY.tar"
 MON_TAR="$CACHE/monitoring-$KEY.tar"
 WORK=$(mktemp -d "$CACHE/work.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -74,6 +81,21 @@ if [ ! -s "$BASE_TAR" ]; then
   rm -f "$WORK"/root/usr/lib/python3*/EXTERNALLY-MANAGED
   rm -rf "$WORK"/root/var/cache/apt/archives/*.deb "$WORK"/root/var/lib/apt/lists/*
   tar -C "$WORK/root" -cf "$BASE_TAR.tmp" . && mv "$BASE_TAR.tmp" "$BASE_TAR"
+fi
+if [ ! -s "$BUILD_TAR" ]; then
+  say "debootstrap $SUITE (minbase + python3 + a C compiler) from $MIRROR (a few minutes)"
+  rm -f "$CACHE"/python-build-*.tar
+  rm -rf "$WORK/build"
+  debootstrap --variant=minbase \
+    --include=python3,python3-venv,python3-pip,python3-dev,gcc,libc6-dev,ca-certificates \
+    "$SUITE" "$WORK/build" "$MIRROR" > "$WORK/debootstrap-build.log" 2>&1 \
+    || { tail -20 "$WORK/debootstrap-build.log" >&2; die "debootstrap (build) failed"; }
+  ln -sf /usr/bin/python3 "$WORK/build/usr/local/bin/python"
+  ln -sf /usr/bin/pip3 "$WORK/build/usr/local/bin/pip"
+  rm -f "$WORK"/build/usr/lib/python3*/EXTERNALLY-MANAGED
+  rm -rf "$WORK"/build/var/cache/apt/archives/*.deb "$WORK"/build/var/lib/apt/lists/*
+  tar -C "$WORK/build" -cf "$BUILD_TAR.tmp" . && mv "$BUILD_TAR.tmp" "$BUILD_TAR"
+  rm -rf "$WORK/build"
 fi
 if [ ! -s "$MON_TAR" ]; then
   rm -f "$CACHE"/monitoring-*.tar
@@ -105,6 +127,8 @@ import() {  # import TAR IMAGE --change ...
   say "imported $image"
 }
 import "$BASE_TAR" "$PYTHON_IMAGE" --change 'CMD ["python3"]' \
+  --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
+import "$BUILD_TAR" "$PYTHON_BUILD_IMAGE" --change 'CMD ["python3"]' \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
 import "$MON_TAR" "$PROM_IMAGE" --change 'ENTRYPOINT ["/bin/prometheus"]' \
   --change 'CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]' \

@@ -34,7 +34,7 @@ from .core.access import COOKIE, Throttled, peer_of, throttled
 from .core.asgi import Receive, Scope, Send
 from .core.bridge import bridge_metrics
 from .core.refusals import Refusal, Refusals
-from .core.reply import Reply
+from .core.answer import Reply
 from .measure.advice import AdviceRow
 from .measure.summary import Row
 from .services.status import StatusPage

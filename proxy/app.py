@@ -20,6 +20,7 @@ from . import __version__
 from .api import PREFIX, build_api, wants_page
 from .core import Access, Relay, Upstream, Upstreams
 from .core.access import Throttled, peer_of, throttled
+from .core.answer import Reply
 from .core.asgi import Receive, Scope, Send
 from .core.clients import Clients
 from .core.errors import send_error
@@ -27,7 +28,6 @@ from .core.host import Host, start_secret
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
 from .core.refusals import Refusal, Refusals
-from .core.reply import Reply
 from .measure.exposition import exposition_app
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder

@@ -24,13 +24,9 @@ from typing import NamedTuple
 
 import httpx
 
+from ..extensions import PUSH
 from ..transport.connection import Sink
 from .limited import LimitedLog
-
-#: The ASGI scope extension of the server's synchronous writer (proxy.runtime.direct).
-WRITE = "phasewatch.write"
-#: The upstream response extension that installs a sink (proxy.transport.lean).
-PUSH = "phasewatch.push"
 
 Feed = Callable[[bytes, float], bytes]
 #: A tap's paced-read shortcut: `token(chunk, now)` is True when it counted `chunk` as
@@ -55,17 +51,17 @@ class Writer(NamedTuple):
 class Push:
     """One stream's sink, installed on its upstream connection (see the module)."""
 
-    __slots__ = ("busy", "feed", "held", "install", "put", "ready", "said", "token", "write")
+    __slots__ = ("busy", "feed", "held", "install", "limited_log", "put", "ready", "token", "write")
 
     def __init__(
         self,
         install: Install,
         feed: Feed,
         writer: Writer,
-        said: LimitedLog,
+        limited_log: LimitedLog,
         token: Token | None = None,
     ) -> None:
-        self.install, self.feed, self.said = install, feed, said
+        self.install, self.feed, self.limited_log = install, feed, limited_log
         self.ready, self.put, self.write = writer
         #: The tap's shortcut for a paced read (``SSETap.token_read``), used with the
         #: server's own write where both exist: one Python call per such event.
@@ -79,7 +75,7 @@ class Push:
         resp: httpx.Response,
         feed: Feed,
         writer: Writer | None,
-        said: LimitedLog,
+        limited_log: LimitedLog,
         token: Token | None = None,
     ) -> Push | None:
         """The push path for `resp`'s body, installed; None where either side lacks it.
@@ -87,7 +83,7 @@ class Push:
         install = resp.extensions.get(PUSH)
         if writer is None or install is None:
             return None
-        push = cls(install, feed, writer, said, token)
+        push = cls(install, feed, writer, limited_log, token)
         install(push.sink)
         return push
 
@@ -131,7 +127,7 @@ class Push:
 
     def _give_up(self, exc: Exception) -> None:
         self.install(None)
-        self.said.warning(
+        self.limited_log.warning(
             "push_failed",
             "the push path failed (%s); the stream goes on through the relay task",
             type(exc).__name__,

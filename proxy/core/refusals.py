@@ -19,8 +19,8 @@ from .limited import LimitedLog
 
 if TYPE_CHECKING:
     from ..measure.metrics import Metrics
+    from .answer import Reply
     from .exchange import Exchange
-    from .reply import Reply
 
 #: A refused client may come back in a second.
 RETRY_AFTER: tuple[tuple[bytes, bytes], ...] = ((b"retry-after", b"1"),)
@@ -37,7 +37,7 @@ class Refusal:
     reason: str = ""
     #: The log line's format and its arguments; empty: "refused a request (<reason>):
     #: <message>".
-    said: str = ""
+    log_format: str = ""
     args: tuple[object, ...] = ()
     headers: tuple[tuple[bytes, bytes], ...] = ()
     #: The engine's own error shape (its native API), else OpenAI's.
@@ -59,9 +59,9 @@ class Refused(Exception):
 class Refusals:
     """Answers refusals: counts, says and sends them (the one place that does)."""
 
-    def __init__(self, metrics: Metrics, said: LimitedLog) -> None:
+    def __init__(self, metrics: Metrics, limited_log: LimitedLog) -> None:
         self.metrics = metrics
-        self.said = said
+        self.limited_log = limited_log
 
     async def refuse(self, reply: Reply, r: Refusal, ex: Exchange | None = None) -> None:
         """Answer `r`; `ex`: the measured exchange it ends, if one exists."""
@@ -70,9 +70,11 @@ class Refusals:
         elif r.counted:
             self.metrics.rejected_total.labels(r.reason).inc()
         if not r.quiet:
-            if r.said:
-                self.said.warning(r.reason, r.said, *r.args)
+            if r.log_format:
+                self.limited_log.warning(r.reason, r.log_format, *r.args)
             else:
-                self.said.warning(r.reason, "refused a request (%s): %s", r.reason, r.message)
+                self.limited_log.warning(
+                    r.reason, "refused a request (%s): %s", r.reason, r.message
+                )
         headers: Headers = list(r.headers)
         await reply.error(r.status, r.message, r.kind, headers, r.shape)

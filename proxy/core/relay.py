@@ -9,7 +9,7 @@ A request's life, one step per module: its body read within the budget (``budget
 its route (``routing``), a refusal where it cannot go on (``refusals``), a measured
 request's place at its upstream's gate (``admission``), the upstream call with its
 failures mapped and its retries to the pool's other members (``upstream_call``), the
-response relayed (``respond``), the final send and the client watched (``reply``), and
+response relayed, the final send and the client watched (``answer``), and
 its record (:mod:`proxy.measure.recorder`, which counts every error kind).
 """
 
@@ -22,11 +22,13 @@ from collections.abc import Callable
 import httpx
 
 from ..engines import Prepared
+from ..extensions import GONE, WRITE
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
 from .access import Access, Throttled, peer_of, throttled
 from .admission import Admitted, queue_refusal
+from .answer import Reply, Responder, raw_body
 from .asgi import Receive, Scope, Send
 from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
@@ -36,11 +38,8 @@ from .fleet import Upstreams
 from .gate import QueueFull, QueueTimeout
 from .headers import IDENTITY, Headers, content_length, request_id, response_headers
 from .limited import LimitedLog
-from .push import WRITE
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
-from .reply import GONE, Reply
-from .respond import Responder, raw_body
 from .routing import Route, Router
 from .upstream_call import UpstreamCall
 from .upstreams import Upstream
@@ -87,11 +86,11 @@ class Relay:
         #: Set on SIGTERM: new generation requests get 503 while in-flight ones finish.
         self.draining = False
         # the steps of a request's life; their lines all come from this module's logger
-        said = LimitedLog(log)
+        limited_log = LimitedLog(log)
         self.router = Router(upstreams, options.admin_api)
-        self.refusals = Refusals(recorder.metrics, said)
-        self.call = UpstreamCall(self.access, said)
-        self.responder = Responder(log, said, options)
+        self.refusals = Refusals(recorder.metrics, limited_log)
+        self.call = UpstreamCall(self.access, limited_log)
+        self.responder = Responder(log, limited_log, options)
 
     def busy(self) -> int:
         """Generation requests in flight or queued, over all upstreams."""

@@ -33,9 +33,9 @@ Moving = Callable[[Upstream, UpstreamFailure], Awaitable[None]]
 class UpstreamCall:
     """Sends requests upstream (see the module's docstring)."""
 
-    def __init__(self, access: Access, said: LimitedLog) -> None:
+    def __init__(self, access: Access, limited_log: LimitedLog) -> None:
         self.access = access
-        self.said = said
+        self.limited_log = limited_log
 
     async def open_route(
         self,
@@ -56,7 +56,7 @@ class UpstreamCall:
                 if not exc.unsent or not route.chain:
                     raise
                 failed, nxt = route.upstream, route.chain.pop(0)
-                self.said.warning(
+                self.limited_log.warning(
                     "retry",
                     "upstream %s: a request could not be sent (%s); sent to %s of its pool instead",
                     failed.name,

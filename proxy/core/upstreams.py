@@ -206,13 +206,13 @@ class Upstream:
         kv = self._kv_models.get(model_label)
         if kv is None:
             shape = self.kv_shapes.get(model_label)
-            said = self.kv_engine_dtype.get(model_label)
-            if said == "auto":  # the engine keeps it in the model's dtype: the config's
-                said = shape.dtype if shape is not None else None
+            reported = self.kv_engine_dtype.get(model_label)
+            if reported == "auto":  # the engine keeps it in the model's dtype: the config's
+                reported = shape.dtype if shape is not None else None
             dtype = (
                 self._kv_overrides.get(model_label)
                 or self._kv_overrides.get(self.name)
-                or said
+                or reported
                 or self.dialect.kv_default_dtype
             )
             kv = self._kv_models[model_label] = KVModel(shape, dtype)

@@ -1,19 +1,19 @@
-/* proxy.engines._sse: token_kind() and token_runs(), the C twins of
-   proxy.engines.token_read.token_kind_py and token_runs_py.
+/* proxy.engines._sse: token_kind() and token_runs(), documented in
+   proxy.engines.token_read.
 
    Why C: a stream's every read is asked the same few questions (whole events? token
-   deltas? usage? a finish reason?), and each bytes.find or slice the Python version
-   makes costs more in argument parsing and objects than in searching.
-   The answers must be the Python version's, byte for byte: tests/unit/test_token_read.py
-   holds the two to the same answers on any input. Built when a compiler is at hand
-   (setup.py marks it optional); without it the Python version runs. */
+   deltas? usage? a finish reason?), dozens of events a read at full speed, and in
+   CPython each bytes.find or slice costs more in argument parsing and objects than in
+   searching. Built by every install (setup.py, the container image's build stage);
+   tests/unit/test_token_read.py holds it to the Python reference
+   (tests/unit/sse_reference.py) and to the tap's per-event path on any input. */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
 #include <Python.h>
 #include <string.h>
 
 #define GENERAL -1 /* not plain token events: the tap's general path decides */
-#define PATTERN -2 /* one plain token event that only OUTPUT_RE can tell about */
+#define PATTERN -2 /* one plain token event that only its payload can tell about */
 /* n >= 1: n plain token events, each carrying output */
 
 static const char FINISH[] = "\"finish_reason\":"; /* 16 bytes */
@@ -127,7 +127,7 @@ token_runs(PyObject *module, PyObject *chunk)
 static PyMethodDef methods[] = {
     {"token_kind", token_kind, METH_O,
      "token_kind(chunk) -> n >= 1 (n plain token events with output), -2 (one plain "
-     "event: ask OUTPUT_RE) or -1 (the general path)."},
+     "event: ask its payload) or -1 (the general path)."},
     {"token_runs", token_runs, METH_O,
      "token_runs(chunk) -> (lead, lead_end, tail, tail_start): the plain token events "
      "that begin the read (how many, where they end) and that end it (how many, where "
@@ -136,7 +136,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_sse", "C twin of proxy.engines.token_read.", 0, methods,
+    PyModuleDef_HEAD_INIT, "_sse", "token_kind(), token_runs(): proxy.engines.token_read.", 0, methods,
 };
 
 PyMODINIT_FUNC

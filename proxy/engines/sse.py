@@ -10,12 +10,10 @@ what that added (see :class:`SSETap`).
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
 from collections.abc import Callable
 
-from ..measure.buckets import GAP_BUCKETS
 from ..measure.timeline import Marks
-from .base import EMPTY_CHOICES_RE, OUTPUT_RE, Tap, has_usage, is_finish, is_output
+from .base import EMPTY_CHOICES_RE, Tap, has_usage, is_finish, is_output
 from .framing import MAX_EVENT_BYTES, Raw
 from .token_read import PATTERN, token_kind, token_runs
 
@@ -61,9 +59,8 @@ class SSETap(Tap):
             if kind > 1:
                 self._outputs(now, kind)
                 return chunk
-            if kind == PATTERN:
-                if OUTPUT_RE.search(chunk) is not None:
-                    self._output(now)
+            if kind == PATTERN:  # one event, told by its payload
+                self._examine(chunk, now)
                 return chunk
             lead, lead_end, tail, tail_start = token_runs(chunk)
             if lead or tail:
@@ -74,31 +71,10 @@ class SSETap(Tap):
         """Whether `chunk` is a paced read that :meth:`feed` forwards as it came: one
         plain token event, nothing held, nothing rewritten. Then it is counted, as
         `feed` counts it, and True (the caller forwards `chunk`); otherwise False with
-        nothing done (the caller feeds it). The push path's one Python call per paced
-        event: the framer's state and the output mark are read and written here rather
-        than through `holding()` and `_output()` (a paced event is mostly the cost of
-        its Python frames, run cold)."""
-        fr = self._fr
-        if (
-            self._held
-            or self.rewrite is not None
-            or fr._held
-            or fr._skip
-            or fr.lines
-            or token_kind(chunk) != 1
-        ):
+        nothing done (the caller feeds it)."""
+        if self._held or self.rewrite is not None or self._fr.holding() or token_kind(chunk) != 1:
             return False
-        # _output(now), inlined
-        m = self.marks
-        if m.t_first is None:
-            m.t_first = now
-        else:
-            gap = now - self._last_out
-            self.gap_counts[bisect_left(GAP_BUCKETS, gap)] += 1
-            self.gap_sum += gap
-        self._last_out = now
-        m.t_last = now
-        m.output_events += 1
+        self._output(now)
         return True
 
     def _around(
@@ -138,29 +114,23 @@ class SSETap(Tap):
             or chunk.count(_FINISH_KEY) != chunk.count(_FINISH_NULL)
         ):
             return self._pass(pieces, chunk, now)
+        classify = self._classify
         for ev in pieces:
-            kind = token_kind(ev)  # one event: 1, PATTERN or GENERAL
-            if kind == 1:
-                self._output(now)
-            elif kind == PATTERN:
-                # the same answer as for its payload: "data: " holds no quote
-                if OUTPUT_RE.search(ev) is not None:
-                    self._output(now)
-            else:
-                self._examine(ev, now)  # _KEEP: no finish reason, no usage in this read
+            classify(ev, now)  # _KEEP: no finish reason, no usage in this read
         return chunk
 
     def _classify(self, ev: bytes, now: float) -> int:
-        """What one whole event is (its output counted, its payload kept where it
-        matters): a plain token delta is told in one call (:func:`token_kind`, the
-        event's questions asked at once), any other event by :meth:`_examine`."""
+        """What one whole event is, the one classifier of every path (its output
+        counted, its payload kept where it matters): a plain token delta is told in one
+        call (:func:`token_kind`), any other event by its payload (:meth:`_examine`)."""
         if token_kind(ev) == 1:
             self._output(now)
             return _KEEP
         return self._examine(ev, now)
 
     def _examine(self, ev: bytes, now: float) -> int:
-        """:meth:`_classify` in Python, question by question (the reference)."""
+        """An event that is not a plain token delta: a comment, ``[DONE]``, an error,
+        the role, a finish, usage, or output only the pattern can tell."""
         if ev[:1] == b":":  # comment (keep-alive)
             return _KEEP
         p = ev.find(b"data:")

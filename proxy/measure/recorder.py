@@ -282,12 +282,12 @@ class _FirstOnly:
 
     def __init__(self, logger: logging.Logger) -> None:
         self.logger = logger
-        self.said: set[str] = set()
+        self.warned_kinds: set[str] = set()
 
     def warning(self, kind: str, msg: str, *args: object) -> bool:
-        if kind in self.said:
+        if kind in self.warned_kinds:
             return False
-        self.said.add(kind)
+        self.warned_kinds.add(kind)
         self.logger.warning(msg, *args)
         return True
 

@@ -1,6 +1,7 @@
 """What the server offers the relay beside ASGI: the ``phasewatch.write`` extension (a
 response's body written in the caller's own callback), ``phasewatch.gone`` (a hang-up
-told by a callback, without a watcher task: :mod:`proxy.core.reply`).
+told by a callback, without a watcher task: :mod:`proxy.core.answer`). Their names:
+:mod:`proxy.extensions`.
 
 Why: a paced stream's event would otherwise cost a task hop to reach the client (the
 upstream connection wakes the relay task, which awaits ``send``). The relay can instead
@@ -20,8 +21,9 @@ from typing import Protocol
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from ..core.push import WRITE, Writer
-from ..core.reply import GONE, Watch
+from ..core.answer import Watch
+from ..core.push import Writer
+from ..extensions import GONE, WRITE
 
 #: The cycle's attribute holding the relay's hang-up callback (read by the protocol).
 HUNG_UP = "phasewatch_gone"

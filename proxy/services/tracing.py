@@ -92,16 +92,16 @@ class _Drops:
 
     def __init__(self, metrics: Metrics) -> None:
         self.counter = metrics.otel_spans_dropped_total.labels("queue_full")
-        self.said = 0.0
+        self.last_drop_log = 0.0
         self._lock = threading.Lock()
 
     def drop(self) -> None:
         self.counter.inc()
         now = time.monotonic()
         with self._lock:
-            if now - self.said < _DROP_LOG_EVERY:
+            if now - self.last_drop_log < _DROP_LOG_EVERY:
                 return
-            self.said = now
+            self.last_drop_log = now
         log.warning(
             "OpenTelemetry span queue is full (OTEL_BSP_MAX_QUEUE_SIZE): spans are "
             'dropped (phasewatch_otel_spans_dropped_total{reason="queue_full"})'

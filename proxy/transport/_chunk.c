@@ -1,11 +1,9 @@
-/* proxy.transport._chunk: whole_chunk(), the C twin of proxy.transport.wire.whole_chunk_py.
+/* proxy.transport._chunk: whole_chunk(), documented in proxy.transport.wire.
 
    Why C: every read of a paced stream is asked whether it is exactly one chunk in the
-   form a server writes; the search, the slices and the formatting the Python version
-   needs cost more in the interpreter than the question itself. The answers must be the
-   Python version's: tests/unit/test_whole_chunk.py holds the two to the same answers on
-   any input. Built when a compiler is at hand (setup.py marks it optional); without it
-   the Python version runs. */
+   form a server writes, next to the C parser it then skips. Built by every install
+   (setup.py, the container image's build stage); tests/unit/test_whole_chunk.py holds
+   it to the definition (a pattern) on any input. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
@@ -53,7 +51,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_chunk", "C twin of proxy.transport.wire.whole_chunk_py.", 0,
+    PyModuleDef_HEAD_INIT, "_chunk", "whole_chunk(): proxy.transport.wire.", 0,
     methods,
 };
 

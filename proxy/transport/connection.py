@@ -134,8 +134,7 @@ class Connection(asyncio.Protocol):
         if self.edge and data[-2:] != b"\r\n":
             self.edge = False  # a chunk's size line begun: the parser holds it
         if sink is not None and self.chunks and self.error is None and not self.complete:
-            # (the body's last read is left to the reader, woken for the end anyway: it
-            # may send both in one write)
+            # (the body's last read is left to the reader, woken for the end anyway)
             chunks = self.chunks
             if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks), None):
                 chunks.clear()

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 
 import httpx
 
+from ..extensions import PUSH
 from .connection import Connection, Stale, named
 from .options import IDEMPOTENT, ClientOptions
 from .wire import request_wire
@@ -283,7 +284,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             extensions={
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": conn.reason,
-                "phasewatch.push": conn.push,
+                PUSH: conn.push,
             },
         )
 

@@ -1,32 +1,17 @@
 """What an HTTP/1.1 exchange is on the wire, for the lean transport: a request's bytes, and
 what a response's framing says (a chunked body; a read that is exactly one chunk).
 
-:func:`whole_chunk` is asked of every read of a paced stream: in C where it was built
-(``_chunk.c``), else as :func:`whole_chunk_py`, its reference; tests hold the two to the
-same answers on any input.
+:func:`whole_chunk` (``_chunk.c``, built by every install) is asked of every read of a
+paced stream: ``whole_chunk(data)`` is the body piece of `data` when `data` is exactly one
+chunk of a chunked body, its size in lowercase hex without leading zeros and no extension
+(the form a proxy writes itself), else None (the parser takes it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-
-def whole_chunk_py(data: bytes) -> bytes | None:
-    """The body piece of `data` when `data` is exactly one chunk of a chunked body, its
-    size in lowercase hex without leading zeros and no extension (the form a proxy
-    writes itself), else None (the parser takes it). :func:`whole_chunk` is this, in C
-    where it was built (``_chunk.c``: the same answers, a fraction of the cost)."""
-    i = data.find(b"\r\n", 0, 10)
-    size = len(data) - i - 4
-    if i <= 0 or size <= 0 or data[-2:] != b"\r\n" or b"%x" % size != data[:i]:
-        return None
-    return data[i + 2 : -2]
-
-
-try:
-    from ._chunk import whole_chunk
-except ImportError:  # built without a compiler: the same answers, in Python
-    whole_chunk = whole_chunk_py
+from ._chunk import whole_chunk
 
 
 def chunked_only(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -53,3 +38,6 @@ def request_wire(
         head += [k, b": ", v, b"\r\n"]
     head.append(b"\r\n")
     return b"".join(head) + body
+
+
+__all__ = ["chunked_only", "request_wire", "whole_chunk"]

@@ -4,7 +4,8 @@ The relay benchmark's CPU per event carries the whole machine's noise; this one 
 only ``SSETap.feed`` on the benchmark upstream's token events (one event per read, as
 engines write them at pace, and several per read, as they arrive at full speed), with
 and without usage stripping, rounds interleaved between the revisions. Each revision is
-imported from a temporary ``git archive`` of its ``proxy`` package under another name.
+imported from a temporary ``git archive`` of its ``proxy`` package under another name,
+its compiled parts built (setup.py) where it has any.
 
     python tests/bench/tap_bench.py --baseline 982001e
 """
@@ -41,10 +42,24 @@ def load(rev: str | None, tmp: Path) -> tuple:
         pkg = "pw_" + "".join(c if c.isalnum() else "_" for c in rev)
         dest = tmp / rev.replace("/", "_")
         dest.mkdir()
+        has_setup = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}:setup.py"], capture_output=True
+            ).returncode
+            == 0
+        )
+        paths = ["proxy", "setup.py"] if has_setup else ["proxy"]
         archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", rev, "proxy"], check=True, capture_output=True
+            ["git", "-C", str(ROOT), "archive", rev, *paths], check=True, capture_output=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        if has_setup:  # its compiled parts, as an install of it has them
+            subprocess.run(
+                [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                cwd=dest,
+                check=True,
+                capture_output=True,
+            )
         (dest / "proxy").rename(dest / pkg)
         sys.path.insert(0, str(dest))
     sse = importlib.import_module(f"{pkg}.engines.sse")

@@ -17,6 +17,7 @@ PACKAGE = ROOT / "proxy"
 #: A part may import from parts of a lower layer, and from itself.
 LAYERS = {
     "proxy": 0,  # the package root: the version only
+    "extensions": 0,  # the names of the extensions the layers offer each other
     "measure": 1,
     "transport": 1,
     "engines": 2,

@@ -30,6 +30,7 @@ STANDINS_HINT = "run .ci/container-standins.sh (it makes the local base images)"
 #: The base images docker-compose.yml and deploy/Dockerfile name: local stand-ins.
 BASE_IMAGES = (
     "docker.io/library/python:3.12-slim",
+    "docker.io/library/python:3.12",
     "docker.io/prom/prometheus:v2.54.1",
     "docker.io/prom/alertmanager:v0.27.0",
 )

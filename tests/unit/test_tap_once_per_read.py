@@ -182,10 +182,10 @@ def test_the_token_events_around_a_role_event_are_not_looked_at_one_by_one():
         tap = Counting(Marks(t_recv=0.0), strip=strip)
         first = role + token * 5
         assert tap.feed(first, 100.0) is first  # forwarded as it came
-        assert tap.classified == 0 and tap.marks.output_events == 5
+        assert tap.classified == 1 and tap.marks.output_events == 5  # the role event alone
         last = token * 3 + finish + b"data: [DONE]\n\n"
         out = tap.feed(last, 100.5)
-        assert tap.classified == 2  # the finish event and [DONE], not the tokens
+        assert tap.classified == 3  # and the finish event and [DONE], not the tokens
         assert tap.marks.output_events == 9 and tap.done
         assert out == (token * 3 if strip else last)  # the finish waits for usage when stripping
 

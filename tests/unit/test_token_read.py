@@ -1,6 +1,8 @@
-"""One read asked once (proxy.engines.token_read): the C twin (``_sse.c``) gives the
-Python version's answer for any read, and the answer means what the tap's general path
-would conclude (plain token events are forwarded as they came, output counted alike)."""
+"""One read asked once (proxy.engines.token_read, compiled from ``_sse.c``): for any read,
+the C code gives the Python reference's answer (tests/unit/sse_reference.py), and the
+answer means what the tap's per-event path (``SSETap._examine``, which tells every other
+event by its payload) would conclude: plain token events are forwarded as they came,
+output counted alike."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.engines import _sse, token_read
 from proxy.engines.base import OUTPUT_RE, is_output
-from proxy.engines.token_read import GENERAL, PATTERN, token_kind_py, token_runs_py
+from proxy.engines.sse import _KEEP, SSETap
+from proxy.engines.token_read import GENERAL, PATTERN, token_kind, token_runs
+from proxy.measure.timeline import Marks
 
+from . import sse_reference
 from .test_tap_once_per_read import EVENTS, TERMINATORS
 
 #: Fragments reads are made of: the keys and values the answer turns on, in every
@@ -55,17 +59,60 @@ _FRAGMENTS = st.one_of(
 _READS = st.lists(_FRAGMENTS, max_size=14).map(b"".join)
 
 
-def test_the_c_twin_is_the_one_that_runs():
-    """setup.py builds it wherever a compiler is at hand (here, and CI); the Python
-    version stands in only where none is."""
-    assert token_read.token_kind is _sse.token_kind
-    assert token_read.token_runs is _sse.token_runs
+def _examined(read: bytes) -> list[tuple[int, SSETap]]:
+    """Each whole event of `read` (LF only) told by the per-event path, on a tap of its
+    own: what it returned, and the tap."""
+    out = []
+    for ev in _events(read):
+        tap = SSETap(Marks(t_recv=0.0))
+        out.append((tap._examine(ev, 1.0), tap))
+    return out
+
+
+def _plain(kind: int, tap: SSETap, output: bool) -> bool:
+    """The per-event path kept the event as it came, kept no payload, and counted output
+    as `output` says."""
+    return (
+        kind == _KEEP
+        and not (tap.done or tap.finish_seen)
+        and tap.usage_payload is tap.error_payload is None
+        and tap.marks.output_events == (1 if output else 0)
+    )
+
+
+def _holds_to_the_per_event_path(read: bytes) -> None:
+    kind = token_kind(read)
+    if kind == GENERAL:
+        return
+    examined = _examined(read)
+    if kind == PATTERN:
+        assert len(examined) == 1
+        ((k, tap),) = examined
+        assert k == _KEEP and tap.usage_payload is tap.error_payload is None, read
+        assert not (tap.done or tap.finish_seen), read
+        return
+    assert len(examined) == kind, read
+    assert all(_plain(k, tap, output=True) for k, tap in examined), read
 
 
 @settings(max_examples=3000, deadline=None)
 @given(_READS)
-def test_the_c_twin_answers_as_the_python_version(read):
-    assert _sse.token_kind(read) == token_kind_py(read)
+def test_the_answer_is_the_per_event_paths(read):
+    _holds_to_the_per_event_path(read)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_READS)
+def test_the_c_code_answers_as_the_reference(read):
+    assert token_kind(read) == sse_reference.token_kind(read)
+    assert token_runs(read) == sse_reference.token_runs(read)
+
+
+def test_the_c_code_refuses_what_is_not_bytes():
+    with pytest.raises(TypeError):
+        token_kind("data: {}\n\n")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        token_runs("data: {}\n\n")  # type: ignore[arg-type]
 
 
 _EVENT_SHAPED = _READS.map(lambda r: b'data: {"' + r + b"\n\n")
@@ -73,8 +120,9 @@ _EVENT_SHAPED = _READS.map(lambda r: b'data: {"' + r + b"\n\n")
 
 @settings(max_examples=1000, deadline=None)
 @given(_EVENT_SHAPED)
-def test_the_c_twin_answers_as_the_python_version_on_event_shaped_reads(read):
-    assert _sse.token_kind(read) == token_kind_py(read)
+def test_the_answer_is_the_per_event_paths_on_event_shaped_reads(read):
+    assert token_kind(read) == sse_reference.token_kind(read)
+    _holds_to_the_per_event_path(read)
 
 
 _TOKEN = b'data: {"choices":[{"delta":{"content":" tok"},"finish_reason":null}]}\n\n'
@@ -82,19 +130,19 @@ _TOKEN = b'data: {"choices":[{"delta":{"content":" tok"},"finish_reason":null}]}
 
 @settings(max_examples=1000, deadline=None)
 @given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED), min_size=2, max_size=5))
-def test_the_c_twin_answers_as_the_python_version_on_reads_of_several_events(events):
+def test_the_answer_is_the_per_event_paths_on_reads_of_several_events(events):
     read = b"".join(events)
-    assert _sse.token_kind(read) == token_kind_py(read)
+    assert token_kind(read) == sse_reference.token_kind(read)
+    _holds_to_the_per_event_path(read)
 
 
-@pytest.mark.parametrize("kind_of", [_sse.token_kind, token_kind_py])
 @pytest.mark.parametrize("terminator", TERMINATORS)
 @pytest.mark.parametrize("event", EVENTS)
-def test_the_answer_agrees_with_the_output_pattern(kind_of, event, terminator):
+def test_the_answer_agrees_with_the_output_pattern(event, terminator):
     """A plain token event's output is what is_output (the general path's check) says;
     anything that could finish, carry usage, fail or end the stream is not plain."""
     read = event + terminator
-    kind = kind_of(read)
+    kind = token_kind(read)
     if kind == GENERAL:
         return
     assert terminator == b"\n\n" and b"\n" not in event
@@ -111,36 +159,17 @@ def test_plain_token_events_are_taken_in_one_call():
     token = _TOKEN
     role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
     finish = token.replace(b"null", b'"stop"')
-    for kind_of in (_sse.token_kind, token_kind_py):
-        assert kind_of(token) == 1
-        assert kind_of(role) == PATTERN
-        assert kind_of(token * 3) == 3  # a read of several token events, each with output
-        assert kind_of(role + token) == GENERAL  # one the pattern must look at: general
-        assert kind_of(token + finish) == kind_of(finish) == GENERAL
-        assert kind_of(token + b"data: [DONE]\n\n") == GENERAL
-        assert kind_of(token + token[:20]) == GENERAL  # an unfinished event
-        assert kind_of(token.replace(b"\n\n", b"\ndata: x\n\n")) == GENERAL  # two lines
-
-
-def test_the_c_twin_refuses_what_is_not_bytes():
-    with pytest.raises(TypeError):
-        _sse.token_kind("data: {}\n\n")  # type: ignore[arg-type]
+    assert token_kind(token) == 1
+    assert token_kind(role) == PATTERN
+    assert token_kind(token * 3) == 3  # a read of several token events, each with output
+    assert token_kind(role + token) == GENERAL  # one the pattern must look at: general
+    assert token_kind(token + finish) == token_kind(finish) == GENERAL
+    assert token_kind(token + b"data: [DONE]\n\n") == GENERAL
+    assert token_kind(token + token[:20]) == GENERAL  # an unfinished event
+    assert token_kind(token.replace(b"\n\n", b"\ndata: x\n\n")) == GENERAL  # two lines
 
 
 # --- token_runs: the token events around the others in a read ------------------------------
-
-
-@settings(max_examples=3000, deadline=None)
-@given(_READS)
-def test_the_runs_twin_answers_as_the_python_version(read):
-    assert _sse.token_runs(read) == token_runs_py(read)
-
-
-@settings(max_examples=1000, deadline=None)
-@given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED, _READS), min_size=1, max_size=8))
-def test_the_runs_twin_answers_as_the_python_version_on_mixed_reads(parts):
-    read = b"".join(parts)
-    assert _sse.token_runs(read) == token_runs_py(read)
 
 
 def _events(read: bytes) -> list[bytes]:
@@ -152,20 +181,20 @@ def _events(read: bytes) -> list[bytes]:
     return out + ([read[pos:]] if pos < len(read) else [])
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=3000, deadline=None)
 @given(st.lists(st.one_of(st.just(_TOKEN), _EVENT_SHAPED, _READS), min_size=1, max_size=8))
-@pytest.mark.parametrize("runs_of", [_sse.token_runs, token_runs_py])
-def test_the_runs_are_the_plain_token_events_at_either_end(runs_of, parts):
+def test_the_runs_are_the_plain_token_events_at_either_end(parts):
     """Event by event (token_kind on each): the leading run is the plain events before the
     first other one; the trailing run the plain events after the last other one, when
     the read ends with a whole event; a read with a CR has none."""
     read = b"".join(parts)
-    lead, lead_end, tail, tail_start = runs_of(read)
+    lead, lead_end, tail, tail_start = token_runs(read)
+    assert (lead, lead_end, tail, tail_start) == sse_reference.token_runs(read)
     if b"\r" in read:
         assert (lead, lead_end, tail, tail_start) == (0, 0, 0, len(read))
         return
     events = _events(read)
-    plain = [ev.endswith(b"\n\n") and token_kind_py(ev) == 1 for ev in events]
+    plain = [ev.endswith(b"\n\n") and token_kind(ev) == 1 for ev in events]
     first_other = plain.index(False) if False in plain else len(plain)
     assert lead == first_other
     assert lead_end == sum(len(ev) for ev in events[:lead])
@@ -183,18 +212,12 @@ def test_the_runs_around_a_role_event_and_a_stream_end():
     role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
     finish = _TOKEN.replace(b"null", b'"stop"')
     done = b"data: [DONE]\n\n"
-    for runs_of in (_sse.token_runs, token_runs_py):
-        first = role + _TOKEN * 3
-        assert runs_of(first) == (0, 0, 3, len(role))
-        last = _TOKEN * 2 + finish + done
-        assert runs_of(last) == (2, 2 * len(_TOKEN), 0, len(last))
-        cut = _TOKEN * 2 + _TOKEN[:10]  # an unfinished event: no trailing run
-        assert runs_of(cut) == (2, 2 * len(_TOKEN), 0, len(cut))
-        both = _TOKEN + done + _TOKEN
-        assert runs_of(both) == (1, len(_TOKEN), 1, len(_TOKEN) + len(done))
-        assert runs_of(_TOKEN.replace(b"\n\n", b"\r\n\r\n") * 2) == (0, 0, 0, 2 * len(_TOKEN) + 4)
-
-
-def test_the_runs_twin_refuses_what_is_not_bytes():
-    with pytest.raises(TypeError):
-        _sse.token_runs("data: {}\n\n")  # type: ignore[arg-type]
+    first = role + _TOKEN * 3
+    assert token_runs(first) == (0, 0, 3, len(role))
+    last = _TOKEN * 2 + finish + done
+    assert token_runs(last) == (2, 2 * len(_TOKEN), 0, len(last))
+    cut = _TOKEN * 2 + _TOKEN[:10]  # an unfinished event: no trailing run
+    assert token_runs(cut) == (2, 2 * len(_TOKEN), 0, len(cut))
+    both = _TOKEN + done + _TOKEN
+    assert token_runs(both) == (1, len(_TOKEN), 1, len(_TOKEN) + len(done))
+    assert token_runs(_TOKEN.replace(b"\n\n", b"\r\n\r\n") * 2) == (0, 0, 0, 2 * len(_TOKEN) + 4)

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from proxy.core.push import WRITE
-from proxy.core.reply import GONE, Reply
+from proxy.core.answer import Reply
+from proxy.extensions import GONE, WRITE
 from proxy.runtime.protocol import guarded_protocol
 
 from ...support.servers import free_port

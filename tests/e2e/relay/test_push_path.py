@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.core.limited import LimitedLog
-from proxy.core.push import WRITE, Push, Writer
+from proxy.core.push import Push, Writer
+from proxy.extensions import WRITE
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from proxy.transport.wire import whole_chunk

@@ -1,33 +1,171 @@
-"""The relay loop: a measured request's response, from its head to its last byte.
+"""The answer to one client: what goes back to it (:class:`Reply`, the client watched
+while it waits), and how an engine's response becomes it (:class:`Responder`).
 
-The head goes out as the engine sent it (less what the proxy may change: a length the
-proxy's stripping would falsify, a coding it decoded). A stream goes through the
-engine's tap, one chunk at a time (:meth:`Responder._stream`, the hottest code in the
-product); a whole body is forwarded as it comes and kept, bounded, to read its usage at
-the end. A stream the engine cut off, or ended without its terminator, is closed with an
-error event in its own framing, so no client takes a cut answer as whole. What the
+A client that hangs up cancels its exchange at once (which closes the upstream connection,
+so the engine stops generating), unless its answer is already complete: the last message
+of an answer goes out through :meth:`Reply.end` or :meth:`Reply.error`, which mark it
+finished first, so a client that leaves after that has had its whole answer. How the
+hang-up is seen: where the server offers it, through its hang-up hook (the
+:data:`~proxy.extensions.GONE` ASGI extension), a callback the server's protocol calls
+when the connection is lost; elsewhere, a watcher task waiting on ASGI ``receive`` for
+``http.disconnect``.
+
+The response head goes out as the engine sent it (less what the proxy may change: a
+length the proxy's stripping would falsify, a coding it decoded). A stream goes through
+the engine's tap, one chunk at a time (:meth:`Responder._stream`, the hottest code in
+the product); a whole body is forwarded as it comes and kept, bounded, to read its usage
+at the end. A stream the engine cut off, or ended without its terminator, is closed with
+an error event in its own framing, so no client takes a cut answer as whole. What the
 finished answer said (usage, the engine's timings, errors) is read at the end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
 
 import httpx
 
 from ..engines import Tap
 from ..engines.sse import SSETap
-from .asgi import Send
+from .asgi import Receive, Send
 from .coding import Decoded, codings, decodable, decode_whole, stacked
-from .errors import describe
+from .errors import ErrorShape, describe, send_error
 from .exchange import Exchange
 from .headers import Headers, response_headers, without
 from .limited import LimitedLog
-from .push import Push, Token
+from .push import Push, Token, Writer
 from .relay_options import RelayOptions
-from .reply import Reply
+
+#: The hook's value: ``watch(callback)`` has the server call `callback` once, from its
+#: protocol, when the client's connection is lost before its answer is complete (at once
+#: when it is lost already); ``watch(None)`` takes it back.
+Watch = Callable[[Callable[[], None] | None], None]
+
+
+class Reply:
+    """What goes back to one client: its ASGI `send` (and the server's `writer` and hang-up
+    hook `gone`, where it offers them), the headers every error of the proxy's own carries
+    (`echo`: x-request-id with --echo-request-id), whether the last message went, and
+    whether the client left before it."""
+
+    __slots__ = (
+        "_hooked",
+        "_task",
+        "_watcher",
+        "disconnected",
+        "echo",
+        "finished",
+        "gone",
+        "send",
+        "writer",
+    )
+
+    def __init__(
+        self,
+        send: Send,
+        echo: Headers | None = None,
+        writer: Writer | None = None,
+        gone: Watch | None = None,
+    ) -> None:
+        self.send = send
+        #: The server's synchronous writer (the ``phasewatch.write`` extension), if any.
+        self.writer = writer
+        #: The server's hang-up hook (the ``phasewatch.gone`` extension), if any.
+        self.gone = gone
+        self.echo: Headers = echo or []
+        self.finished = False
+        self.disconnected = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._hooked = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def end(self, body: bytes = b"") -> None:
+        """The answer's last body message (the final send)."""
+        self.finished = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def error(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        headers: Headers | None = None,
+        shape: ErrorShape | None = None,
+    ) -> None:
+        """The whole answer is an error of the proxy's own (OpenAI's shape unless `shape`
+        gives the engine's for the path); `headers`, then the echo, go with it."""
+        self.finished = True
+        await send_error(self.send, status, message, kind, [*(headers or ()), *self.echo], shape)
+
+    def watching(self, receive: Receive) -> _Watching:
+        """Watch the client for the block's duration: when it hangs up before the answer
+        is finished, the current task is cancelled; that cancellation ends the block
+        quietly and leaves `disconnected` set."""
+        return _Watching(self, receive)
+
+    def unwatch(self) -> None:
+        """Stop watching (from here on, a client that leaves cancels nothing)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._hooked:
+            self._hooked = False
+            assert self.gone is not None
+            self.gone(None)
+
+    def _hung_up(self) -> None:
+        """The server says the client's connection is lost (the hook's callback)."""
+        self._hooked = False
+        if not self.finished and self._task is not None:
+            self.disconnected = True
+            self._task.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not self.finished:
+                    self.disconnected = True
+                    assert self._task is not None
+                    self._task.cancel()
+                return
+
+
+class _Watching:
+    __slots__ = ("receive", "reply")
+
+    def __init__(self, reply: Reply, receive: Receive) -> None:
+        self.reply, self.receive = reply, receive
+
+    async def __aenter__(self) -> Reply:
+        reply = self.reply
+        reply._task = asyncio.current_task()
+        assert reply._task is not None
+        if reply.gone is not None:
+            reply._hooked = True
+            reply.gone(reply._hung_up)
+        else:
+            reply._watcher = asyncio.create_task(reply._watch(self.receive))
+        return reply
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        reply = self.reply
+        reply.unwatch()
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and reply.disconnected:
+            assert reply._task is not None
+            reply._task.uncancel()
+            return True  # the client left: not an error of ours
+        return False
+
 
 #: Largest non-streamed measured response kept for reading its usage.
 MAX_KEPT_BODY = 16 * 1024 * 1024
@@ -53,9 +191,9 @@ def _token(tap: Tap) -> Token | None:
 class Responder:
     """Relays measured responses (see the module's docstring)."""
 
-    def __init__(self, log: logging.Logger, said: LimitedLog, options: RelayOptions) -> None:
+    def __init__(self, log: logging.Logger, limited_log: LimitedLog, options: RelayOptions) -> None:
         self.log = log
-        self.said = said
+        self.limited_log = limited_log
         self.max_event_bytes = options.max_event_bytes
         self.max_decoded_bytes = options.max_decoded_bytes
         self.echo_request_id = options.echo_request_id
@@ -83,7 +221,7 @@ class Responder:
                 if decoded is not None:
                     tail = await self._stream_decoded(send, resp, decoded)
                 else:
-                    push = Push.of(resp, tap.feed, reply.writer, self.said, _token(tap))
+                    push = Push.of(resp, tap.feed, reply.writer, self.limited_log, _token(tap))
                     tail = await self._stream(send, resp, tap, push)
                 if not sealed:
                     tail += self._unterminated(ex, tap)
@@ -190,7 +328,7 @@ class Responder:
         if decodable(applied):
             return Decoded(tap, applied, not tap.rewrites, self.max_decoded_bytes)
         if tap.rewrites:  # (counted with the body, as undecodable)
-            self.said.warning(
+            self.limited_log.warning(
                 "undecodable_injected",
                 "upstream %s answered in a coding phasewatch cannot decode although asked "
                 "for identity: the usage it was asked for reaches the client (request %s)",
@@ -204,7 +342,7 @@ class Responder:
         (codings stacked beyond what an engine applies: refused, counted apart)."""
         if stacked(applied):
             ex.side_errors.append("decode_limit")
-            self.said.warning(
+            self.limited_log.warning(
                 "decode_stacked",
                 "upstream %s answered in %d stacked content codings: not decoded (a "
                 "decompression bomb's shape), passed through unmeasured (request %s)",
@@ -214,7 +352,7 @@ class Responder:
             )
             return
         ex.side_errors.append("undecodable")
-        self.said.warning(
+        self.limited_log.warning(
             "undecodable",
             "upstream %s answered in content coding %r, which phasewatch does not decode: "
             "passed through unmeasured (request %s)",
@@ -225,7 +363,7 @@ class Responder:
 
     def _decode_limit(self, ex: Exchange, what: str) -> None:
         """An answer decoded to its cap (a decompression bomb, or a huge answer): said."""
-        self.said.warning(
+        self.limited_log.warning(
             "decode_limit",
             "upstream %s answered %s that decodes past its cap (--max-decoded-bytes %d for "
             "a stream, %d for a whole body): decoded no further, measured no further "
