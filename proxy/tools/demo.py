@@ -109,12 +109,15 @@ async def _run(
     log.info(
         "demo: simulated %s engine on http://127.0.0.1:%d; %d simulated GPUs (%s, physics "
         "model, no real GPU) whose watts come from the simulator's fake dcgm-exporter at "
-        "%s: the power figures are simulated, not measured; traffic to %s",
+        "%s (sensors as --gpu-sensor %s GPUs report them, collected every %gs): the power "
+        "figures are simulated, not measured; traffic to %s",
         getattr(args, "engine", None) or "vllm",
         sim_port,
         len(power_gpu),
         ", ".join(gpus),
         settings.power_dcgm_url,
+        getattr(args, "gpu_sensor", "ideal"),
+        getattr(args, "dcgm_interval", 0.0),
         url,
     )
     stop = asyncio.Event()
