@@ -13,6 +13,7 @@ import sys
 
 from ..measure.attribution import ClientRow, by_client
 from ..measure.metrics import PREFIX, PROMPT_BANDS
+from ..measure.sensor import view as sensor_view
 from ..measure.summary import (
     BAND_4K,
     BAND_8K,
@@ -44,8 +45,22 @@ _COUNTERS = (
     "tokens_total",
     "gpu_energy_joules_total",
     "request_energy_joules_total",
+    # GPU power as the sensor resolves it (issue 42)
+    "gpu_power_unresolved_total",
+    "request_phase_energy_joules_total",
+    "gpu_idle_energy_joules_total",
 )
-_GAUGES = ("in_flight_requests", "queued_requests", "model_info", "gpu_power_current_watts")
+_GAUGES = (
+    "in_flight_requests",
+    "queued_requests",
+    "model_info",
+    "gpu_power_current_watts",
+    # GPU power as the sensor resolves it (issue 42)
+    "power_sampling_up",
+    "gpu_power_sensor_info",
+    "gpu_power_resolution_seconds",
+    "gpu_power_refresh_seconds",
+)
 #: Gauges every replica reports the same value of (a model's figure, an engine's size).
 _SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens")
 
@@ -155,7 +170,9 @@ _PREFILL_SOURCES = {
 }
 
 
-def markdown(rep: Report) -> str:
+def markdown(rep: Report, sensor: list[str] | None = None) -> str:
+    """The table and its notes; `sensor`: what the GPU power sensor resolves, or why
+    power is not sampled (:mod:`proxy.measure.sensor`)."""
     na = "—" if rep.power else "n/a"
     out = []
     rows = [r for r in rep.rows if r.measured]
@@ -242,15 +259,18 @@ def markdown(rep: Report) -> str:
     )
     if rep.power:
         notes.append(
-            "decode W: GPU power over each request's decode window; idle W: GPU samples with "
+            "decode W: the GPU's energy over each request's decode window (the sensor's "
+            "energy counter, at its resolution) / the window's length, for the phases the "
+            "sensor resolves; idle W: GPU samples with "
             "nothing in flight; J/tok at decode = decode W / decode tok/s (one stream at "
             "decode load: the figure that compares precisions); J/tok all-in = the GPUs' "
             "whole energy (idle and prefill included) / generated tokens (the cost of "
             "owning the GPU at this utilisation: a faster precision idles more and reads "
             "higher here); power saving compares decode W."
         )
+        notes += sensor or []
     else:
-        notes.append("Power: n/a (phasewatch is not sampling GPU power here).")
+        notes += sensor or ["Power: n/a (phasewatch is not sampling GPU power here)."]
     notes.append(
         "Speed-ups and savings are against the bf16/fp16 row of the same upstream and model family."
     )
@@ -368,7 +388,8 @@ def run(args) -> int:
             sys.stdout.write(clients_markdown(rows, args.source))
         return 0
     rep = build(samples, source=args.source)
-    sys.stdout.write(to_json(rep) + "\n" if args.format == "json" else markdown(rep))
+    sensor = sensor_view(samples).lines()
+    sys.stdout.write(to_json(rep) + "\n" if args.format == "json" else markdown(rep, sensor))
     if args.plot:
         from .plots import report_charts
 
