@@ -31,10 +31,10 @@ from pydantic import BaseModel, create_model
 from . import __version__
 from .core import Access, Relay, Upstreams
 from .core.access import COOKIE, Throttled, peer_of, throttled
+from .core.answer import Reply
 from .core.asgi import Receive, Scope, Send
 from .core.bridge import bridge_metrics
 from .core.refusals import Refusal, Refusals
-from .core.answer import Reply
 from .measure.advice import AdviceRow
 from .measure.summary import Row
 from .services.status import StatusPage

@@ -422,6 +422,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        # phasewatch demo's own traffic generator, so a benchmark of the demo can tell
+        self.demo_traffic_requests_per_second = Gauge(
+            PREFIX + "demo_traffic_requests_per_second",
+            "phasewatch demo only: the mean rate of its own traffic generator (requests/s; "
+            "0: off, or not the demo).",
+            registry=r,
+            multiprocess_mode="max",
+        )
         # --- end GPU power as the sensor resolves it ----------------------------------
 
         # The engines' own state, scraped by proxy.services.engine_state off the request

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..measure.advice import advise
+from ..measure.sensor import view as sensor_view
 from ..measure.summary import Samples, build
 
 if TYPE_CHECKING:
@@ -204,6 +205,8 @@ class StatusPage:
             "window_s": WINDOW_SECONDS,
             "recent_s": RECENT_SECONDS,
             "power_sampled": rep.power,
+            # what the GPU power sensor resolves, or why power is not sampled (issue 42)
+            "power_sensor": sensor_view(reg).lines(),
             "gpus": rep.gpus,
             "upstreams": upstreams,
             "pools": self.upstreams.pools.summary(),

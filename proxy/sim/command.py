@@ -9,7 +9,9 @@ from typing import Any
 from . import build_app
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, realistic: bool = False) -> None:
+    """The simulator's flags; `realistic` (the demo): GPU sensors as Ampere-and-later
+    GPUs report power, behind a dcgm-exporter collecting every 100 ms, by default."""
     parser.add_argument(
         "--engine",
         choices=("vllm", "ollama", "llamacpp"),
@@ -71,18 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-sensor",
         choices=("ideal", "instant", "ampere"),
-        default=os.environ.get("PHASEWATCH_SIM_GPU_SENSOR", "ideal"),
+        default=os.environ.get("PHASEWATCH_SIM_GPU_SENSOR", "ampere" if realistic else "ideal"),
         help="How the simulated GPUs' sensors report power: ideal (the true power, every "
         "instant), instant (GA100 and older: instant power, a fast energy counter), ampere "
         "(Ampere and later: a 1 s mean, a 25 ms instant window and an energy counter "
-        "refreshed every 100 ms) [env PHASEWATCH_SIM_GPU_SENSOR; default ideal].",
+        "refreshed every 100 ms) [env PHASEWATCH_SIM_GPU_SENSOR; default ideal, demo: ampere].",
     )
     parser.add_argument(
         "--dcgm-interval",
         type=float,
-        default=float(os.environ.get("PHASEWATCH_SIM_DCGM_INTERVAL", "0")),
+        default=float(os.environ.get("PHASEWATCH_SIM_DCGM_INTERVAL", "0.1" if realistic else "0")),
         help="Seconds between the simulated dcgm-exporter's collections (a real one's "
-        "default is 30, `-c 100` makes it 0.1); 0: every scrape [default 0].",
+        "default is 30, `-c 100` makes it 0.1); 0: every scrape [default 0, demo: 0.1].",
     )
     parser.add_argument(
         "--dcgm-counters",

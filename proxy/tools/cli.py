@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and a gentle traffic generator, so /metrics fills with no GPU.",
     )
     demo.add_arguments(d)
-    sim_command.add_arguments(d)
+    sim_command.add_arguments(d, realistic=True)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser(

@@ -110,12 +110,15 @@ async def _run(
     log.info(
         "demo: simulated %s engine on http://127.0.0.1:%d; %d simulated GPUs (%s, physics "
         "model, no real GPU) whose watts come from the simulator's fake dcgm-exporter at "
-        "%s: the power figures are simulated, not measured; traffic to %s",
+        "%s (sensors as --gpu-sensor %s GPUs report them, collected every %gs): the power "
+        "figures are simulated, not measured; traffic to %s",
         getattr(args, "engine", None) or "vllm",
         sim_port,
         len(power_gpu),
         ", ".join(gpus),
         settings.power_dcgm_url,
+        getattr(args, "gpu_sensor", "ideal"),
+        getattr(args, "dcgm_interval", 0.0),
         url,
     )
     stop = asyncio.Event()
@@ -124,6 +127,8 @@ async def _run(
         loop.add_signal_handler(sig, stop.set)
     if args.duration:
         loop.call_later(args.duration, stop.set)
+    # a benchmark of the demo sees its traffic generator (and says to turn it off)
+    proxy_app.metrics.demo_traffic_requests_per_second.set(args.rate)
     traffic = asyncio.create_task(run_traffic(url, args.rate, stop)) if args.rate > 0 else None
     await stop.wait()
     if traffic is not None:

@@ -14,6 +14,7 @@ import sys
 from ..measure.advice import AdviceRow, advise
 from ..measure.attribution import ClientRow, by_client
 from ..measure.metrics import PREFIX, PROMPT_BANDS
+from ..measure.sensor import view as sensor_view
 from ..measure.summary import (
     BAND_4K,
     BAND_8K,
@@ -56,6 +57,8 @@ _COUNTERS = (
     "decode_batch_seconds_total",
     "decode_batch_tokens_total",
     "engine_preemptions_total",
+    # GPU power as the sensor resolves it (issue 42)
+    "gpu_power_unresolved_total",
     "request_phase_energy_joules_total",
     "gpu_idle_energy_joules_total",
 )
@@ -66,6 +69,11 @@ _GAUGES = (
     "gpu_power_current_watts",
     "engine_requests_running",
     "engine_requests_waiting",
+    # GPU power as the sensor resolves it (issue 42)
+    "power_sampling_up",
+    "gpu_power_sensor_info",
+    "gpu_power_resolution_seconds",
+    "gpu_power_refresh_seconds",
 )
 #: Gauges every replica reports the same value of (a model's figure, an engine's size).
 _SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens", "engine_slots")
@@ -176,7 +184,11 @@ _PREFILL_SOURCES = {
 }
 
 
-def markdown(rep: Report, advice: list[AdviceRow] | None = None) -> str:
+def markdown(
+    rep: Report, advice: list[AdviceRow] | None = None, sensor: list[str] | None = None
+) -> str:
+    """The table and its notes; `advice`: the advice rows; `sensor`: what the GPU power
+    sensor resolves, or why power is not sampled (:mod:`proxy.measure.sensor`)."""
     na = "—" if rep.power else "n/a"
     out = []
     rows = [r for r in rep.rows if r.measured]
@@ -263,15 +275,18 @@ def markdown(rep: Report, advice: list[AdviceRow] | None = None) -> str:
     )
     if rep.power:
         notes.append(
-            "decode W: GPU power over each request's decode window; idle W: GPU samples with "
+            "decode W: the GPU's energy over each request's decode window (the sensor's "
+            "energy counter, at its resolution) / the window's length, for the phases the "
+            "sensor resolves; idle W: GPU samples with "
             "nothing in flight; J/tok at decode = decode W / decode tok/s (one stream at "
             "decode load: the figure that compares precisions); J/tok all-in = the GPUs' "
             "whole energy (idle and prefill included) / generated tokens (the cost of "
             "owning the GPU at this utilisation: a faster precision idles more and reads "
             "higher here); power saving compares decode W."
         )
+        notes += sensor or []
     else:
-        notes.append("Power: n/a (phasewatch is not sampling GPU power here).")
+        notes += sensor or ["Power: n/a (phasewatch is not sampling GPU power here)."]
     notes.append(
         "Speed-ups and savings are against the bf16/fp16 row of the same upstream and model family."
     )
@@ -460,8 +475,9 @@ def run(args) -> int:
         return 0
     rep = build(samples, source=args.source)
     advice = advise(samples, rep)
+    sensor = sensor_view(samples).lines()
     sys.stdout.write(
-        to_json(rep, advice) + "\n" if args.format == "json" else markdown(rep, advice)
+        to_json(rep, advice) + "\n" if args.format == "json" else markdown(rep, advice, sensor)
     )
     if args.plot:
         from .plots import report_charts

@@ -28,9 +28,7 @@ from proxy.services.power import (
     PowerSampler,
     PowerService,
     Reading,
-    integrate,
     parse_dcgm,
-    phase_integral,
 )
 from proxy.settings import Settings
 
@@ -238,15 +236,6 @@ def test_energy_meter_rules():
     assert m.step(7.0 + 3600.0, 300.0, None) == 0.0  # an hour's gap is not made up
 
 
-def test_integrate_is_exact_for_lines():
-    ts, ys = [0.0, 1.0, 3.0], [0.0, 10.0, 10.0]
-    assert integrate(ts, ys, 0.0, 3.0) == pytest.approx(25.0)
-    assert integrate(ts, ys, 0.5, 2.0) == pytest.approx(0.5 * 7.5 + 10.0)
-    assert integrate(ts, ys, -1.0, 0.0) == pytest.approx(0.0)  # held before the first
-    assert integrate(ts, ys, 3.0, 5.0) == pytest.approx(20.0)  # held after the last
-    assert integrate(ts, ys, 2.0, 2.0) == 0.0
-
-
 # --- classification and per-request power -------------------------------------------------------
 
 
@@ -278,8 +267,9 @@ class Scenario:
                 model_label="m-bf16",
                 prepared=SimpleNamespace(stream=stream),
                 marks=Marks(t_recv=sent),
+                client=f"c{i}",
             )
-            for sent, first, last, stream in spans
+            for i, (sent, first, last, stream) in enumerate(spans)
         ]
 
     def power(self, t: float) -> float:
@@ -301,6 +291,7 @@ class Scenario:
                     ex.marks.t_first = first
             elif t >= last:
                 self.upstream.active.discard(ex)
+                ex.marks.t_admit = ex.marks.t_sent = sent
                 if ex.prepared.stream:
                     ex.marks.t_first, ex.marks.t_last = first, last
                 ex.marks.t_end = last
@@ -319,7 +310,18 @@ def run_scenario(monkeypatch, upstream, spans, until: float):
     return sc, tr, sampler, metrics
 
 
-def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
+def settle(sampler, metrics, exchanges, completion_tokens=100) -> PowerService:
+    """The service's listener and settling, on this sampler's rings."""
+    service = PowerService.__new__(PowerService)
+    service.metrics, service.sampler, service.book = metrics, sampler, sampler.book
+    service.rings, service.gpus, service.worker = sampler.rings, sampler.gpus, 0
+    for ex in exchanges:
+        service.on_request(ex, SimpleNamespace(completion_tokens=completion_tokens))
+    service.settle()
+    return service
+
+
+def test_samples_are_classified_and_phase_power_matches_the_trace(monkeypatch):
     up = fake_upstream()
     sc, tr, sampler, metrics = run_scenario(monkeypatch, up, [(10.0, 12.0, 20.0, True)], 30.0)
 
@@ -327,78 +329,79 @@ def test_samples_are_classified_and_phase_means_match_the_trace(monkeypatch):
         s: total(metrics, "phasewatch_gpu_power_sample_watts_count", state=s)
         for s in ("idle", "prefill", "decode")
     }
-    assert counts == {"idle": 200, "prefill": 20, "decode": 80}
+    # a tick whose state changed since the last is in no state (idle->prefill->decode)
+    assert counts == {"idle": 199, "prefill": 19, "decode": 79}
     sums = {s: total(metrics, "phasewatch_gpu_power_sample_watts_sum", state=s) for s in counts}
     assert sums["idle"] / counts["idle"] == pytest.approx(50.0)
     assert sums["prefill"] / counts["prefill"] == pytest.approx(400.0)
     assert sums["decode"] / counts["decode"] == pytest.approx(300.0)
     labels = dict(upstream="gpu0", model="m-bf16", precision="bf16", gpu="0")
     assert value(metrics, "phasewatch_gpu_power_current_watts", **labels) == 50.0
+    # the sensor learnt: a counter refreshed at every 0.1 s poll
+    assert sampler.watches["0"].preferred() == "energy_counter"
+    assert sampler.watches["0"].refresh("energy_counter") == pytest.approx(0.1)
 
-    service = PowerService.__new__(PowerService)
-    service.metrics, service.sampler = metrics, sampler
-    service.rings, service.gpus = sampler.rings, sampler.gpus
-    fields = service.on_request(sc.exchanges[0], SimpleNamespace(completion_tokens=100))
-    assert fields["prefill_watts"] == pytest.approx(400.0, rel=0.01)
-    assert fields["decode_watts"] == pytest.approx(300.0, rel=0.01)
-    exact = tr.energy(10.0, 20.0)  # 2 s x 400 W + 8 s x 300 W
-    assert fields["energy_j"] == pytest.approx(exact, rel=0.01)
-    assert fields["joules_per_token"] == pytest.approx(exact / 100, rel=0.01)
+    settle(sampler, metrics, sc.exchanges)
     hist = dict(upstream="gpu0", model="m-bf16", precision="bf16")
     assert value(metrics, "phasewatch_gpu_power_watts_count", phase="prefill", **hist) == 1.0
+    # the request is charged from the first tick that saw it: up to a tick late
+    assert value(
+        metrics, "phasewatch_gpu_power_watts_sum", phase="prefill", **hist
+    ) == pytest.approx(400.0, rel=0.02)
     assert value(
         metrics, "phasewatch_gpu_power_watts_sum", phase="decode", **hist
     ) == pytest.approx(300.0, rel=0.01)
+    exact = tr.energy(10.0, 20.0)  # 2 s x 400 W + 8 s x 300 W
+    got = total(metrics, "phasewatch_request_energy_joules_total", client="c0")
+    assert got == pytest.approx(exact, rel=0.01)
+    # conservation: the request's share plus idle is the counter's energy
+    assert total(metrics, "phasewatch_request_phase_energy_joules_total") + total(
+        metrics, "phasewatch_gpu_idle_energy_joules_total"
+    ) == pytest.approx(total(metrics, "phasewatch_gpu_energy_joules_total"), abs=1e-6)
 
 
-def test_phase_integral_holds_the_inside_samples_to_the_ends():
-    ts, ys = [9.95, 10.05, 10.15, 10.35], [50.0, 400.0, 400.0, 300.0]
-    assert phase_integral(ts, ys, 10.0, 10.25) == pytest.approx(400.0 * 0.25)
-    # what the line through the outside samples would say: the idle draw mixed in
-    assert integrate(ts, ys, 10.0, 10.25) / 0.25 == pytest.approx(372.5)
-    assert phase_integral(ts, ys, 10.2, 10.3) == 0.0  # no sample inside: no measurement
-
-
-def test_a_short_prefill_reads_the_prefill_draw_not_the_idle_before_it(monkeypatch):
-    """A 0.25 s prefill sampled every 0.1 s after an idle GPU: two samples inside, the
-    idle one just before it. The mean is the prefill's draw, not a blend with idle."""
+def test_a_short_prefill_reads_the_prefill_draw_and_a_shorter_one_is_unresolved(monkeypatch):
+    """A 0.3 s prefill sampled every 0.1 s after an idle GPU reads the prefill's draw, not
+    a blend with idle; a 0.15 s one is shorter than the sensor resolves: counted, not
+    observed."""
     up = fake_upstream()
-    sc, tr, sampler, _ = run_scenario(monkeypatch, up, [(10.0, 10.25, 12.0, True)], 13.0)
-    got = sampler.request_power(sc.exchanges[0], 50)
-    assert got["prefill"] == pytest.approx(Scenario.PREFILL, rel=0.001)
-    assert got["decode"] == pytest.approx(Scenario.DECODE, rel=0.001)
-    # the request's energy still follows the trace across its whole life
-    assert got["energy"] == pytest.approx(tr.energy(10.0, 12.0), rel=0.02)
+    spans = [(10.0, 10.3, 12.0, True), (20.0, 20.15, 22.0, True)]
+    sc, tr, sampler, metrics = run_scenario(monkeypatch, up, spans, 25.0)
+    assert sampler.min_phase("0") == pytest.approx(0.25, rel=0.05)
+    settle(sampler, metrics, sc.exchanges)
+    hist = dict(upstream="gpu0", model="m-bf16", precision="bf16")
+    assert value(metrics, "phasewatch_gpu_power_watts_count", phase="prefill", **hist) == 1.0
+    assert value(
+        metrics, "phasewatch_gpu_power_watts_sum", phase="prefill", **hist
+    ) == pytest.approx(Scenario.PREFILL, rel=0.05)  # ticks 0.1 s apart: one holds the edge
+    assert value(metrics, "phasewatch_gpu_power_unresolved_total", phase="prefill", **hist) == 1
+    assert value(metrics, "phasewatch_gpu_power_watts_count", phase="decode", **hist) == 2.0
+    # the requests' energy still follows the trace across their whole lives (from the
+    # first tick that saw it in flight: the 0.05 s before it went to idle)
+    got = total(metrics, "phasewatch_request_energy_joules_total", client="c0")
+    assert got == pytest.approx(tr.energy(10.05, 12.05), rel=0.001)
 
 
 def test_a_sample_taken_across_a_state_change_is_in_no_state(monkeypatch):
-    """A request that ends while the source is being read: the power read belongs to the
-    GPU's work, not to idle, so that sample joins neither state's histogram."""
+    """A request that ends between two ticks: the power read at the next tick may hold
+    the GPU's work, not idle, so that sample joins neither state's histogram."""
     up = fake_upstream()
     tr = Trace(lambda t: 300.0)
     sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
     ex = FakeExchange(
         upstream=up,
         model_label="m-bf16",
-        marks=Marks(t_recv=0.5, t_first=1.0),
+        marks=Marks(t_recv=0.5, t_sent=0.5, t_first=1.0),
         prepared=SimpleNamespace(stream=True),
     )
     up.active.add(ex)
     tr.now = 1.0
-    sampler.tick()  # decode throughout: counted as decode
-    read = sampler.source.read
-
-    def read_while_the_request_ends():
-        got = read()
-        up.active.discard(ex)
-        return got
-
-    monkeypatch.setattr(sampler.source, "read", read_while_the_request_ends)
+    sampler.tick()  # decode: counted as decode
+    up.active.discard(ex)
     tr.now = 1.2
-    sampler.tick()  # decode before the read, idle after it: in no state
-    monkeypatch.setattr(sampler.source, "read", read)
+    sampler.tick()  # idle now, decode at the last tick: in no state
     tr.now = 1.4
-    sampler.tick()  # idle throughout: counted as idle
+    sampler.tick()  # idle at both: counted as idle
     count = "phasewatch_gpu_power_sample_watts_count"
     assert total(metrics, count, state="decode") == 1
     assert total(metrics, count, state="idle") == 1
@@ -408,8 +411,8 @@ def test_a_sample_taken_across_a_state_change_is_in_no_state(monkeypatch):
 
 def test_energy_is_shared_among_requests_in_flight(monkeypatch):
     up = fake_upstream()
-    # B overlaps A's second half; a non-streamed C alone later (no phases, energy only);
-    # D's windows fall between two samples: no phase means of its own.
+    # B overlaps A's second half; a non-streamed C alone later (no prefill, all decode);
+    # D lies between two ticks: no tick saw it, so its phases are unresolved.
     spans = [
         (10.0, 10.5, 20.0, True),
         (15.0, 15.5, 20.0, True),
@@ -417,17 +420,26 @@ def test_energy_is_shared_among_requests_in_flight(monkeypatch):
         (50.0, 50.01, 50.05, True),
     ]
     sc, tr, sampler, metrics = run_scenario(monkeypatch, up, spans, 60.0)
-    a, b, c, d = (sampler.request_power(ex, 10) for ex in sc.exchanges)
+    settle(sampler, metrics, sc.exchanges, completion_tokens=10)
+    a, b, c, d = (
+        total(metrics, "phasewatch_request_energy_joules_total", client=f"c{i}") for i in range(4)
+    )
     # A alone for 5 s, then A and B split 5 s of power.
     alone, shared = tr.energy(10.0, 15.0), tr.energy(15.0, 20.0)
-    assert a["energy"] == pytest.approx(alone + shared / 2, rel=0.02)
-    assert b["energy"] == pytest.approx(shared / 2, rel=0.02)
-    assert a["energy"] + b["energy"] == pytest.approx(tr.energy(10.0, 20.0), rel=0.01)
-    # Non-streamed: counted as decode while in flight; energy over [sent, end].
-    assert "prefill" not in c and "decode" not in c
-    assert c["energy"] == pytest.approx(tr.energy(30.0, 40.0), rel=0.01)
-    assert total(metrics, "phasewatch_gpu_power_sample_watts_count", state="decode") >= 100
-    assert "prefill" not in d and "decode" not in d
+    assert a == pytest.approx(alone + shared / 2, rel=0.02)
+    assert b == pytest.approx(shared / 2, rel=0.02)
+    assert a + b == pytest.approx(tr.energy(10.0, 20.0), rel=0.01)
+    # Non-streamed: decode while in flight; energy over [sent, end].
+    assert c == pytest.approx(tr.energy(30.0, 40.0), rel=0.01)
+    hist = dict(upstream="gpu0", model="m-bf16", precision="bf16")
+    assert value(metrics, "phasewatch_gpu_power_watts_count", phase="decode", **hist) == 3.0
+    assert d == 0.0
+    assert value(metrics, "phasewatch_gpu_power_unresolved_total", phase="prefill", **hist) == 1
+    assert value(metrics, "phasewatch_gpu_power_unresolved_total", phase="decode", **hist) == 1
+    # conservation
+    assert a + b + c + total(metrics, "phasewatch_gpu_idle_energy_joules_total") == (
+        pytest.approx(total(metrics, "phasewatch_gpu_energy_joules_total"), abs=1e-6)
+    )
 
 
 def test_gpu_map_labels_by_upstream_model_and_sharing():
@@ -576,5 +588,6 @@ vllm:num_requests_running{engine="0",model_name="m"} 1.0
 
 def test_parse_dcgm_exporter_page():
     got = parse_dcgm(DCGM_PAGE)
-    assert got == {"0": Reading(54.581, 257858316), "1": Reading(312.5, 7824041)}
+    # the instant field where the counters file has it (dcgm-exporter's default has not)
+    assert got == {"0": Reading(54.581, 257858316), "1": Reading(312.5, 7824041, 999.0)}
     assert parse_dcgm("vllm:num_requests_running 1\n") == {}

@@ -214,8 +214,8 @@ class TickRing:
             if not parts:  # the interval lies before the first tick: the first takes it
                 parts = [(first, 1.0, self._state(first))]
             states = {s for _, _, s in parts}
-            known = all(s in self.weights for s in states)
-            w = [ov * (self.weights[s] if known else 1.0) for _, ov, s in parts]
+            weights = self._weights(parts, joules)
+            w = [ov * weights.get(s, 1.0) for _, ov, s in parts]
             total = sum(w) or 1.0
             idle = 0.0
             for (i, _, s), wi in zip(parts, w):
@@ -230,6 +230,25 @@ class TickRing:
                 self.weights[s] = watts if old is None else old + WEIGHT_GAIN * (watts - old)
             st.horizon = max(st.horizon, b)
             return idle
+
+    def _weights(self, parts: list[tuple[int, float, str]], joules: float) -> dict[str, float]:
+        """Each state's power for this interval: the learnt ones; a single state not
+        learnt yet gets what the interval's energy leaves it when it holds enough of the
+        interval (and is learnt from that); else every state weighs the same."""
+        time_in: dict[str, float] = {}
+        for _, ov, s in parts:
+            time_in[s] = time_in.get(s, 0.0) + ov
+        unknown = [s for s in time_in if s not in self.weights]
+        if not unknown:
+            return self.weights
+        total = sum(time_in.values())
+        if len(unknown) == 1 and len(time_in) > 1 and time_in[unknown[0]] >= 0.3 * total:
+            u = unknown[0]
+            rest = sum(self.weights[s] * t for s, t in time_in.items() if s != u)
+            watts = max(0.0, joules - rest) / time_in[u]
+            self.weights[u] = watts
+            return self.weights
+        return {}
 
     def settle(self, worker: int, e: Entry) -> dict[str, PhaseSum] | None:
         """The request's phases once the energy of all its ticks is final (None before)."""

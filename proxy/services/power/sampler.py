@@ -237,6 +237,7 @@ class PowerSampler:
         self.meters: dict[str, EnergyMeter] = {}
         self.watches: dict[str, SensorWatch] = {}
         self._since: dict[str, float] = {}  # gpu -> start of the energy not yet spread
+        self._unspread: dict[str, float] = {}  # gpu -> joules counted, not yet spread
         self._state: dict[str, str] = {}  # gpu -> state at its last tick
         self._told: dict[str, float | None] = {}  # gpu -> resolution last logged
         self._warned = False
@@ -315,6 +316,8 @@ class PowerSampler:
             self._set_down(f"reading {self.source.name} failed: {exc}")
             return
         t = (t_c + self.clock()) / 2.0
+        if readings.keys() - self.meters.keys():  # a GPU seen for the first time
+            seqs, counts = self.membership(sorted(readings), t_c)
         seen = 0
         for gpu, r in sorted(readings.items()):
             if not self.gpus.owners(gpu):
@@ -346,20 +349,26 @@ class PowerSampler:
         use = watch.preferred()
         counter = r.energy_mj if use == "energy_counter" else None
         watts = r.instant if r.instant is not None else r.watts
-        joules = self.meters.setdefault(gpu, EnergyMeter()).step(t, watts, counter)
+        # energy the meter counted and no tick has been given yet (a counter that has not
+        # stepped since, or a counter read that failed and was integrated instead)
+        joules = self._unspread.get(gpu, 0.0)
+        joules += self.meters.setdefault(gpu, EnergyMeter()).step(t, watts, counter)
         spread = idle = 0.0
         if use != "energy_counter":  # a power reading: held over the last poll
             if prev_t is not None:
                 spread, idle = joules, ring.distribute(prev_t, t, joules)
         elif "energy_counter" in changed:  # the counter stepped: the energy since its last step
             period = watch.refresh(use) or 0.0
-            at = (t + prev_t) / 2.0 if prev_t is not None else t
-            if self.source.name == "dcgm":
-                at -= period / 2.0  # the exporter collected it up to a period before
+            at = t  # a counter that steps at every poll is read as it is
+            if prev_t is not None and period > 1.5 * (t - prev_t):
+                at = (t + prev_t) / 2.0  # it stepped somewhere between the two polls
+                if self.source.name == "dcgm":
+                    at -= period / 2.0  # the exporter collected it up to a period before
             since = self._since.get(gpu)
             if since is not None and at > since:
                 spread, idle = joules, ring.distribute(since, at, joules)
             self._since[gpu] = at
+        self._unspread[gpu] = joules - spread if self._since.get(gpu) is not None else 0.0
         if not self.gpus.settled(gpu):
             # no series labelled with a precision not detected yet: the energy waits
             # for the labels

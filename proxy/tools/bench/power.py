@@ -3,6 +3,9 @@ bench's own runs, and the idle watts over a pause with nothing sent."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 
 from ...measure.summary import Samples
@@ -34,13 +37,45 @@ async def phasewatch_samples(client: Client) -> Samples | None:
     return samples_of(resp.text) if resp.status_code == 200 else None
 
 
-def run_watts(watch: Watch, model: str, phase: str) -> tuple[float, float]:
-    """Mean `phase` power of the requests counted during the last measured run, and how
-    many requests it covers (the bench sent one)."""
-    before = decode_watts(samples_of(watch.before_text), model, phase)
-    after = decode_watts(samples_of(watch.text), model, phase)
-    n = after[1] - before[1]
-    return ((after[0] - before[0]) / n if n > 0 else 0.0), n
+#: How long the bench waits for phasewatch to settle a run's power (s): the sensor covers
+#: a request's end one refresh period after it (a coarse sensor never: then unresolved).
+SETTLE_WAIT = 3.0
+
+
+async def settled_run(watch: Watch, model: str, phase: str) -> tuple[float, float, float]:
+    """The run's `phase` once phasewatch has settled it: (mean watts, figures observed,
+    joules attributed); watts and figures 0 when the phase was too short for the sensor
+    (or did not settle in :data:`SETTLE_WAIT` s)."""
+    before = samples_of(watch.before_text)
+    n0, j0 = _settled(before, model, phase), _phase_joules(before, model, phase)
+    deadline = time.monotonic() + SETTLE_WAIT
+    while True:
+        await watch.read()  # the next run's "before" is then this settled page
+        now = samples_of(watch.text)
+        # a phase too short is counted unresolved at once, its energy once covered
+        done = _settled(now, model, phase) > n0 and _phase_joules(now, model, phase) > j0
+        if done or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    b, a = decode_watts(before, model, phase), decode_watts(now, model, phase)
+    n = a[1] - b[1]
+    joules = _phase_joules(now, model, phase) - _phase_joules(before, model, phase)
+    return ((a[0] - b[0]) / n if n > 0 else 0.0), n, joules
+
+
+def _settled(samples: Samples | None, model: str, phase: str) -> float:
+    if samples is None:
+        return 0.0
+    lab = {"model": model, "phase": phase}
+    return samples.total("phasewatch_gpu_power_watts_count", **lab) + samples.total(
+        "phasewatch_gpu_power_unresolved_total", **lab
+    )
+
+
+def _phase_joules(samples: Samples | None, model: str, phase: str) -> float:
+    if samples is None:
+        return 0.0
+    return samples.total("phasewatch_request_phase_energy_joules_total", model=model, phase=phase)
 
 
 def decode_watts(samples: Samples | None, model: str, phase: str = "decode") -> tuple[float, float]:

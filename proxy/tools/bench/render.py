@@ -36,6 +36,13 @@ def warnings(result: dict, max_spread: float) -> list[str]:
                 )
                 + "; more --repeat, or a quieter engine and client machine"
             )
+    rate = result.get("demo_traffic_rate") or 0.0
+    if rate > 0:  # the demo's own traffic: one line, whatever it touched
+        out.append(
+            f"this is `phasewatch demo` with its traffic generator on ({rate:g} requests/s), "
+            "which skews every figure: restart it with `phasewatch demo --rate 0` to bench it"
+        )
+        return out
     # other traffic: one warning for the whole bench, naming each scenario it touched
     busy = [
         f"the {scenario} runs of {m['model']} ({m['precision']}) ("
@@ -133,15 +140,19 @@ def table(result: dict) -> str:
         for n in m["notes"]:
             out.append(f"- {m['model']}: {n}")
     out.append("- " + result["method"] + ".")
+    sensor = result.get("power_sensor") or []
     if not power:
-        out.append(
-            "- Power: n/a (bench through a phasewatch proxy that samples GPU power to get it)."
-        )
+        if sensor:  # through phasewatch: it says why it is not sampling
+            out += [f"- Power: n/a. {ln}" for ln in sensor]
+        else:
+            out.append("- Power: n/a (not benched through phasewatch, which samples GPU power).")
     else:
         out.append(
-            "- decode W: GPU power over each decode run's decode window; idle W: over a pause "
-            "with nothing sent (--idle-seconds); J/tok = decode W / decode tok/s."
+            "- decode W: the GPU's energy over each decode run's decode window / its length, "
+            "from the sensor below; idle W: over a pause with nothing sent (--idle-seconds); "
+            "J/tok = decode W / decode tok/s."
         )
+        out += [f"- {ln}" for ln in sensor]
     secs: dict[str, float] = {}
     for m in models:
         for k, v in (m.get("seconds") or {}).items():

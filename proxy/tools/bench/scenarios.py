@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ...measure.precision import from_name
 from .client import BenchError, Client
-from .power import idle_watts, phasewatch_samples, run_watts
+from .power import idle_watts, phasewatch_samples, settled_run
 from .progress import Progress
 from .prompts import Prompts
 from .stats import stats
@@ -119,7 +119,7 @@ async def bench_model(
         shots.append(await measured("decode", i + 1, client.shot(model, text, opts.decode_tokens)))
         clock.add("decode", time.monotonic() - t0)
         if meta["power"]:
-            w, n = run_watts(watch, model, "decode")
+            w, n, _ = await settled_run(watch, model, "decode")
             if n > 0:
                 watts.append(w)
             if n > 1:
@@ -153,6 +153,9 @@ async def bench_model(
 
     # prefill / TTFT
     prefill_watts: list[float] = []
+    # each run's prefill energy and time: runs too short for the sensor add up to a
+    # window it resolves (back-to-back repeats)
+    prefill_joules: list[tuple[float, float]] = []
     for size in opts.prompt_tokens:
         if limit and size >= limit - 1:
             res.notes.append(f"prefill: {size}-token prompt skipped (max_model_len {limit})")
@@ -171,9 +174,11 @@ async def bench_model(
                 )
                 clock.add("prefill", time.monotonic() - t0)
                 if meta["power"]:
-                    w, n = run_watts(watch, model, "prefill")
+                    w, n, joules = await settled_run(watch, model, "prefill")
                     if n > 0:
                         prefill_watts.append(w)
+                    elif joules > 0 and shots[-1].ttft_s:
+                        prefill_joules.append((joules, shots[-1].ttft_s))
                 progress.step(f"{model}: prefill ~{size} tokens run {i + 1}/{opts.repeat}")
         except BenchError as exc:
             if "HTTP 400" not in str(exc):
@@ -216,6 +221,22 @@ async def bench_model(
     if pw_stats:
         res.power["prefill_watts"] = pw_stats["median"]
         res.power["prefill_watts_stats"] = pw_stats
+    elif prefill_joules:
+        seconds = sum(t for _, t in prefill_joules)
+        shortest = meta.get("min_phase")
+        if shortest is not None and seconds >= shortest:
+            res.power["prefill_watts"] = sum(j for j, _ in prefill_joules) / seconds
+            res.notes.append(
+                f"prefill W: each prefill was shorter than the GPU power sensor resolves "
+                f"({shortest:.2g} s); from the energy of {len(prefill_joules)} back-to-back "
+                f"runs ({seconds:.2g} s in all)"
+            )
+        else:
+            res.notes.append(
+                f"prefill W: n/a, {len(prefill_joules)} prefills of {seconds:.2g} s in all "
+                f"are shorter than the GPU power sensor resolves"
+                + (f" ({shortest:.2g} s): more --repeat" if shortest is not None else "")
+            )
 
     # concurrency sweep
     for level in opts.concurrency:

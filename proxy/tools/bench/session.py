@@ -14,6 +14,7 @@ import httpx
 
 from ... import __version__
 from ...engines import listed_context, served_file
+from ...measure.sensor import view as sensor_view
 from ...measure.summary import BASELINES, model_family
 from .client import BenchError, Client
 from .power import phasewatch_samples
@@ -83,6 +84,12 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
             meta["power"] = pw.has("phasewatch_gpu_power_sample_watts_count") or pw.has(
                 "phasewatch_gpu_power_watts_count"
             )
+            # what the sensor resolves (or why power is not sampled), for the table's notes;
+            # the demo's own traffic generator, said in one line
+            meta["sensor"] = sensor_view(pw).lines()
+            shortest = [s.value for s in pw.get("phasewatch_gpu_power_resolution_seconds")]
+            meta["min_phase"] = max(shortest) if shortest else None
+            meta["demo_rate"] = pw.total("phasewatch_demo_traffic_requests_per_second")
             for s in pw.get("phasewatch_model_info"):
                 meta["phasewatch"][s.labels.get("model")] = (
                     s.labels.get("precision", "unknown"),
@@ -121,6 +128,8 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
             "streaming); TTFT at the first event carrying content; prefill ms/token = TTFT / "
             "prompt tokens",
             "models": [asdict(r) for r in results],
+            "power_sensor": meta.get("sensor") or [],
+            "demo_traffic_rate": meta.get("demo_rate") or 0.0,
         }
         result["warnings"] = warnings(result, opts.max_spread)
         return result

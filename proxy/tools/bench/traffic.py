@@ -67,6 +67,15 @@ POWER = (
     "phasewatch_gpu_power_watts_count",
     "phasewatch_gpu_power_sample_watts_sum",
     "phasewatch_gpu_power_sample_watts_count",
+    # GPU power as the sensor resolves it: phases it could not resolve, phase energy,
+    # what the sensor is, and the demo's own traffic generator
+    "phasewatch_gpu_power_unresolved_total",
+    "phasewatch_request_phase_energy_joules_total",
+    "phasewatch_power_sampling_up",
+    "phasewatch_gpu_power_sensor_info",
+    "phasewatch_gpu_power_resolution_seconds",
+    "phasewatch_gpu_power_refresh_seconds",
+    "phasewatch_demo_traffic_requests_per_second",
 )
 #: Sample names asked for with ``?name[]=``: prometheus-client's exposition (vLLM's, and
 #: phasewatch's) then renders only those; a server that ignores it sends everything.

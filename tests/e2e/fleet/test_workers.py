@@ -212,24 +212,39 @@ def test_every_workers_requests_carry_phase_power_from_one_sampler():
             what="a log line for every request the engine served",
         )
         assert len(lines) == len(truth)
-        assert lines and all("decode_watts" in ln and "energy_j" in ln for ln in lines), lines
-        per_pid: dict[str, list[dict]] = {}
+        per_pid: dict[str, list[str]] = {}
         for raw in proxy.log().splitlines():
             if "msg=request " in raw:
                 pid = raw.split(" pid=", 1)[1].split(" ", 1)[0]
                 per_pid.setdefault(pid, []).append(raw)
         assert all(per_pid[p] for p in pids)
+
+        def settled():
+            s = metric_samples(proxy.url)
+            n = sum(v for (name, lab), v in s.items() if name == "phasewatch_gpu_power_watts_count")
+            u = sum(
+                v for (name, lab), v in s.items() if name == "phasewatch_gpu_power_unresolved_total"
+            )
+            return s if n + u >= 2 * sent else None
+
+        s = wait_for(settled, what="every request's power settled, whichever worker served it")
         # every worker's requests: decode power at a batch of two, from the one sampler
-        for line in lines:
-            p = line["precision"]
-            assert float(line["decode_watts"]) == pytest.approx(
-                power_watts(MODELS[p], RTX_4090, "decode", 2), rel=0.05
-            ), line
-        # energy shares against the simulator's, per precision (samples are classified by
-        # what both workers have in flight: a share split over the wrong count would be off)
         for p, m in MODELS.items():
-            mine = [ln for ln in lines if ln["model"] == m.id]
-            proxy_j = sum(float(ln["energy_j"]) for ln in mine)
+            lab = {"precision": p, "phase": "decode"}
+            n = sample(s, "phasewatch_gpu_power_watts_count", **lab)
+            assert n == sum(1 for t in truth if t["model"] == m.id), p
+            assert sample(s, "phasewatch_gpu_power_watts_sum", **lab) / n == pytest.approx(
+                power_watts(MODELS[p], RTX_4090, "decode", 2), rel=0.05
+            ), p
+        # energy shares against the simulator's, per precision (ticks carry what both
+        # workers have in flight: a share split over the wrong count would be off)
+        for p, m in MODELS.items():
+            proxy_j = sum(
+                v
+                for (name, lab), v in s.items()
+                if name == "phasewatch_request_phase_energy_joules_total"
+                and dict(lab).get("precision") == p
+            )
             true_j = sum(t["energy_joules"] for t in truth if t["model"] == m.id)
             assert proxy_j == pytest.approx(true_j, rel=0.05), p
         # decode-state samples were taken while requests of either worker decoded

@@ -118,14 +118,24 @@ def test_joules_per_token_by_precision_match_the_simulator(powered):
             job.result()
     # ...then one 8K-token prompt on bf16: ~2 s of prefill alone on its GPU.
     stream(proxy.url, MODELS["bf16"].id, " ".join(["prefill"] * 8000), 2)
+    truth = sim.truth(at_least=7)
+    assert len(truth) == 7 and all(t["energy_joules"] > 0 for t in truth)
+
+    def settled():
+        # every request's phases observed or counted unresolved, once the sensor covered
+        # their ends, and the counter stepped past them
+        s = metric_samples(proxy.url)
+        done = sum(
+            v
+            for (name, _), v in s.items()
+            if name in ("phasewatch_gpu_power_watts_count", "phasewatch_gpu_power_unresolved_total")
+        )
+        return s if done >= 14 else None
+
+    after = wait_for(settled, what="every request's power settled")
     time.sleep(0.4)  # several samples past the end, every GPU idle again
     after = metric_samples(proxy.url)
     sim_after = parse_dcgm(httpx.get(sim.url + "/metrics").text)
-    truth = sim.truth(at_least=7)
-    lines = wait_for(
-        lambda: len(proxy.request_lines()) >= 7 and proxy.request_lines(), what="request log lines"
-    )
-    assert len(truth) == 7 and all(t["energy_joules"] > 0 for t in truth)
 
     e0, e1 = energy_by_precision(before), energy_by_precision(after)
     for p, m in MODELS.items():
@@ -138,15 +148,16 @@ def test_joules_per_token_by_precision_match_the_simulator(powered):
         # included, against the simulator's own integral over the same window.
         true_j = (sim_after[GPU[p]].energy_mj - sim_before[GPU[p]].energy_mj) / 1000.0
         assert (e1[p] - e0[p]) / tokens == pytest.approx(true_j / tokens, rel=0.02), p
-        # Per request: the proxy's sampled share of the GPU's energy, against the
+        # The requests' attributed share of the GPU's energy (both phases), against the
         # simulator's exact share, per generated token.
-        logged = [ln for ln in lines if ln["model"] == m.id]
-        assert len(logged) == len(mine) and all("joules_per_token" in ln for ln in logged)
-        proxy_jpt = sum(float(ln["energy_j"]) for ln in logged) / sum(
-            int(ln["completion_tokens"]) for ln in logged
+        attributed = sum(
+            v
+            for (name, lab), v in after.items()
+            if name == "phasewatch_request_phase_energy_joules_total"
+            and dict(lab).get("precision") == p
         )
         true_jpt = sum(t["energy_joules"] for t in mine) / sum(t["completion_tokens"] for t in mine)
-        assert proxy_jpt == pytest.approx(true_jpt, rel=0.02), p
+        assert attributed / tokens == pytest.approx(true_jpt, rel=0.02), p
 
     # Per-request decode power per precision: the simulator's draw at a batch of two.
     decode = {}
@@ -156,9 +167,11 @@ def test_joules_per_token_by_precision_match_the_simulator(powered):
         decode[p] = sample(after, "phasewatch_gpu_power_watts_sum", precision=p, phase="decode") / n
         assert decode[p] == pytest.approx(power_watts(m, RTX_4090, "decode", 2), rel=0.03), p
     assert decode["bf16"] > decode["fp8"] > decode["int4"]
-    # The long prompt's prefill window, sampled alone on its GPU.
-    long_line = next(ln for ln in lines if int(ln["prompt_tokens"]) > 8000)
-    assert float(long_line["prefill_watts"]) == pytest.approx(
+    # The long prompt's prefill window, alone on its GPU: the one prefill long enough to
+    # be resolved (the short prompts' prefills are counted unresolved).
+    lab = {"precision": "bf16", "phase": "prefill"}
+    assert sample(after, "phasewatch_gpu_power_watts_count", **lab) == 1
+    assert sample(after, "phasewatch_gpu_power_watts_sum", **lab) == pytest.approx(
         power_watts(MODELS["bf16"], RTX_4090, "prefill"), rel=0.03
     )
     # Samples by state: idle power and load power both visible, per precision.
@@ -239,7 +252,7 @@ def test_without_power_the_proxy_relays_measures_and_says_so_once(sim, tmp_path,
             for k in samples
             if k[0].startswith("phasewatch_gpu_") and not k[0].endswith("_created")
         ]
-        assert all("joules_per_token" not in ln for ln in proxy.request_lines(at_least=2))
+        assert len(proxy.request_lines(at_least=2)) >= 2
         wait_for(lambda: "power is not" in proxy.log(), what="the power log line")
         time.sleep(0.5)  # more failed samples: still said only once
         said = [ln for ln in proxy.log().splitlines() if "power is not" in ln]
