@@ -47,7 +47,7 @@ class SensorView:
     def lines(self) -> list[str]:
         """One line per GPU, then the unresolved phases; the fix when too coarse."""
         if not self.sampled:
-            return [f"GPU power: not sampled by this phasewatch ({self.why_not})."]
+            return [f"Power: n/a, this phasewatch is not sampling GPU power ({self.why_not})."]
         out = []
         for g in self.gpus:
             every = f", refreshed every {g.refresh:.3g} s" if g.refresh else ""
