@@ -216,6 +216,8 @@ class TickRing:
             states = {s for _, _, s in parts}
             weights = self._weights(parts, joules)
             w = [ov * weights.get(s, 1.0) for _, ov, s in parts]
+            if sum(w) <= 0:  # every state here weighs nothing: by time alone
+                w = [ov for _, ov, _ in parts]
             total = sum(w) or 1.0
             idle = 0.0
             for (i, _, s), wi in zip(parts, w):
