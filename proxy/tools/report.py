@@ -45,7 +45,7 @@ _COUNTERS = (
     "tokens_total",
     "gpu_energy_joules_total",
     "request_energy_joules_total",
-    # GPU power as the sensor resolves it (issue 42)
+    # GPU power as the sensor resolves it
     "gpu_power_unresolved_total",
     "request_phase_energy_joules_total",
     "gpu_idle_energy_joules_total",
@@ -55,7 +55,7 @@ _GAUGES = (
     "queued_requests",
     "model_info",
     "gpu_power_current_watts",
-    # GPU power as the sensor resolves it (issue 42)
+    # GPU power as the sensor resolves it
     "power_sampling_up",
     "gpu_power_sensor_info",
     "gpu_power_resolution_seconds",
