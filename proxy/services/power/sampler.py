@@ -239,7 +239,7 @@ class PowerSampler:
         self._since: dict[str, float] = {}  # gpu -> start of the energy not yet spread
         self._unspread: dict[str, float] = {}  # gpu -> joules counted, not yet spread
         self._state: dict[str, str] = {}  # gpu -> state at its last tick
-        self._told: dict[str, float | None] = {}  # gpu -> resolution last logged
+        self._told: dict[str, tuple[float, float]] = {}  # gpu -> resolution logged, when
         self._warned = False
         self.started: float | None = None
         self.up: bool | None = None  # None until the first tick
@@ -445,10 +445,15 @@ class PowerSampler:
                 ring.min_phase = min_phase
             if min_phase is not None:
                 m.gpu_power_resolution_seconds.labels(gpu).set(min_phase)
-            told = self._told.get(gpu, -1.0)
-            if res is not None and (told is None or told < 0 or not told / 2 < res < told * 2):
-                self._told[gpu] = res
+            # one line at start, then again when the resolution changes twofold (at most
+            # once a minute: a busy machine's late polls are not a new sensor)
+            told, told_at = self._told.get(gpu, (None, -1e9))
+            changed = told is None or not told / 2 < (res or 0) < told * 2
+            if res is not None and changed and (told is None or now - told_at >= 60.0):
+                self._told[gpu] = (res, now)
                 self._say(gpu, watch, use, period, res)
+            elif res is not None:
+                self._warn_coarse(res)
         self.poll = min(self.interval, min(polls)) if polls else self.interval
 
     def _say(self, gpu: str, watch: SensorWatch, use: str, period, res: float) -> None:
@@ -466,6 +471,10 @@ class PowerSampler:
             use,
             min_phase or res,
         )
+        self._warn_coarse(res)
+
+    def _warn_coarse(self, res: float) -> None:
+        """Once: a sensor too slow for per-request figures, and how to fix it."""
         if res > COARSE_RESOLUTION and not self._warned:
             self._warned = True
             if self.source.name == "dcgm":
