@@ -212,8 +212,9 @@ class PowerService:
         if book is None:
             return 0
         done = 0
-        now = time.monotonic()
-        for e in book.ended():
+        # the clock the snapshots were taken with (a test's, or the host's monotonic)
+        now = self.sampler.clock() if self.sampler is not None else time.monotonic()
+        for e in book.ended(now, GIVE_UP_SECONDS):
             got = self._settle_one(e)
             if got or (e.ended is not None and now - e.ended > GIVE_UP_SECONDS):
                 if not got:  # the sensor never covered it (power went down)
