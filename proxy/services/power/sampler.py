@@ -315,15 +315,19 @@ class PowerSampler:
         except Exception as exc:  # noqa: BLE001 - driver or HTTP error: said once
             self._set_down(f"reading {self.source.name} failed: {exc}")
             return
-        t = (t_c + self.clock()) / 2.0
+        t_read = self.clock()
+        t = (t_c + t_read) / 2.0
         if readings.keys() - self.meters.keys():  # a GPU seen for the first time
             seqs, counts = self.membership(sorted(readings), t_c)
+        # what was in flight once the source had answered: a sample read while that
+        # changed (a request began or ended) belongs to neither state's histogram
+        after = self.membership(sorted(readings), t_read)[1]
         seen = 0
         for gpu, r in sorted(readings.items()):
             if not self.gpus.owners(gpu):
                 continue
             seen += 1
-            self._sample(gpu, r, t_c, t, counts.get(gpu, (0, 0)), seqs)
+            self._sample(gpu, r, t_c, t, counts.get(gpu, (0, 0)), seqs, after)
         if seen:
             self._set_up(len(readings), seen)
             self._learnt(t)
@@ -334,7 +338,14 @@ class PowerSampler:
             )
 
     def _sample(
-        self, gpu: str, r: Reading, t_c: float, t: float, counts: tuple[int, int], seqs
+        self,
+        gpu: str,
+        r: Reading,
+        t_c: float,
+        t: float,
+        counts: tuple[int, int],
+        seqs: tuple[int, ...],
+        after: dict[str, tuple[int, int]],
     ) -> None:
         watch = self.watches.get(gpu)
         if watch is None:
@@ -375,7 +386,9 @@ class PowerSampler:
             pj, pi = self._pending.get(gpu, (0.0, 0.0))
             self._pending[gpu] = (pj + spread, pi + idle)
         else:
-            same = self._state.get(gpu, state) == state
+            same = (
+                self._state.get(gpu, state) == state and classify(*after.get(gpu, counts)) == state
+            )
             self._publish(gpu, watts, spread, idle, state if same else None)
         self._state[gpu] = state
 
