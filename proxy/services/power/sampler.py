@@ -1,10 +1,11 @@
-"""The power sampler: a daemon thread reading a source, feeding the power metrics, the
-per-GPU rings and each request's mean power over its prefill and decode windows.
+"""The power sampler: a daemon thread reading a source, learning what it resolves
+(:mod:`.learn`), feeding the power metrics and each GPU's tick ring (:mod:`.ledger`), from
+which requests' phase energy is settled.
 
 Every driver or HTTP call runs behind a timeout on a second daemon thread, so a hung NVML
-call can neither stall the proxy nor keep it from exiting. Each sample is classified by
-what the GPU's upstream had in flight (idle / prefill / decode) and counted as energy (the
-device's own energy counter where it has one, else integrated power).
+call can neither stall the proxy nor keep it from exiting. Each tick records what the GPU's
+upstream had in flight (idle / prefill / decode); each step of the energy counter (else
+integrated power) is spread over the ticks it covers.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def classify(prefill: int, decode: int) -> str:
     return "prefill" if prefill else "decode" if decode else "idle"
 
 
-#: What a GPU's ring of samples offers (a local Ring, or the workers' shared one).
+#: Each GPU's tick ring: a dict of this process's, or the workers' shared rings.
 RingStore = Any
 
 
