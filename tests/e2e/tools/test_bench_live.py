@@ -78,11 +78,9 @@ def test_power_by_phase_through_phasewatch(powered):
         assert pw["idle_watts"] == pytest.approx(RTX_4090.idle_watts, abs=0.5)
         assert pw["decode_watts"] == pytest.approx(profile.decode_watts, rel=0.05), prec
         assert pw["decode_watts_stats"]["n"] == 3
-        if "prefill_watts" in pw:
-            assert pw["prefill_watts"] == pytest.approx(profile.prefill_watts, rel=0.1), prec
-        else:  # int4's prefills at --speed 4, even added up, are shorter than resolved
-            assert any("shorter than the GPU power sensor resolves" in n for n in m["notes"])
-            assert prec == "int4", m["notes"]
+        # (int4's prefills at --speed 4 are about as short as the sensor resolves: when
+        # they are shorter, bench adds back-to-back runs up and says so in a note)
+        assert pw["prefill_watts"] == pytest.approx(profile.prefill_watts, rel=0.1), prec
         assert pw["joules_per_token"] == pytest.approx(
             pw["decode_watts"] / m["decode"]["tok_s"], rel=0.1
         )
