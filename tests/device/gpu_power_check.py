@@ -62,6 +62,10 @@ sys.path.insert(0, str(HERE))
 from standin_engine import MODEL, StandinEngine  # noqa: E402
 
 FAKE_NVML = HERE / "fake_nvml"
+PULSE_S = 0.02  # short compute pulses: what share of the time the instant field sees
+PULSE_EVERY_S = 0.2
+PULSES = 40
+PULSES_QUICK = 10
 FIELDS = ["instant_w", "average_w", "usage_w", "counter_w"]  # counter_w: counter deltas
 SHORT_NAMES = {
     "instant_w": "NVML_FI_DEV_POWER_INSTANT",
@@ -450,12 +454,17 @@ def run_square(
     load: Load, workdir: Path, env: dict, gpu: int, quick: bool, deadline: float
 ) -> dict:
     sched = square_schedule(quick)
-    budget = sum(d + g for _, d, g in sched) + 10
+    budget = sum(d + g for _, d, g in sched) + 10 + PULSES * (PULSE_EVERY_S + 0.1)
     poll = Poll(
         workdir, env, gpu, min(budget + 30, max(10.0, deadline - time.monotonic())), "square"
     )
     bursts: list[dict] = []
-    out: dict[str, Any] = {"schedule": [list(x) for x in sched], "bursts": bursts}
+    pulses: list[dict] = []
+    out: dict[str, Any] = {
+        "schedule": [list(x) for x in sched],
+        "bursts": bursts,
+        "pulses": pulses,
+    }
     try:
         if not poll.started():
             raise RuntimeError("NVML poller exited at start")
@@ -470,6 +479,16 @@ def run_square(
             t0, t1 = load.burst(kind, dur)
             time.sleep(gap)
             bursts.append({"kind": kind, "nominal_s": dur, "t0": t0, "t1": t1, "gap_s": gap})
+        # short compute pulses at spread phases: how much of the time the instant field
+        # sees (a pulse is seen when it overlaps the field's averaging window)
+        for i in range(PULSES_QUICK if quick else PULSES):
+            if time.monotonic() + 1.0 > deadline:
+                out["cut_short"] = "time box reached during the pulses"
+                break
+            t0, t1 = load.burst("compute", PULSE_S)
+            time.sleep(max(0.0, PULSE_EVERY_S + _spread(i) - (t1 - t0)))
+            pulses.append({"t0": t0, "t1": t1})
+        time.sleep(0.3)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()[-3000:]
@@ -480,7 +499,78 @@ def run_square(
     fields, counter, info = load_fields(poll)
     out["poll"] = info
     out.update(analyse_square(fields, counter, bursts, out["idle_lead"]))
+    out["pulse_visibility"] = analyse_pulses(fields, counter, pulses, out)
+    out["sensor_profile"] = sensor_profile(out)
     return out
+
+
+def analyse_pulses(
+    fields: dict[str, Series], counter: Counter | None, pulses: list[dict], sq: dict
+) -> dict:
+    """Per field: the share of short pulses it shows at all, and (instant field) the
+    averaging window that share implies: a pulse of length p is seen when it overlaps a
+    window W refreshed every R, with probability (p + W) / R at spread phases."""
+    if not pulses:
+        return {"error": "no pulses ran"}
+    res: dict[str, Any] = {
+        "pulses": len(pulses),
+        "pulse_s": _median([p["t1"] - p["t0"] for p in pulses]),
+    }
+    span = (pulses[0]["t0"] - 0.05, pulses[-1]["t1"] + 0.2)
+    ref_excess = None
+    idle = sq["idle_w"]
+    if counter is not None and idle.get("counter_w") is not None:
+        ref_excess = counter.between(*span) - idle["counter_w"] * (span[1] - span[0])
+        res["counter_excess_j"] = ref_excess
+    for name, s in fields.items():
+        top = sq["plateau_w"]["compute"].get(name)
+        base = idle.get(name)
+        if top is None or base is None or top - base < 5:
+            res[name] = {"error": "no step size for this field"}
+            continue
+        seen = 0
+        for p in pulses:
+            peak = max(s.window(p["t0"], p["t1"] + 0.15) or [math.nan])
+            if peak - base > 0.15 * (top - base):
+                seen += 1
+        row: dict[str, Any] = {"seen_fraction": seen / len(pulses)}
+        if name != "counter_w":
+            excess = s.integral(*span) - base * (span[1] - span[0])
+            row["energy_above_idle_vs_counter_pct"] = _pct(excess, ref_excess)
+        refresh = sq["fields"].get(name, {}).get("refresh_period_s")
+        if name == "instant_w" and refresh:
+            row["window_estimate_s"] = max(0.0, row["seen_fraction"] * refresh - res["pulse_s"])
+        res[name] = row
+    return res
+
+
+def sensor_profile(sq: dict) -> dict:
+    """The figures a simulator sensor profile needs, in one place."""
+    prof: dict[str, Any] = {
+        "gpu": sq.get("poll", {}).get("gpu_name"),
+        "poll_interval_s": sq.get("poll", {}).get("poll_interval_median_s"),
+        "unsupported": sq.get("poll", {}).get("errors") or {},
+    }
+    for name, f in sq.get("fields", {}).items():
+        lag = f.get("lag", {}).get("compute", {})
+        entry = {
+            "source": f.get("source"),
+            "refresh_s": f.get("refresh_period_s"),
+            "rise_to_50pct_s": lag.get("rise_to_50pct_s"),
+            "rise_to_90pct_s": lag.get("rise_to_90pct_s"),
+            "fall_to_50pct_s": lag.get("fall_to_50pct_s"),
+        }
+        r50 = lag.get("rise_to_50pct_s")
+        entry["looks_like"] = (
+            None if r50 is None else "1 s mean" if r50 > 0.3 else "instant or short window"
+        )
+        vis = sq.get("pulse_visibility", {}).get(name)
+        if isinstance(vis, dict):
+            entry["pulse_seen_fraction"] = vis.get("seen_fraction")
+            if "window_estimate_s" in vis:
+                entry["window_estimate_s"] = vis["window_estimate_s"]
+        prof[name] = entry
+    return prof
 
 
 def analyse_square(
@@ -1046,6 +1136,8 @@ def gpu_info(nvml: Any, gpu: int) -> dict:
         ("driver", lambda: nvml.nvmlSystemGetDriverVersion()),
         ("power_limit_w", lambda: nvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0),
         ("gpu_count", lambda: nvml.nvmlDeviceGetCount()),
+        ("architecture", lambda: nvml.nvmlDeviceGetArchitecture(h)),
+        ("cuda_capability", lambda: nvml.nvmlDeviceGetCudaComputeCapability(h)),
     ):
         try:
             v = fn()
@@ -1072,6 +1164,21 @@ def summary_lines(data: dict) -> list[str]:
             f"  {name:10s} refresh {_fmt(f.get('refresh_period_s'), 's')}  rise50 {_fmt(lag.get('rise_to_50pct_s'), 's')}"
             f"  rise90 {_fmt(lag.get('rise_to_90pct_s'), 's')}  fall50 {_fmt(lag.get('fall_to_50pct_s'), 's')}"
         )
+    poll = sq.get("poll") or {}
+    if poll:
+        calls = "  ".join(
+            f"{k} {_fmt(v, 's')}" for k, v in (poll.get("call_median_s") or {}).items()
+        )
+        lines.append(
+            f"  poll every {_fmt(poll.get('poll_interval_median_s'), 's')} (calls: {calls})"
+        )
+    for name, v in (sq.get("pulse_visibility") or {}).items():
+        if isinstance(v, dict) and "seen_fraction" in v:
+            w = v.get("window_estimate_s")
+            lines.append(
+                f"  {name:10s} sees {v['seen_fraction']:.0%} of {PULSE_S * 1000:.0f} ms pulses"
+                + (f" (window ~{_fmt(w, 's')})" if w is not None else "")
+            )
     for name, err in (sq.get("poll", {}).get("errors") or {}).items():
         lines.append(f"  unsupported {name}: {err}")
     for key, s in ((sq.get("energy") or {}).get("summary") or {}).items():
@@ -1104,6 +1211,8 @@ def _fmt(v: Any, unit: str) -> str:
     if unit == "%":
         return f"{v:+.1f}%"
     if unit == "s":
+        if abs(v) < 0.01:
+            return f"{v * 1e6:.0f}us"
         return f"{v * 1000:.0f}ms" if abs(v) < 1 else f"{v:.2f}s"
     return f"{v:.0f}{unit}"
 

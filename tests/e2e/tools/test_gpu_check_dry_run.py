@@ -67,6 +67,16 @@ def test_dry_run_measures_the_fake_sensor_and_phasewatch(tmp_path):
         peak = sq["fields"]["usage_w"]["lag"][kind]["peak_fraction_of_step_by_burst_s"]["0.1"]
         assert peak < 0.3
 
+    # 20 ms pulses: the 1 s mean never shows one, the instant field about as often as a
+    # pulse overlaps its window, the counter every time
+    vis = sq["pulse_visibility"]
+    assert vis["usage_w"]["seen_fraction"] == 0
+    assert 0.1 <= vis["instant_w"]["seen_fraction"] <= 0.8
+    assert vis["counter_w"]["seen_fraction"] == 1
+    profile = sq["sensor_profile"]
+    assert profile["usage_w"]["looks_like"] == "1 s mean"
+    assert profile["instant_w"]["looks_like"] == "instant or short window"
+
     pw = data["phasewatch"]
     assert "error" not in pw, pw.get("traceback")
     assert [r["status"] for r in pw["requests"]] == [200, 200]
