@@ -159,10 +159,10 @@ class Load:
         a = torch.randn(n, n, device=dev, dtype=dtype)
         b = torch.randn(n, n, device=dev, dtype=dtype)
         c = torch.empty(n, n, device=dev, dtype=dtype)
-        src = torch.empty(
+        # random bits, as weights and KV caches are (constant data would toggle fewer bits)
+        src = torch.randn(
             copy_bytes // 2, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float16
         )
-        src.fill_(1.0)
         dst = torch.empty_like(src)
         self.ops = {
             "compute": lambda: torch.matmul(a, b, out=c),
@@ -978,6 +978,19 @@ def compare_phasewatch(
         c = _sum(d, "phasewatch_gpu_power_watts_count", phase=phase)
         pw_phase[phase] = {"observations": c, "mean_w": (s / c) if s is not None and c else None}
     res["phasewatch_phase_power"] = pw_phase
+    # every watt histogram with a phase label, whatever it is called
+    other: dict[str, Any] = {}
+    for (n, lab), v in d.items():
+        labels = dict(lab)
+        if n.endswith("_sum") and "watt" in n and "phase" in labels:
+            c = d.get((n[: -len("_sum")] + "_count", lab))
+            key = f"{n[: -len('_sum')]}{{phase={labels['phase']}}}"
+            item = other.setdefault(key, {"sum": 0.0, "count": 0.0})
+            item["sum"] += v
+            item["count"] += c or 0.0
+    for item in other.values():
+        item["mean_w"] = item["sum"] / item["count"] if item["count"] else None
+    res["phasewatch_phase_watt_histograms"] = other or None
     unresolved = {f"{n}{dict(lab)}": v for (n, lab), v in d.items() if "unresolved" in n}
     res["phasewatch_unresolved_delta"] = unresolved or None
     if counter is None:
@@ -1061,6 +1074,22 @@ def compare_phasewatch(
             )
             cmp_rows.append(row)
         res["per_request_access_log"] = cmp_rows
+        # the same mean over the requests phasewatch gave a figure (it may leave a phase
+        # it cannot resolve without one)
+        for phase in ("prefill", "decode"):
+            pairs = [
+                (row[f"{phase}_watts"], ref[f"{phase}_counter_w"])
+                for row, ref in zip(cmp_rows, per_req)
+                if row.get(f"{phase}_watts") is not None and ref[f"{phase}_counter_w"] is not None
+            ]
+            pw_phase[phase]["logged_requests"] = len(pairs)
+            pw_phase[phase]["unlogged_requests"] = len(per_req) - len(pairs)
+            if pairs:
+                got = statistics.fmean(p[0] for p in pairs)
+                ref_w = statistics.fmean(p[1] for p in pairs)
+                pw_phase[phase]["logged_mean_w"] = got
+                pw_phase[phase]["reference_mean_w_counter_logged"] = ref_w
+                pw_phase[phase]["logged_error_pct"] = _pct(got, ref_w)
     # energy totals over the scrape window
     t_before, t_after = out.get("scrape_window", [None, None])
     if t_before is not None:
@@ -1193,6 +1222,12 @@ def summary_lines(data: dict) -> list[str]:
         lines.append(
             f"  phasewatch {phase:7s} {_fmt(p.get('mean_w'), 'W')} (n={_fmt(p.get('observations'), '')}) vs counter "
             f"{_fmt(p.get('reference_mean_w_counter'), 'W')}: {_fmt(p.get('error_pct'), '%')}"
+            + (
+                f"; per logged request {_fmt(p.get('logged_error_pct'), '%')},"
+                f" {p.get('unlogged_requests')} without a figure"
+                if "logged_requests" in p
+                else ""
+            )
         )
     e = pw.get("energy") or {}
     if e:

@@ -13,8 +13,10 @@ Module constants are the real library's values.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -207,7 +209,40 @@ def nvmlErrorString(value: int) -> str:
     return str(NVMLError(value))
 
 
+def _borrow_constants() -> None:
+    """The real library's other constants and structures (read from its file, which is
+    safe: it loads NVML only in nvmlInit), so code that names one still imports."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "pynvml.py")
+        if os.path.abspath(entry or ".") == here or not os.path.isfile(path):
+            continue
+        spec = importlib.util.spec_from_file_location("_real_pynvml", path)
+        if spec is None or spec.loader is None:
+            return
+        real = importlib.util.module_from_spec(spec)
+        sys.modules["_real_pynvml"] = real  # it looks itself up there
+        try:
+            spec.loader.exec_module(real)
+        except Exception:
+            return
+        finally:
+            sys.modules.pop("_real_pynvml", None)
+        mine = globals()
+        for name, value in vars(real).items():
+            if name.startswith(("NVML_", "c_nvml")) and name not in mine:
+                mine[name] = value
+        return
+
+
+_borrow_constants()
+
+
 def __getattr__(name: str) -> Any:
+    if name.startswith("NVMLError_"):  # the real library's per-error subclasses
+        cls = type(name, (NVMLError,), {})
+        globals()[name] = cls
+        return cls
     if name.startswith("nvml"):
 
         def unsupported(*args: object, **kwargs: object) -> Any:
