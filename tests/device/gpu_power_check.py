@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import gzip
 import itertools
 import json
 import math
@@ -374,6 +375,24 @@ class Counter:
         return f(b) - f(a)
 
 
+def trace(poll: Poll) -> dict:
+    """Each polled column at its change points, [monotonic s, value]: the raw sensor
+    behaviour, small enough to keep (sample-and-hold between points restores it)."""
+    c = poll.cols
+    out: dict[str, Any] = {}
+    for name, tcol in (
+        ("instant_w", "t_fields"),
+        ("average_w", "t_fields"),
+        ("energy_field_mj", "t_fields"),
+        ("usage_w", "t_usage"),
+        ("counter_mj", "t_counter"),
+    ):
+        s = Series(c.get(tcol, []), c.get(name, []))
+        idx = [0, *s.changes()] if len(s) else []
+        out[name] = [[round(s.t[i], 6), s.v[i]] for i in idx]
+    return out
+
+
 def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
     c = poll.cols
     fields: dict[str, Series] = {}
@@ -498,6 +517,7 @@ def run_square(
         return out
     fields, counter, info = load_fields(poll)
     out["poll"] = info
+    out["trace"] = trace(poll)
     out.update(analyse_square(fields, counter, bursts, out["idle_lead"]))
     out["pulse_visibility"] = analyse_pulses(fields, counter, pulses, out)
     out["sensor_profile"] = sensor_profile(out)
@@ -912,6 +932,7 @@ def run_phasewatch(
         return out
     fields, counter, info = load_fields(poll)
     out["poll"] = info
+    out["trace"] = trace(poll)
     out["metrics_delta"] = [
         {"name": n, "labels": dict(lab), "delta": v}
         for (n, lab), v in sorted(metric_delta(before, after).items())
@@ -1347,6 +1368,9 @@ def main(argv: list[str] | None = None) -> int:
     report.write()
     # section time boxes: the square wave gets up to 45 % of what is left
     sections = [s for s in ("square", "phasewatch") if s not in args.skip]
+    traces: dict[str, Any] = {}
+    out_path = Path(args.out)
+    trace_path = out_path.with_name(out_path.stem + "_trace.json.gz")
     for name in sections:
         t0 = time.monotonic()
         left = deadline - t0
@@ -1358,6 +1382,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_phasewatch(
                     load, workdir, env, args.gpu, args.quick, box, args.phasewatch_arg
                 )
+            traces[name] = res.pop("trace", None)
             data[name] = _clean(res)
             failed = failed or "error" in res
         except Exception as exc:
@@ -1368,6 +1393,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         data[name]["section_s"] = time.monotonic() - t0
         report.write()
+        with contextlib.suppress(Exception):
+            with gzip.open(trace_path, "wt", encoding="utf-8") as f:
+                json.dump(_clean(traces), f)
+            data["trace_file"] = trace_path.name
     data["status"] = "partial" if failed else "ok"
     data["wall_s"] = time.monotonic() - t_start
     data["workdir"] = str(workdir)
