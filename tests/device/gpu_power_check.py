@@ -793,7 +793,9 @@ def chat(port: int, prefill_s: float, decode_s: float, tokens: int, timeout: flo
     t_end = time.monotonic()
     wall_end = time.time()
     status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    rid = re.search(rb'"id": ?"(chatcmpl-[0-9a-f]+)"', data)
     return {
+        "id": rid.group(1).decode() if rid else None,
         "status": status,
         "t_send": t_send,
         "t_first": t_first,
@@ -802,6 +804,62 @@ def chat(port: int, prefill_s: float, decode_s: float, tokens: int, timeout: flo
         "done": b"[DONE]" in data,
         "chunks": data.count(b"data: {"),
         "usage_seen": b'"usage"' in data,
+    }
+
+
+def run_concurrent(port: int, engine: StandinEngine, quick: bool) -> dict:
+    """Two overlapping requests between two scrapes (analysed after the poll stopped)."""
+    _, text = _get(f"http://127.0.0.1:{port}/metrics")
+    t_before = time.monotonic()
+    got: list[dict] = []
+
+    def one(prefill_s: float, decode_s: float, tokens: int) -> None:
+        r = chat(port, prefill_s, decode_s, tokens, timeout=prefill_s + decode_s + 30)
+        r.update(prefill_s=prefill_s, decode_s=decode_s, tokens=tokens)
+        got.append(r)
+
+    pair = [(0.2, 0.6, 12), (0.3, 0.4, 8)] if quick else [(0.3, 2.0, 64), (0.5, 1.0, 32)]
+    threads = [threading.Thread(target=one, args=args) for args in pair]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=40)
+    time.sleep(1.0 if quick else 2.0)
+    _, text2 = _get(f"http://127.0.0.1:{port}/metrics")
+    t_after = time.monotonic()
+    by_id = {t["id"]: t for t in engine.log}
+    for r in got:
+        r["engine"] = by_id.get(r["id"])
+    return {
+        "requests": got,
+        "scrape_window": [t_before, t_after],
+        "metrics_before": parse_metrics(text),
+        "metrics_after": parse_metrics(text2),
+    }
+
+
+def conservation(d: dict, counter: Counter | None, window: list[float] | None) -> dict:
+    """Energy over a scrape window: phasewatch's GPU total against the counter, and
+    requests' attributed energy plus any idle energy family against that total."""
+    gpu = _sum(d, "phasewatch_gpu_energy_joules_total")
+    req = _sum(d, "phasewatch_request_energy_joules_total")
+    idle_vals = [
+        v
+        for (n, _), v in d.items()
+        if "idle" in n and ("energy" in n or "joule" in n) and n.endswith("_total")
+    ]
+    idle = sum(idle_vals) if idle_vals else None
+    ref = counter.between(*window) if counter is not None and window else None
+    return {
+        "counter_j": ref,
+        "phasewatch_gpu_energy_j": gpu,
+        "gpu_energy_err_pct": _pct(gpu, ref),
+        "phasewatch_request_energy_j": req,
+        "phasewatch_idle_energy_j": idle,
+        "attributed_plus_idle_vs_gpu_pct": _pct((req or 0.0) + (idle or 0.0), gpu)
+        if req is not None
+        else None,
+        "note": "no idle energy family in /metrics" if idle is None else None,
     }
 
 
@@ -908,9 +966,13 @@ def run_phasewatch(
                 break
             time.sleep(0.5)
         out["scrape_window"] = [t_before, t_after]
-        truth = engine.log[n_logged:]
-        for r, t in zip(requests, truth):
-            r["engine"] = t
+        by_id = {t["id"]: t for t in engine.log[n_logged:]}
+        for r in requests:
+            r["engine"] = by_id.get(r["id"])
+        # two requests at once, in a scrape window of their own: phasewatch's sharing
+        # and its energy conservation (the engine serialises their GPU work)
+        if time.monotonic() + 15 < deadline:
+            out["concurrent"] = run_concurrent(port, engine, quick)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()[-3000:]
@@ -944,6 +1006,17 @@ def run_phasewatch(
         if not n.endswith("_bucket")
     ]
     out.update(compare_phasewatch(fields, counter, requests, before, after, out))
+    conc = out.get("concurrent")
+    if conc:
+        d2 = metric_delta(conc.pop("metrics_before"), conc.pop("metrics_after"))
+        conc["energy"] = conservation(d2, counter, conc["scrape_window"])
+        conc["unresolved_delta"] = {
+            f"{n}{dict(lab)}": v for (n, lab), v in d2.items() if "unresolved" in n
+        } or None
+        conc["phase_power_observations"] = {
+            ph: _sum(d2, "phasewatch_gpu_power_watts_count", phase=ph)
+            for ph in ("prefill", "decode")
+        }
     return out
 
 
@@ -1112,24 +1185,17 @@ def compare_phasewatch(
                 pw_phase[phase]["reference_mean_w_counter_logged"] = ref_w
                 pw_phase[phase]["logged_error_pct"] = _pct(got, ref_w)
     # energy totals over the scrape window
-    t_before, t_after = out.get("scrape_window", [None, None])
-    if t_before is not None:
-        ref_total = counter.between(t_before, t_after)
-        got_total = _sum(d, "phasewatch_gpu_energy_joules_total")
-        req_total = _sum(d, "phasewatch_request_energy_joules_total")
-        res["energy"] = {
-            "counter_j_between_scrapes": ref_total,
-            "phasewatch_gpu_energy_j": got_total,
-            "gpu_energy_err_pct": _pct(got_total, ref_total),
-            "phasewatch_request_energy_j": req_total,
-            "reference_request_windows_j": sum(r["request_counter_j"] for r in per_req)
-            if per_req
-            else None,
-            "request_energy_err_pct": _pct(
-                req_total, sum(r["request_counter_j"] for r in per_req) if per_req else None
-            ),
-            "note": "scrapes are timed at the client: a few ms of slack at each end",
-        }
+    window = out.get("scrape_window")
+    if window:
+        e = conservation(d, counter, window)
+        e["phasewatch_request_energy_j_vs_request_windows"] = (
+            sum(r["request_counter_j"] for r in per_req) if per_req else None
+        )
+        e["request_energy_err_pct"] = _pct(
+            e["phasewatch_request_energy_j"], e["phasewatch_request_energy_j_vs_request_windows"]
+        )
+        e["timing_note"] = "scrapes are timed at the client: a few ms of slack at each end"
+        res["energy"] = e
     return res
 
 
@@ -1254,6 +1320,17 @@ def summary_lines(data: dict) -> list[str]:
     if e:
         lines.append(
             f"  phasewatch energy: gpu {_fmt(e.get('gpu_energy_err_pct'), '%')}  requests {_fmt(e.get('request_energy_err_pct'), '%')}"
+        )
+    if e:
+        lines.append(
+            f"  attributed+idle vs phasewatch gpu energy: {_fmt(e.get('attributed_plus_idle_vs_gpu_pct'), '%')}"
+            + (f" ({e['note']})" if e.get("note") else "")
+        )
+    ce = (pw.get("concurrent") or {}).get("energy") or {}
+    if ce:
+        lines.append(
+            f"  2 concurrent: gpu energy {_fmt(ce.get('gpu_energy_err_pct'), '%')}, attributed+idle"
+            f" vs gpu {_fmt(ce.get('attributed_plus_idle_vs_gpu_pct'), '%')}"
         )
     if pw.get("phasewatch_unresolved_delta"):
         lines.append(f"  unresolved: {pw['phasewatch_unresolved_delta']}")

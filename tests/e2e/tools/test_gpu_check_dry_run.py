@@ -81,15 +81,21 @@ def test_dry_run_measures_the_fake_sensor_and_phasewatch(tmp_path):
     pw = data["phasewatch"]
     assert "error" not in pw, pw.get("traceback")
     assert [r["status"] for r in pw["requests"]] == [200, 200]
-    assert all(r["done"] and r["usage_seen"] is not None for r in pw["requests"])
+    for r in pw["requests"]:  # every token through the proxy, usage asked of the engine
+        assert r["done"] and r["chunks"] == r["tokens"]
+        assert r["engine"]["usage_requested"] is True
     ref = pw["reference_per_request"]
     assert len(ref) == 2
     for row in ref:  # the counter over the engine's own phase windows: the fake's watts
         _near(row["prefill_counter_w"], fake.IDLE_W + fake.LOAD_W["compute"], 0.15)
         _near(row["decode_counter_w"], fake.IDLE_W + fake.LOAD_W["memory"], 0.15)
     assert pw["phasewatch_phase_power"]["decode"]["reference_mean_w_counter"] is not None
-    assert pw["energy"]["counter_j_between_scrapes"] > 0
+    assert pw["energy"]["counter_j"] > 0
     assert pw["energy"]["phasewatch_gpu_energy_j"] is not None
+    conc = pw["concurrent"]
+    assert [r["status"] for r in conc["requests"]] == [200, 200]
+    assert all(r["engine"] is not None for r in conc["requests"])  # matched by completion id
+    assert conc["energy"]["counter_j"] > 0
     assert any(m["name"].startswith("phasewatch_gpu_energy_joules") for m in pw["metrics_delta"])
 
 
