@@ -843,23 +843,33 @@ def conservation(d: dict, counter: Counter | None, window: list[float] | None) -
     requests' attributed energy plus any idle energy family against that total."""
     gpu = _sum(d, "phasewatch_gpu_energy_joules_total")
     req = _sum(d, "phasewatch_request_energy_joules_total")
-    idle_vals = [
-        v
-        for (n, _), v in d.items()
-        if "idle" in n and ("energy" in n or "joule" in n) and n.endswith("_total")
+    energy = [
+        (n, dict(lab), v)
+        for (n, lab), v in d.items()
+        if ("energy" in n or "joule" in n) and n.endswith("_total")
     ]
+    idle_vals = [v for n, _, v in energy if "idle" in n]
     idle = sum(idle_vals) if idle_vals else None
+    phase_vals = [v for n, lab, v in energy if "phase" in lab and "idle" not in n]
+    by_phase = sum(phase_vals) if phase_vals else None
+    attributed = by_phase if by_phase is not None else req
     ref = counter.between(*window) if counter is not None and window else None
+    notes = []
+    if idle is None:
+        notes.append("no idle energy family in /metrics")
+    if by_phase is None:
+        notes.append("no per-phase energy family: attributed = request_energy (by client)")
     return {
         "counter_j": ref,
         "phasewatch_gpu_energy_j": gpu,
         "gpu_energy_err_pct": _pct(gpu, ref),
         "phasewatch_request_energy_j": req,
+        "phasewatch_phase_energy_j": by_phase,
         "phasewatch_idle_energy_j": idle,
-        "attributed_plus_idle_vs_gpu_pct": _pct((req or 0.0) + (idle or 0.0), gpu)
-        if req is not None
+        "attributed_plus_idle_vs_gpu_pct": _pct(attributed + (idle or 0.0), gpu)
+        if attributed is not None
         else None,
-        "note": "no idle energy family in /metrics" if idle is None else None,
+        "note": "; ".join(notes) or None,
     }
 
 
@@ -1011,7 +1021,9 @@ def run_phasewatch(
         d2 = metric_delta(conc.pop("metrics_before"), conc.pop("metrics_after"))
         conc["energy"] = conservation(d2, counter, conc["scrape_window"])
         conc["unresolved_delta"] = {
-            f"{n}{dict(lab)}": v for (n, lab), v in d2.items() if "unresolved" in n
+            f"{n}{{phase={dict(lab).get('phase', '')}}}": v
+            for (n, lab), v in d2.items()
+            if "unresolved" in n
         } or None
         conc["phase_power_observations"] = {
             ph: _sum(d2, "phasewatch_gpu_power_watts_count", phase=ph)
@@ -1085,7 +1097,11 @@ def compare_phasewatch(
     for item in other.values():
         item["mean_w"] = item["sum"] / item["count"] if item["count"] else None
     res["phasewatch_phase_watt_histograms"] = other or None
-    unresolved = {f"{n}{dict(lab)}": v for (n, lab), v in d.items() if "unresolved" in n}
+    unresolved: dict[str, float] = {}
+    for (n, lab), v in d.items():
+        if "unresolved" in n:
+            key = f"{n}{{phase={dict(lab).get('phase', '')}}}"
+            unresolved[key] = unresolved.get(key, 0.0) + v
     res["phasewatch_unresolved_delta"] = unresolved or None
     if counter is None:
         res["reference"] = {"error": "no energy counter in the poll: no reference"}
@@ -1139,6 +1155,9 @@ def compare_phasewatch(
     res["phasewatch_phase_energy"] = phase_energy or None
     # per request, from the access log's power fields (matched by the time each ended)
     access = out.get("log", {}).get("access_power_fields", [])
+    if not any(k.endswith("_watts") or "energy" in k for a in access for k in a):
+        access = []
+        res["per_request_access_log"] = {"note": "phasewatch's access lines carry no power"}
     if access and per_req:
         cmp_rows = []
         used: set[int] = set()
@@ -1200,6 +1219,36 @@ def compare_phasewatch(
 
 
 # --------------------------------------------------------------------------- main
+
+
+#: phasewatch's field label values (its sensor gauges) -> this check's field names
+_FIELD_NAMES = {
+    "energy_counter": "counter_w",
+    "power_instant": "instant_w",
+    "power_usage": "usage_w",
+    "power_average": "average_w",
+}
+
+
+def learned_vs_measured(data: dict) -> dict | None:
+    """What phasewatch says about the sensor (any gauge with a field label and "refresh"
+    in its name, and any sensor/resolution gauge) beside what the 1 ms poll measured."""
+    after = (data.get("phasewatch") or {}).get("metrics_after") or []
+    fields = (data.get("square") or {}).get("fields") or {}
+    out: dict[str, Any] = {"refresh": {}, "other": []}
+    for m in after:
+        name, labels, value = m["name"], m["labels"], m["value"]
+        if "refresh" in name and "field" in labels:
+            mine = fields.get(_FIELD_NAMES.get(labels["field"], labels["field"]), {})
+            measured = mine.get("refresh_period_s")
+            out["refresh"][labels["field"]] = {
+                "phasewatch_s": value,
+                "measured_s": measured,
+                "diff_pct": _pct(value, measured),
+            }
+        elif re.search(r"sensor|resolution", name):
+            out["other"].append(m)
+    return out if out["refresh"] or out["other"] else None
 
 
 def environment(dry_run: bool, env: dict) -> dict:
@@ -1312,7 +1361,7 @@ def summary_lines(data: dict) -> list[str]:
             + (
                 f"; per logged request {_fmt(p.get('logged_error_pct'), '%')},"
                 f" {p.get('unlogged_requests')} without a figure"
-                if "logged_requests" in p
+                if p.get("logged_requests")
                 else ""
             )
         )
@@ -1334,6 +1383,11 @@ def summary_lines(data: dict) -> list[str]:
         )
     if pw.get("phasewatch_unresolved_delta"):
         lines.append(f"  unresolved: {pw['phasewatch_unresolved_delta']}")
+    for fld, v in ((data.get("learned_vs_measured") or {}).get("refresh") or {}).items():
+        lines.append(
+            f"  phasewatch learnt {fld} refresh {_fmt(v.get('phasewatch_s'), 's')}"
+            f" (measured {_fmt(v.get('measured_s'), 's')})"
+        )
     lines.append(f"  wall {_fmt(data.get('wall_s'), 's')}")
     return lines
 
@@ -1474,6 +1528,8 @@ def main(argv: list[str] | None = None) -> int:
             with gzip.open(trace_path, "wt", encoding="utf-8") as f:
                 json.dump(_clean(traces), f)
             data["trace_file"] = trace_path.name
+    with contextlib.suppress(Exception):
+        data["learned_vs_measured"] = learned_vs_measured(data)
     data["status"] = "partial" if failed else "ok"
     data["wall_s"] = time.monotonic() - t_start
     data["workdir"] = str(workdir)
