@@ -549,17 +549,28 @@ def analyse_pulses(
             res[name] = {"error": "no step size for this field"}
             continue
         seen = 0
+        ratios = []
         for p in pulses:
             peak = max(s.window(p["t0"], p["t1"] + 0.15) or [math.nan])
+            ratios.append((peak - base) / (top - base))
             if peak - base > 0.15 * (top - base):
                 seen += 1
         row: dict[str, Any] = {"seen_fraction": seen / len(pulses)}
+        # a pulse wholly inside a window W > p reads p / W of the step at most
+        ratios.sort()
+        high = ratios[-2] if len(ratios) >= 2 else None  # the second highest: one outlier
+        row["peak_ratio"] = high
         if name != "counter_w":
             excess = s.integral(*span) - base * (span[1] - span[0])
             row["energy_above_idle_vs_counter_pct"] = _pct(excess, ref_excess)
         refresh = sq["fields"].get(name, {}).get("refresh_period_s")
         if name == "instant_w" and refresh:
+            # rough: the threshold trims a little off each side of the overlap
             row["window_estimate_s"] = max(0.0, row["seen_fraction"] * refresh - res["pulse_s"])
+            if high is not None and 0.05 < high < 0.95:
+                row["window_from_peak_s"] = res["pulse_s"] / high
+            elif high is not None and high >= 0.95:
+                row["window_from_peak_s"] = f"<= {res['pulse_s']:.3f} (pulses read in full)"
         res[name] = row
     return res
 
@@ -587,8 +598,9 @@ def sensor_profile(sq: dict) -> dict:
         vis = sq.get("pulse_visibility", {}).get(name)
         if isinstance(vis, dict):
             entry["pulse_seen_fraction"] = vis.get("seen_fraction")
-            if "window_estimate_s" in vis:
-                entry["window_estimate_s"] = vis["window_estimate_s"]
+            for k in ("window_estimate_s", "window_from_peak_s"):
+                if k in vis:
+                    entry[k] = vis[k]
         prof[name] = entry
     return prof
 
@@ -1340,9 +1352,17 @@ def summary_lines(data: dict) -> list[str]:
     for name, v in (sq.get("pulse_visibility") or {}).items():
         if isinstance(v, dict) and "seen_fraction" in v:
             w = v.get("window_estimate_s")
+            wp = v.get("window_from_peak_s")
             lines.append(
                 f"  {name:10s} sees {v['seen_fraction']:.0%} of {PULSE_S * 1000:.0f} ms pulses"
-                + (f" (window ~{_fmt(w, 's')})" if w is not None else "")
+                + (f" (window ~{_fmt(w, 's')} from that share" if w is not None else "")
+                + (
+                    f", {_fmt(wp, 's') if isinstance(wp, float) else wp} from peaks)"
+                    if w is not None and wp is not None
+                    else ")"
+                    if w is not None
+                    else ""
+                )
             )
     for name, err in (sq.get("poll", {}).get("errors") or {}).items():
         lines.append(f"  unsupported {name}: {err}")

@@ -9,6 +9,9 @@ the same power (CLOCK_MONOTONIC is system-wide). Each field is refreshed every
 ``WINDOW`` before the refresh, ``nvmlDeviceGetPowerUsage`` and the average field as the
 1 s mean. Unknown ``nvml*`` calls raise Not Supported, as a driver without them does.
 Module constants are the real library's values.
+
+It is independent of the simulator's sensor profiles (proxy.sim) on purpose: the check
+measures phasewatch against a sensor model phasewatch's own tests did not write.
 """
 
 from __future__ import annotations
