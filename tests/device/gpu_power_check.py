@@ -343,8 +343,10 @@ class Counter:
     def __init__(self, ts: list[float], mj: list[float]) -> None:
         raw = Series(ts, mj)
         self.raw = raw
-        idx = [0, *raw.changes()] if len(raw) else []
-        self.pt = [raw.t[i] for i in idx]  # first poll that saw each new value
+        # the first poll that saw each new value: the refresh times (the very first poll
+        # is not one: its value is from some refresh before it)
+        idx = raw.changes()
+        self.pt = [raw.t[i] for i in idx]
         self.pe = [raw.v[i] / 1000.0 for i in idx]  # J
         # power between refreshes, held from one refresh point to the next
         pw_t, pw_v = [], []
@@ -391,6 +393,101 @@ def trace(poll: Poll) -> dict:
         idx = [0, *s.changes()] if len(s) else []
         out[name] = [[round(s.t[i], 6), s.v[i]] for i in idx]
     return out
+
+
+def schedule_fit(counter: Counter, spans: list[tuple[float, float]], pad: float = 1.0) -> dict:
+    """Each known span's mean power, fitted to the energy counter (least squares).
+
+    The timeline from ``pad`` before the first span to ``pad`` after the last is cut at
+    every span edge; what no span covers is idle, one unknown per idle stretch (idle power
+    drifts with temperature). Each counter refresh interval's energy is the sum of the
+    pieces' powers times their overlap with it. With the edges known, a span shorter than
+    a refresh is still solved from its neighbours, unlike any window read of the counter.
+    Returns ``{"span_w": [...], "idle_w": [...], "rms_residual_w": ...}``.
+    """
+    if not spans or len(counter.pt) < 3:
+        return {"error": "no spans or no counter"}
+    lo = max(min(a for a, _ in spans) - pad, counter.pt[0])
+    hi = min(max(b for _, b in spans) + pad, counter.pt[-1])
+    pieces: list[tuple[float, float, int]] = []  # start, end, unknown index
+    n_spans = len(spans)
+    order = sorted(range(n_spans), key=lambda i: spans[i][0])
+    t, k = lo, n_spans
+    for i in order:
+        a, b = spans[i]
+        if a - t > 0.005:
+            pieces.append((t, a, k))
+            k += 1
+        elif pieces and a > t:  # a sliver between two spans: the previous one's
+            s0, _, j = pieces[-1]
+            pieces[-1] = (s0, a, j)
+        pieces.append((max(a, t), b, i))
+        t = max(t, b)
+    if hi > t:
+        pieces.append((t, hi, k))
+        k += 1
+    n = k
+    ata = [[0.0] * n for _ in range(n)]
+    atb = [0.0] * n
+    rows = []
+    starts = [p[0] for p in pieces]
+    for i in range(1, len(counter.pt)):
+        t0, t1 = counter.pt[i - 1], counter.pt[i]
+        if t0 < lo or t1 > hi:
+            continue
+        de = counter.pe[i] - counter.pe[i - 1]
+        row: dict[int, float] = {}
+        j = max(0, bisect.bisect_right(starts, t0) - 1)
+        while j < len(pieces) and pieces[j][0] < t1:
+            ov = min(t1, pieces[j][1]) - max(t0, pieces[j][0])
+            if ov > 0:
+                row[pieces[j][2]] = row.get(pieces[j][2], 0.0) + ov
+            j += 1
+        if not row:
+            continue
+        rows.append((row, de, t1 - t0))
+        for a_i, va in row.items():
+            atb[a_i] += va * de
+            for b_i, vb in row.items():
+                ata[a_i][b_i] += va * vb
+    seen = [i for i in range(n) if ata[i][i] > 0]  # pieces outside the counter's range
+    x_seen = _solve([[ata[i][j] for j in seen] for i in seen], [atb[i] for i in seen])
+    if x_seen is None:
+        return {"error": "the fit is singular"}
+    x: list[float | None] = [None] * n
+    for i, v in zip(seen, x_seen):
+        x[i] = v
+    res2 = [
+        ((sum(v * (x[c] or 0.0) for c, v in row.items()) - de) / dt) ** 2
+        for row, de, dt in rows
+        if dt > 0
+    ]
+    return {
+        "span_w": x[:n_spans],
+        "idle_w": x[n_spans:],
+        "intervals": len(rows),
+        "rms_residual_w": math.sqrt(statistics.fmean(res2)) if res2 else None,
+    }
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
 
 
 def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
@@ -673,8 +770,10 @@ def energy_per_burst(
     idle_w = idle.get("counter_w")
     if idle_w is None:
         return {"error": "no idle power from the counter"}
+    fit = schedule_fit(counter, [(b["t0"], b["t1"]) for b in bursts])
+    fit_w = fit.get("span_w") or [None] * len(bursts)
     rows = []
-    for b in bursts:
+    for b, fw in zip(bursts, fit_w):
         dur = b["t1"] - b["t0"]
         pa, pb = b["t0"] - 0.2, b["t1"] + min(b["gap_s"] - 0.1, 1.3)
         excess = counter.between(pa, pb) - idle_w * (pb - pa)
@@ -685,6 +784,7 @@ def energy_per_burst(
             "duration_s": dur,
             "truth_j": truth,
             "truth_mean_w": truth / dur if dur > 0 else None,
+            "fit_mean_w": fw,
             "window_j": {},
             "window_err_pct": {},
         }
@@ -707,12 +807,22 @@ def energy_per_burst(
                 continue
             summary[f"{kind}_{nominal:g}s"] = {
                 "truth_mean_w": _median([r["truth_mean_w"] for r in sel]),
+                "fit_mean_w": _median([r["fit_mean_w"] for r in sel]),
                 "median_err_pct": {
                     k: _median([r["window_err_pct"][k] for r in sel])
                     for k in sel[0]["window_err_pct"]
                 },
             }
-    return {"idle_w_from_counter": idle_w, "per_burst": rows, "summary": summary}
+    fit.pop("span_w", None)
+    return {
+        "idle_w_from_counter": idle_w,
+        "per_burst": rows,
+        "summary": summary,
+        "fit": fit,
+        "truth_note": "truth_mean_w: idle x duration + the counter's energy above idle over "
+        "the burst padded by 0.2 s before and up to 1.3 s after; fit_mean_w: the burst's "
+        "power fitted to every counter refresh with the schedule's edges known",
+    }
 
 
 # --------------------------------------------------------------------------- phasewatch
@@ -963,6 +1073,7 @@ def run_phasewatch(
         poll = Poll(workdir, env, gpu, max(10.0, deadline - time.monotonic() + 5), "phasewatch")
         if not poll.started():
             raise RuntimeError("NVML poller exited at start")
+        time.sleep(1.0)  # a few counter refreshes before the first window opens
         _, text = _get(f"http://127.0.0.1:{port}/metrics")
         t_before = time.monotonic()
         before = parse_metrics(text)
@@ -1119,11 +1230,16 @@ def compare_phasewatch(
         res["reference"] = {"error": "no energy counter in the poll: no reference"}
         return res
     inst = fields.get("instant_w")
+    known = [r for r in requests if "prefill" in (r.get("engine") or {})]
+    # the concurrent pair's GPU work is known too (and is not idle): fitted after these
+    also = [r for r in (out.get("concurrent") or {}).get("requests", []) if (r.get("engine") or {})]
+    spans = [tuple(r["engine"][ph]) for r in known + also for ph in ("prefill", "decode")]
+    fit = schedule_fit(counter, spans)  # type: ignore[arg-type]
+    fit_w = fit.pop("span_w", None) or [None] * len(spans)
+    res["schedule_fit"] = fit
     per_req = []
-    for r in requests:
-        e = r.get("engine") or {}
-        if "prefill" not in e or "decode" not in e:
-            continue
+    for n_req, r in enumerate(known):
+        e = r["engine"]
         row: dict[str, Any] = {
             "prefill_s": r["prefill_s"],
             "decode_s": r["decode_s"],
@@ -1136,16 +1252,26 @@ def compare_phasewatch(
             row[f"{phase}_instant_w"] = (
                 inst.integral(a, b) / dur if inst is not None and dur > 0 else None
             )
+            row[f"{phase}_fit_w"] = fit_w[2 * n_req + (phase == "decode")]
+            # the reference: the fit where it solved, else the counter over the window
+            fw = row[f"{phase}_fit_w"]
+            row[f"{phase}_ref_w"] = fw if fw is not None else row[f"{phase}_counter_w"]
         # the request's whole window as the proxy sees it: sent upstream to last byte
         a, b = r["t_send"], r["t_end"]
         row["request_counter_j"] = counter.between(a, b)
         per_req.append(row)
     res["reference_per_request"] = per_req
     for phase in ("prefill", "decode"):
-        vals = [row[f"{phase}_counter_w"] for row in per_req]
-        ref = statistics.fmean(vals) if vals and all(v is not None for v in vals) else None
-        pw_phase[phase]["reference_mean_w_counter"] = ref
-        pw_phase[phase]["error_pct"] = _pct(pw_phase[phase]["mean_w"], ref)
+        for key, col in (("reference_mean_w", "ref_w"), ("counter_window_mean_w", "counter_w")):
+            vals = [row[f"{phase}_{col}"] for row in per_req]
+            ok = vals and all(v is not None for v in vals)
+            pw_phase[phase][key] = statistics.fmean(vals) if ok else None
+        pw_phase[phase]["reference"] = (
+            "schedule fit to the energy counter" if "error" not in fit else "counter window"
+        )
+        pw_phase[phase]["error_pct"] = _pct(
+            pw_phase[phase]["mean_w"], pw_phase[phase]["reference_mean_w"]
+        )
     # any energy family with a phase label (per-phase energy, idle energy): its delta by
     # phase, against the counter's energy over the requests' phase windows
     phase_energy: dict[str, Any] = {}
@@ -1161,7 +1287,7 @@ def compare_phasewatch(
     for item in phase_energy.values():
         phase = item["phase"]
         if phase in ("prefill", "decode"):
-            ref = sum(row[f"{phase}_counter_w"] * row[f"{phase}_duration_s"] for row in per_req)
+            ref = sum(row[f"{phase}_ref_w"] * row[f"{phase}_duration_s"] for row in per_req)
             item["reference_counter_j"] = ref
             item["error_pct"] = _pct(item["delta"], ref)
     res["phasewatch_phase_energy"] = phase_energy or None
@@ -1189,9 +1315,7 @@ def compare_phasewatch(
             for phase in ("prefill", "decode"):
                 w = got.get(f"{phase}_watts")
                 row[f"{phase}_watts"] = w
-                row[f"{phase}_err_pct"] = (
-                    _pct(w, ref[f"{phase}_counter_w"]) if w is not None else None
-                )
+                row[f"{phase}_err_pct"] = _pct(w, ref[f"{phase}_ref_w"]) if w is not None else None
             ej = got.get("energy_j")
             row["energy_j"] = ej
             row["energy_err_pct_vs_request_window"] = (
@@ -1203,9 +1327,9 @@ def compare_phasewatch(
         # it cannot resolve without one)
         for phase in ("prefill", "decode"):
             pairs = [
-                (row[f"{phase}_watts"], ref[f"{phase}_counter_w"])
+                (row[f"{phase}_watts"], ref[f"{phase}_ref_w"])
                 for row, ref in zip(cmp_rows, per_req)
-                if row.get(f"{phase}_watts") is not None and ref[f"{phase}_counter_w"] is not None
+                if row.get(f"{phase}_watts") is not None and ref[f"{phase}_ref_w"] is not None
             ]
             pw_phase[phase]["logged_requests"] = len(pairs)
             pw_phase[phase]["unlogged_requests"] = len(per_req) - len(pairs)
@@ -1213,7 +1337,7 @@ def compare_phasewatch(
                 got = statistics.fmean(p[0] for p in pairs)
                 ref_w = statistics.fmean(p[1] for p in pairs)
                 pw_phase[phase]["logged_mean_w"] = got
-                pw_phase[phase]["reference_mean_w_counter_logged"] = ref_w
+                pw_phase[phase]["reference_mean_w_logged"] = ref_w
                 pw_phase[phase]["logged_error_pct"] = _pct(got, ref_w)
     # energy totals over the scrape window
     window = out.get("scrape_window")
@@ -1376,8 +1500,8 @@ def summary_lines(data: dict) -> list[str]:
         lines.append(f"  phasewatch: FAILED {pw['error'][:200]}")
     for phase, p in (pw.get("phasewatch_phase_power") or {}).items():
         lines.append(
-            f"  phasewatch {phase:7s} {_fmt(p.get('mean_w'), 'W')} (n={_fmt(p.get('observations'), '')}) vs counter "
-            f"{_fmt(p.get('reference_mean_w_counter'), 'W')}: {_fmt(p.get('error_pct'), '%')}"
+            f"  phasewatch {phase:7s} {_fmt(p.get('mean_w'), 'W')} (n={_fmt(p.get('observations'), '')}) vs truth "
+            f"{_fmt(p.get('reference_mean_w'), 'W')}: {_fmt(p.get('error_pct'), '%')}"
             + (
                 f"; per logged request {_fmt(p.get('logged_error_pct'), '%')},"
                 f" {p.get('unlogged_requests')} without a figure"

@@ -87,9 +87,9 @@ def test_dry_run_measures_the_fake_sensor_and_phasewatch(tmp_path):
     ref = pw["reference_per_request"]
     assert len(ref) == 2
     for row in ref:  # the counter over the engine's own phase windows: the fake's watts
-        _near(row["prefill_counter_w"], fake.IDLE_W + fake.LOAD_W["compute"], 0.15)
-        _near(row["decode_counter_w"], fake.IDLE_W + fake.LOAD_W["memory"], 0.15)
-    assert pw["phasewatch_phase_power"]["decode"]["reference_mean_w_counter"] is not None
+        _near(row["prefill_ref_w"], fake.IDLE_W + fake.LOAD_W["compute"], 0.15)
+        _near(row["decode_ref_w"], fake.IDLE_W + fake.LOAD_W["memory"], 0.15)
+    assert pw["phasewatch_phase_power"]["decode"]["reference_mean_w"] is not None
     assert pw["energy"]["counter_j"] > 0
     assert pw["energy"]["phasewatch_gpu_energy_j"] is not None
     conc = pw["concurrent"]
