@@ -59,6 +59,9 @@ def test_dry_run_measures_the_fake_sensor_and_phasewatch(tmp_path):
     for kind in ("compute", "memory"):
         # the counter's energy over a padded window is the burst's whole energy
         _near(summary[f"{kind}_2s"]["truth_mean_w"], fake.IDLE_W + fake.LOAD_W[kind], 0.05)
+        # the schedule fit recovers a burst shorter than a few refreshes, which a window
+        # read of the counter cannot
+        _near(summary[f"{kind}_0.3s"]["fit_mean_w"], fake.IDLE_W + fake.LOAD_W[kind], 0.03)
         # the instant field answers within a refresh and its window; the 1 s mean lags
         lag = sq["fields"]["instant_w"]["lag"][kind]
         assert lag["rise_to_50pct_s"] <= fake.REFRESH + fake.WINDOW + 0.03
@@ -86,9 +89,9 @@ def test_dry_run_measures_the_fake_sensor_and_phasewatch(tmp_path):
         assert r["engine"]["usage_requested"] is True
     ref = pw["reference_per_request"]
     assert len(ref) == 2
-    for row in ref:  # the counter over the engine's own phase windows: the fake's watts
-        _near(row["prefill_ref_w"], fake.IDLE_W + fake.LOAD_W["compute"], 0.15)
-        _near(row["decode_ref_w"], fake.IDLE_W + fake.LOAD_W["memory"], 0.15)
+    for row in ref:  # the reference over the engine's own phase windows: the fake's watts
+        _near(row["prefill_ref_w"], fake.IDLE_W + fake.LOAD_W["compute"], 0.03)
+        _near(row["decode_ref_w"], fake.IDLE_W + fake.LOAD_W["memory"], 0.03)
     assert pw["phasewatch_phase_power"]["decode"]["reference_mean_w"] is not None
     assert pw["energy"]["counter_j"] > 0
     assert pw["energy"]["phasewatch_gpu_energy_j"] is not None
