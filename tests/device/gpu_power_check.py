@@ -874,8 +874,9 @@ def _free_port() -> int:
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     import urllib.request
 
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with opener.open(url, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except OSError as exc:
         code = getattr(exc, "code", 0)
