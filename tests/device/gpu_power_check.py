@@ -1,7 +1,7 @@
 """What a real NVIDIA GPU's power sensors resolve, and what phasewatch makes of them.
 
 Device command (repository root; .whl/ holds the wheels phasewatch needs that the device
-lacks; timeout 540 s):
+lacks, an ignored folder the device run must carry; timeout 540 s):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 tests/device/gpu_power_check.py --out $OUT/gpu_power.json
 
@@ -17,15 +17,17 @@ exits if the whole run overstays ``--budget``):
 2. ``square``: a 1 ms NVML poll (tests/device/nvml_poll.py, its own process) of the
    instant and average power fields, ``nvmlDeviceGetPowerUsage`` and the energy counter,
    under a known square wave: compute-bound bf16 matmul bursts (prefill-like) and
-   memory-bound copies (decode-like) of 0.1, 0.3, 1 and 3 s with idle gaps. Per field:
-   refresh period (median interval between value changes), lag (time to 50 % and 90 % of
-   a step), the peak a short burst reaches, and each burst's energy from counter deltas
-   and from integrating each power field, against the counter's energy above idle.
+   memory-bound copies (decode-like) of 0.1, 0.3, 1 and 3 s with idle gaps spread over a
+   refresh period's phases, then 20 ms pulses. Per field: refresh period (median interval
+   between value changes), lag (time to 50 % and 90 % of a step), the share of pulses it
+   shows, and each burst's energy from counter deltas and from integrating each field,
+   against the counter's energy above idle. ``sensor_profile`` gathers them.
 3. ``phasewatch``: ``python -m proxy serve`` from this tree with NVML power, in front of
    a torch-backed stand-in engine (tests/device/standin_engine.py) whose prefill and
-   decode last known times; its /metrics (per-phase power, energy, any ``unresolved``
-   counters, parsed generically) and its JSON access-log lines are compared with the
-   power the 1 ms counter poll measured over the same windows.
+   decode last known times, sequential requests then a concurrent pair; its /metrics
+   (per-phase power and energy, ``unresolved`` counters, sensor gauges: parsed
+   generically) and its JSON access-log lines are compared with each phase's power
+   fitted to the 1 ms counter poll with the schedule's edges known (:func:`schedule_fit`).
 
 Unmeasured figures are ``null`` with a reason; NVML errors are recorded, not fatal.
 Exit status: 0 when every section ran, 1 when one failed, 2 when there is no GPU.
