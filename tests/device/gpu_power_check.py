@@ -69,7 +69,6 @@ PULSE_S = 0.02  # short compute pulses: what share of the time the instant field
 PULSE_EVERY_S = 0.2
 PULSES = 40
 PULSES_QUICK = 10
-FIELDS = ["instant_w", "average_w", "usage_w", "counter_w"]  # counter_w: counter deltas
 SHORT_NAMES = {
     "instant_w": "NVML_FI_DEV_POWER_INSTANT",
     "average_w": "NVML_FI_DEV_POWER_AVERAGE",
@@ -515,7 +514,22 @@ def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
     def call_s(a: str, b: str) -> float | None:
         return _median([y - x for x, y in zip(c.get(a, []), c.get(b, [])) if math.isfinite(y - x)])
 
+    # the fields' own timestamps: how old a value is when read, how often they move
+    stamps: dict[str, Any] = {}
+    offset = poll.meta.get("wall_minus_monotonic")
+    for name, tcol in (("instant_w", "instant_ts_us"), ("average_w", "average_ts_us")):
+        ts = Series(c.get("t_fields", []), c.get(tcol, []))
+        if not len(ts) or offset is None:
+            continue
+        ages = [(t + offset) - v / 1e6 for t, v in zip(ts.t, ts.v) if v > 0]
+        moved = [ts.t[i] for i in ts.changes()]
+        stamps[name] = {
+            "age_median_s": _median(ages),
+            "timestamp_changes": len(moved),
+            "timestamp_period_s": _median([b - a for a, b in itertools.pairwise(moved)]),
+        }
     info = {
+        "field_timestamps": stamps or None,
         "call_median_s": {
             "field_values": call_s("t_fields", "t_usage"),
             "power_usage": call_s("t_usage", "t_counter"),
@@ -694,6 +708,9 @@ def sensor_profile(sq: dict) -> dict:
         entry["looks_like"] = (
             None if r50 is None else "1 s mean" if r50 > 0.3 else "instant or short window"
         )
+        stamp = (sq.get("poll", {}).get("field_timestamps") or {}).get(name)
+        if stamp:
+            entry["field_timestamp"] = stamp
         vis = sq.get("pulse_visibility", {}).get(name)
         if isinstance(vis, dict):
             entry["pulse_seen_fraction"] = vis.get("seen_fraction")

@@ -29,7 +29,10 @@ COLUMNS = [
     "t_counter",
     "counter_mj",  # nvmlDeviceGetTotalEnergyConsumption
     "t_end",  # after the last call of the row
+    "instant_ts_us",  # the field value's own timestamp (NVML: µs since the epoch)
+    "average_ts_us",
 ]
+TS_COLUMN = {"instant_w": "instant_ts_us", "average_w": "average_ts_us"}
 FIELDS = {
     "instant_w": ("NVML_FI_DEV_POWER_INSTANT", 186, 1e-3),
     "average_w": ("NVML_FI_DEV_POWER_AVERAGE", 185, 1e-3),
@@ -54,7 +57,12 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.001)
     ap.add_argument("--max-seconds", type=float, default=600.0)
     args = ap.parse_args()
-    meta: dict = {"columns": COLUMNS, "errors": {}, "started": time.monotonic()}
+    meta: dict = {
+        "columns": COLUMNS,
+        "errors": {},
+        "started": time.monotonic(),
+        "wall_minus_monotonic": time.time() - time.monotonic(),
+    }
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -110,6 +118,10 @@ def main() -> int:
                 for col, fv in zip(cols, got):
                     if int(fv.nvmlReturn) == 0:
                         row[COLUMNS.index(col)] = _value(fv) * scale[col]
+                        if col in TS_COLUMN:
+                            row[COLUMNS.index(TS_COLUMN[col])] = float(
+                                getattr(fv, "timestamp", nan)
+                            )
             except Exception as exc:
                 meta["errors"]["field_values"] = f"{type(exc).__name__}: {exc}"
                 ids = []

@@ -104,6 +104,7 @@ class _Activity:
 
 
 _state: dict[str, Any] = {"init": 0}
+_WALL_OFFSET = time.time() - time.monotonic()
 _activity = _Activity(os.environ.get("FAKE_NVML_ACTIVITY"))
 
 
@@ -182,7 +183,8 @@ def nvmlDeviceGetFieldValues(handle: object, field_ids: list) -> list:
     out = []
     for fid in field_ids:
         field, scope = fid if isinstance(fid, tuple) else (fid, 0)
-        now = time.time()
+        # stamped with the refresh the value comes from, as a driver's sample would be
+        now = _refreshed(time.monotonic()) + _WALL_OFFSET
         value = SimpleNamespace(dVal=0.0, uiVal=0, ulVal=0, ullVal=0, sllVal=0, siVal=0)
         ret, vtype = NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_INT
         if field == NVML_FI_DEV_POWER_INSTANT and scope == 0:
