@@ -239,58 +239,88 @@ class Load:
 
 
 class Poll:
-    """tests/device/nvml_poll.py in its own process, and its rows once it stopped."""
+    """tests/device/nvml_poll.py, one process per NVML read, and their rows once stopped:
+    ``cols`` holds ``t_<what>`` (before the call), ``<what>``, ``t_end_<what>`` and
+    ``ts_<what>`` (the value's NVML timestamp, fields only) for each read."""
+
+    WHAT = ("instant_w", "average_w", "energy_field_mj", "usage_w", "counter_mj")
 
     def __init__(self, workdir: Path, env: dict, gpu: int, max_seconds: float, tag: str) -> None:
-        self.base = workdir / f"poll_{tag}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "nvml_poll.py"),
-                "--out",
-                str(self.base),
-                "--gpu",
-                str(gpu),
-                "--max-seconds",
-                str(max_seconds),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self.meta: dict = {}
+        self.bases = {w: workdir / f"poll_{tag}_{w}" for w in self.WHAT}
+        self.procs = {
+            w: subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "nvml_poll.py"),
+                    "--out",
+                    str(base),
+                    "--what",
+                    w,
+                    "--gpu",
+                    str(gpu),
+                    "--max-seconds",
+                    str(max_seconds),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for w, base in self.bases.items()
+        }
+        self.meta: dict = {"errors": {}, "polls": {}}
         self.cols: dict[str, list[float]] = {}
 
     def started(self, timeout: float = 30.0) -> bool:
-        """True once the poller is polling (it says so in OUT.ready)."""
+        """True once every poller is polling or was refused (each says so in OUT.ready),
+        and at least one is polling."""
         deadline = time.monotonic() + timeout
-        ready = Path(str(self.base) + ".ready")
         while time.monotonic() < deadline:
-            if ready.exists():
-                return True
-            if self.proc.poll() is not None:
-                return False
+            states = []
+            for w, base in self.bases.items():
+                ready = Path(str(base) + ".ready")
+                if ready.exists():
+                    with contextlib.suppress(ValueError, OSError):
+                        states.append(json.loads(ready.read_text()).get("error") is None)
+                        continue
+                if self.procs[w].poll() is not None:
+                    states.append(False)
+                    continue
+                break
+            else:
+                return any(states)
             time.sleep(0.05)
         return False
 
     def stop(self, timeout: float = 30.0) -> dict:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        meta_path = Path(str(self.base) + ".json")
-        if not meta_path.exists():
-            raise RuntimeError(f"poller wrote nothing: {out.decode(errors='replace')[-2000:]}")
-        self.meta = json.loads(meta_path.read_text())
-        rows = array("d")
-        with open(str(self.base) + ".bin", "rb") as f:
-            rows.frombytes(f.read())
-        names = self.meta["columns"]
-        k = len(names)
-        self.cols = {name: list(rows[i::k]) for i, name in enumerate(names)}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for w, proc in self.procs.items():
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            meta_path = Path(str(self.bases[w]) + ".json")
+            if not meta_path.exists():
+                self.meta["errors"][w] = (
+                    f"poller wrote nothing: {out.decode(errors='replace')[-1000:]}"
+                )
+                continue
+            meta = json.loads(meta_path.read_text())
+            if meta.get("error"):
+                self.meta["errors"][w] = meta["error"]
+            self.meta["polls"][w] = meta.get("polls", 0)
+            for k in ("name", "wall_minus_monotonic", "pynvml_file"):
+                self.meta.setdefault(k, meta.get(k))
+            rows = array("d")
+            with open(str(self.bases[w]) + ".bin", "rb") as f:
+                rows.frombytes(f.read())
+            names = meta["columns"]
+            k = len(names)
+            for i, name in enumerate(names):
+                key = w if name == "value" else f"{name}_{w}"
+                self.cols[key] = list(rows[i::k])
         return self.meta
 
 
@@ -383,14 +413,8 @@ def trace(poll: Poll) -> dict:
     behaviour, small enough to keep (sample-and-hold between points restores it)."""
     c = poll.cols
     out: dict[str, Any] = {}
-    for name, tcol in (
-        ("instant_w", "t_fields"),
-        ("average_w", "t_fields"),
-        ("energy_field_mj", "t_fields"),
-        ("usage_w", "t_usage"),
-        ("counter_mj", "t_counter"),
-    ):
-        s = Series(c.get(tcol, []), c.get(name, []))
+    for name in Poll.WHAT:
+        s = Series(c.get(f"t_{name}", []), c.get(name, []))
         idx = [0, *s.changes()] if len(s) else []
         out[name] = [[round(s.t[i], 6), s.v[i]] for i in idx]
     return out
@@ -494,31 +518,36 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
     c = poll.cols
     fields: dict[str, Series] = {}
-    for name, tcol in (
-        ("instant_w", "t_fields"),
-        ("average_w", "t_fields"),
-        ("usage_w", "t_usage"),
-    ):
-        s = Series(c.get(tcol, []), c.get(name, []))
+    for name in ("instant_w", "average_w", "usage_w"):
+        s = Series(c.get(f"t_{name}", []), c.get(name, []))
         if len(s):
             fields[name] = s
-    counter = Counter(c.get("t_counter", []), c.get("counter_mj", []))
+    counter = Counter(c.get("t_counter_mj", []), c.get("counter_mj", []))
     if len(counter.pt) < 3:
         counter_opt = None
     else:
         counter_opt = counter
         fields["counter_w"] = counter.power
-    t0s = [t for t in c.get("t_fields", []) if math.isfinite(t)]
-    intervals = [b - a for a, b in itertools.pairwise(t0s)]
 
-    def call_s(a: str, b: str) -> float | None:
-        return _median([y - x for x, y in zip(c.get(a, []), c.get(b, [])) if math.isfinite(y - x)])
+    def call_s(w: str) -> float | None:
+        return _median(
+            [
+                y - x
+                for x, y in zip(c.get(f"t_{w}", []), c.get(f"t_end_{w}", []))
+                if math.isfinite(y - x)
+            ]
+        )
+
+    def interval(w: str, q: float) -> float | None:
+        ts = [t for t in c.get(f"t_{w}", []) if math.isfinite(t)]
+        d = sorted(b - a for a, b in itertools.pairwise(ts))
+        return d[int(q * (len(d) - 1))] if d else None
 
     # the fields' own timestamps: how old a value is when read, how often they move
     stamps: dict[str, Any] = {}
     offset = poll.meta.get("wall_minus_monotonic")
-    for name, tcol in (("instant_w", "instant_ts_us"), ("average_w", "average_ts_us")):
-        ts = Series(c.get("t_fields", []), c.get(tcol, []))
+    for name in ("instant_w", "average_w"):
+        ts = Series(c.get(f"t_{name}", []), c.get(f"ts_us_{name}", []))
         if not len(ts) or offset is None:
             continue
         ages = [(t + offset) - v / 1e6 for t, v in zip(ts.t, ts.v) if v > 0]
@@ -530,16 +559,10 @@ def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
         }
     info = {
         "field_timestamps": stamps or None,
-        "call_median_s": {
-            "field_values": call_s("t_fields", "t_usage"),
-            "power_usage": call_s("t_usage", "t_counter"),
-            "energy_counter": call_s("t_counter", "t_end"),
-        },
-        "polls": len(t0s),
-        "poll_interval_median_s": _median(intervals),
-        "poll_interval_p99_s": sorted(intervals)[int(0.99 * (len(intervals) - 1))]
-        if intervals
-        else None,
+        "call_median_s": {w: call_s(w) for w in Poll.WHAT},
+        "poll_interval_median_s": {w: interval(w, 0.5) for w in Poll.WHAT},
+        "poll_interval_p99_s": {w: interval(w, 0.99) for w in Poll.WHAT},
+        "polls": poll.meta.get("polls"),
         "errors": poll.meta.get("errors", {}),
         "gpu_name": poll.meta.get("name"),
     }
@@ -1487,11 +1510,14 @@ def summary_lines(data: dict) -> list[str]:
         )
     poll = sq.get("poll") or {}
     if poll:
-        calls = "  ".join(
-            f"{k} {_fmt(v, 's')}" for k, v in (poll.get("call_median_s") or {}).items()
-        )
+        every = poll.get("poll_interval_median_s") or {}
         lines.append(
-            f"  poll every {_fmt(poll.get('poll_interval_median_s'), 's')} (calls: {calls})"
+            "  poll every (call takes): "
+            + "  ".join(
+                f"{k} {_fmt(every.get(k), 's')} ({_fmt(v, 's')})"
+                for k, v in (poll.get("call_median_s") or {}).items()
+                if v is not None
+            )
         )
     for name, v in (sq.get("pulse_visibility") or {}).items():
         if isinstance(v, dict) and "seen_fraction" in v:

@@ -7,7 +7,8 @@ lines ``S <monotonic> <kind>`` and ``E <monotonic>``), so every process on this 
 the same power (CLOCK_MONOTONIC is system-wide). Each field is refreshed every
 ``REFRESH`` seconds: the energy counter exactly, the instant field as the mean over a
 ``WINDOW`` before the refresh, ``nvmlDeviceGetPowerUsage`` and the average field as the
-1 s mean. Unknown ``nvml*`` calls raise Not Supported, as a driver without them does.
+1 s mean. Unknown ``nvml*`` calls raise Not Supported, as a driver without them does, and so do the
+reads named in ``FAKE_NVML_UNSUPPORTED`` (field ids, ``usage``, ``counter``; comma-separated).
 Module constants are the real library's values.
 
 It is independent of the simulator's sensor profiles (proxy.sim) on purpose: the check
@@ -104,6 +105,7 @@ class _Activity:
 
 
 _state: dict[str, Any] = {"init": 0}
+_UNSUPPORTED = {x.strip() for x in os.environ.get("FAKE_NVML_UNSUPPORTED", "").split(",") if x}
 _WALL_OFFSET = time.time() - time.monotonic()
 _activity = _Activity(os.environ.get("FAKE_NVML_ACTIVITY"))
 
@@ -170,11 +172,15 @@ def nvmlSystemGetDriverVersion() -> str:
 
 def nvmlDeviceGetPowerUsage(handle: object) -> int:
     _check()
+    if "usage" in _UNSUPPORTED:
+        raise NVMLError_NotSupported()
     return int(_mean_w() * 1000)
 
 
 def nvmlDeviceGetTotalEnergyConsumption(handle: object) -> int:
     _check()
+    if "counter" in _UNSUPPORTED:
+        raise NVMLError_NotSupported()
     return int(_energy(_refreshed(time.monotonic())) * 1000)
 
 
@@ -187,7 +193,9 @@ def nvmlDeviceGetFieldValues(handle: object, field_ids: list) -> list:
         now = _refreshed(time.monotonic()) + _WALL_OFFSET
         value = SimpleNamespace(dVal=0.0, uiVal=0, ulVal=0, ullVal=0, sllVal=0, siVal=0)
         ret, vtype = NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_INT
-        if field == NVML_FI_DEV_POWER_INSTANT and scope == 0:
+        if str(field) in _UNSUPPORTED:
+            ret = NVML_ERROR_NOT_SUPPORTED
+        elif field == NVML_FI_DEV_POWER_INSTANT and scope == 0:
             value.uiVal = int(_instant_w() * 1000)
         elif field == NVML_FI_DEV_POWER_AVERAGE and scope == 0:
             value.uiVal = int(_mean_w() * 1000)
