@@ -145,6 +145,7 @@ class Load:
         self.per_op: dict[str, float] = {}
         self.info: dict[str, Any] = {"mode": mode}
         self.spans: list[dict] = []
+        self.local = threading.local()
 
     def setup(self) -> None:
         if self.mode == "sleep":
@@ -202,6 +203,9 @@ class Load:
         tick: Any = None,
         tick_every: float | None = None,
     ) -> tuple[float, float]:
+        if self.mode == "cuda" and not getattr(self.local, "bound", False):
+            self.torch.cuda.set_device(0)  # a new thread (the engine's) has no context yet
+            self.local.bound = True
         t0 = time.monotonic()
         self._announce(f"S {t0:.6f} {kind}")
         end = t0 + seconds
