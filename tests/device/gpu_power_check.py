@@ -249,8 +249,16 @@ class Poll:
 
     WHAT = ("instant_w", "average_w", "energy_field_mj", "usage_w", "counter_mj")
 
-    def __init__(self, workdir: Path, env: dict, gpu: int, max_seconds: float, tag: str) -> None:
-        self.bases = {w: workdir / f"poll_{tag}_{w}" for w in self.WHAT}
+    def __init__(
+        self,
+        workdir: Path,
+        env: dict,
+        gpu: int,
+        max_seconds: float,
+        tag: str,
+        what: tuple[str, ...] = WHAT,
+    ) -> None:
+        self.bases = {w: workdir / f"poll_{tag}_{w}" for w in what}
         self.procs = {
             w: subprocess.Popen(
                 [
@@ -417,7 +425,7 @@ def trace(poll: Poll) -> dict:
     behaviour, small enough to keep (sample-and-hold between points restores it)."""
     c = poll.cols
     out: dict[str, Any] = {}
-    for name in Poll.WHAT:
+    for name in poll.bases:
         s = Series(c.get(f"t_{name}", []), c.get(name, []))
         idx = [0, *s.changes()] if len(s) else []
         out[name] = [[round(s.t[i], 6), s.v[i]] for i in idx]
@@ -563,9 +571,9 @@ def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
         }
     info = {
         "field_timestamps": stamps or None,
-        "call_median_s": {w: call_s(w) for w in Poll.WHAT},
-        "poll_interval_median_s": {w: interval(w, 0.5) for w in Poll.WHAT},
-        "poll_interval_p99_s": {w: interval(w, 0.99) for w in Poll.WHAT},
+        "call_median_s": {w: call_s(w) for w in poll.bases},
+        "poll_interval_median_s": {w: interval(w, 0.5) for w in poll.bases},
+        "poll_interval_p99_s": {w: interval(w, 0.99) for w in poll.bases},
         "polls": poll.meta.get("polls"),
         "errors": poll.meta.get("errors", {}),
         "gpu_name": poll.meta.get("name"),
@@ -1117,7 +1125,16 @@ def run_phasewatch(
             ]
         )
         gap = 0.8 if quick else 2.0
-        poll = Poll(workdir, env, gpu, max(10.0, deadline - time.monotonic() + 5), "phasewatch")
+        # the counter alone: each read holds the driver for milliseconds on some GPUs,
+        # and phasewatch's own reads must not queue behind this check's
+        poll = Poll(
+            workdir,
+            env,
+            gpu,
+            max(10.0, deadline - time.monotonic() + 5),
+            "phasewatch",
+            what=("counter_mj",),
+        )
         if not poll.started():
             raise RuntimeError("NVML poller exited at start")
         time.sleep(1.0)  # a few counter refreshes before the first window opens
