@@ -387,8 +387,13 @@ class Counter:
         raw = Series(ts, mj)
         self.raw = raw
         # the first poll that saw each new value: the refresh times (the very first poll
-        # is not one: its value is from some refresh before it)
-        idx = raw.changes()
+        # is not one: its value is from some refresh before it). A change seen after a
+        # stall of the poller happened somewhere in the stall: not a time to rely on (the
+        # values are cumulative, so dropping it only merges two intervals)
+        gaps = sorted(b - a for a, b in itertools.pairwise(raw.t))
+        slack = max(0.005, 5 * gaps[len(gaps) // 2]) if gaps else math.inf
+        idx = [i for i in raw.changes() if raw.t[i] - raw.t[i - 1] <= slack]
+        self.dropped = len(raw.changes()) - len(idx)
         self.pt = [raw.t[i] for i in idx]
         self.pe = [raw.v[i] / 1000.0 for i in idx]  # J
         # power between refreshes, held from one refresh point to the next
@@ -488,9 +493,22 @@ def schedule_fit(counter: Counter, spans: list[tuple[float, float]], pad: float 
             for b_i, vb in row.items():
                 ata[a_i][b_i] += va * vb
     seen = [i for i in range(n) if ata[i][i] > 0]  # pieces outside the counter's range
-    x_seen = _solve([[ata[i][j] for j in seen] for i in seen], [atb[i] for i in seen])
-    if x_seen is None:
-        return {"error": "the fit is singular"}
+    sub = [[ata[i][j] for j in seen] for i in seen]
+    rhs = [atb[i] for i in seen]
+    note = None
+    x_seen = _solve(sub, rhs)
+    if x_seen is None:  # some pieces are seen only together (refreshes lost to stalls)
+        ridge = 1e-6 * max((sub[i][i] for i in range(len(seen))), default=1.0)
+        x_seen = _solve(
+            [
+                [v + (ridge if r == c else 0.0) for c, v in enumerate(row)]
+                for r, row in enumerate(sub)
+            ],
+            rhs,
+        )
+        note = "rank-deficient (refresh points lost to poller stalls): a ridge split pieces seen only together"
+        if x_seen is None:
+            return {"error": "the fit is singular"}
     x: list[float | None] = [None] * n
     for i, v in zip(seen, x_seen):
         x[i] = v
@@ -502,6 +520,7 @@ def schedule_fit(counter: Counter, spans: list[tuple[float, float]], pad: float 
     return {
         "span_w": x[:n_spans],
         "idle_w": x[n_spans:],
+        "note": note,
         "intervals": len(rows),
         "rms_residual_w": math.sqrt(statistics.fmean(res2)) if res2 else None,
     }
@@ -513,7 +532,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-12:
+        if abs(m[piv][col]) < 1e-9 * max(1.0, max(abs(m[r][r]) for r in range(n))):
             return None
         m[col], m[piv] = m[piv], m[col]
         for r in range(col + 1, n):
@@ -575,6 +594,7 @@ def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
         "poll_interval_median_s": {w: interval(w, 0.5) for w in poll.bases},
         "poll_interval_p99_s": {w: interval(w, 0.99) for w in poll.bases},
         "polls": poll.meta.get("polls"),
+        "counter_changes_dropped_after_a_stall": counter.dropped,
         "errors": poll.meta.get("errors", {}),
         "gpu_name": poll.meta.get("name"),
     }
