@@ -719,9 +719,13 @@ def analyse_pulses(
         seen = 0
         ratios = []
         for p in pulses:
+            # against the level just before the pulse: a slow field carries the whole
+            # train's mean, which is not this pulse
+            local = _median(s.window(p["t0"] - 0.09, p["t0"] - 0.005))
+            lvl = base if local is None else local
             peak = max(s.window(p["t0"], p["t1"] + 0.15) or [math.nan])
-            ratios.append((peak - base) / (top - base))
-            if peak - base > 0.15 * (top - base):
+            ratios.append((peak - lvl) / (top - base))
+            if peak - lvl > 0.15 * (top - base):
                 seen += 1
         row: dict[str, Any] = {"seen_fraction": seen / len(pulses)}
         # a pulse wholly inside a window W > p reads p / W of the step at most
