@@ -668,13 +668,17 @@ def run_square(
             bursts.append({"kind": kind, "nominal_s": dur, "t0": t0, "t1": t1, "gap_s": gap})
         # short compute pulses at spread phases: how much of the time the instant field
         # sees (a pulse is seen when it overlaps the field's averaging window)
+        # starts on an absolute plan, so their phases over a refresh period are spread
+        # evenly (golden-ratio offsets), not a sum of offsets
+        start = time.monotonic()
         for i in range(PULSES_QUICK if quick else PULSES):
             if time.monotonic() + 1.0 > deadline:
                 out["cut_short"] = "time box reached during the pulses"
                 break
+            time.sleep(max(0.0, start + i * PULSE_EVERY_S + _spread(i) - time.monotonic()))
             t0, t1 = load.burst("compute", PULSE_S)
-            time.sleep(max(0.0, PULSE_EVERY_S + _spread(i) - (t1 - t0)))
             pulses.append({"t0": t0, "t1": t1})
+        time.sleep(PULSE_EVERY_S)
         time.sleep(0.3)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
