@@ -247,7 +247,10 @@ class Poll:
     ``cols`` holds ``t_<what>`` (before the call), ``<what>``, ``t_end_<what>`` and
     ``ts_<what>`` (the value's NVML timestamp, fields only) for each read."""
 
-    WHAT = ("instant_w", "average_w", "energy_field_mj", "usage_w", "counter_mj")
+    #: NVML_FI_DEV_ENERGY (nvml_poll.py's energy_field_mj) is left out: the same energy
+    #: as the counter on the drivers seen, and each field read holds the driver for
+    #: milliseconds on some GPUs (the H200: ~3 ms), slowing the other pollers' reads
+    WHAT = ("instant_w", "average_w", "usage_w", "counter_mj")
 
     def __init__(
         self,
