@@ -1775,9 +1775,11 @@ def main(argv: list[str] | None = None) -> int:
     data["status"] = "partial" if failed else "ok"
     data["wall_s"] = time.monotonic() - t_start
     data["workdir"] = str(workdir)
+    lines = summary_lines(data)
+    data["summary"] = lines
     report.write()
     dog.cancel()
-    print("\n".join(summary_lines(data)))
+    print("\n".join(lines))
     return 1 if failed else 0
 
 
