@@ -1592,7 +1592,10 @@ def summary_lines(data: dict) -> list[str]:
         errs = "  ".join(
             f"{k.replace('integral_', '')} {_fmt(v, '%')}" for k, v in s["median_err_pct"].items()
         )
-        lines.append(f"  burst {key:13s} {_fmt(s['truth_mean_w'], 'W')}  window energy err: {errs}")
+        lines.append(
+            f"  burst {key:13s} {_fmt(s['truth_mean_w'], 'W')} (fit {_fmt(s.get('fit_mean_w'), 'W')})"
+            f"  window energy err: {errs}"
+        )
     pw = data.get("phasewatch", {})
     if "error" in pw:
         lines.append(f"  phasewatch: FAILED {pw['error'][:200]}")
