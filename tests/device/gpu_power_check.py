@@ -1,7 +1,7 @@
 """What a real NVIDIA GPU's power sensors resolve, and what phasewatch makes of them.
 
 Device command (repository root; .whl/ holds the wheels phasewatch needs that the device
-lacks; timeout 540 s):
+lacks, an ignored folder the device run must carry; timeout 540 s):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 tests/device/gpu_power_check.py --out $OUT/gpu_power.json
 
@@ -17,15 +17,17 @@ exits if the whole run overstays ``--budget``):
 2. ``square``: a 1 ms NVML poll (tests/device/nvml_poll.py, its own process) of the
    instant and average power fields, ``nvmlDeviceGetPowerUsage`` and the energy counter,
    under a known square wave: compute-bound bf16 matmul bursts (prefill-like) and
-   memory-bound copies (decode-like) of 0.1, 0.3, 1 and 3 s with idle gaps. Per field:
-   refresh period (median interval between value changes), lag (time to 50 % and 90 % of
-   a step), the peak a short burst reaches, and each burst's energy from counter deltas
-   and from integrating each power field, against the counter's energy above idle.
+   memory-bound copies (decode-like) of 0.1, 0.3, 1 and 3 s with idle gaps spread over a
+   refresh period's phases, then 20 ms pulses. Per field: refresh period (median interval
+   between value changes), lag (time to 50 % and 90 % of a step), the share of pulses it
+   shows, and each burst's energy from counter deltas and from integrating each field,
+   against the counter's energy above idle. ``sensor_profile`` gathers them.
 3. ``phasewatch``: ``python -m proxy serve`` from this tree with NVML power, in front of
    a torch-backed stand-in engine (tests/device/standin_engine.py) whose prefill and
-   decode last known times; its /metrics (per-phase power, energy, any ``unresolved``
-   counters, parsed generically) and its JSON access-log lines are compared with the
-   power the 1 ms counter poll measured over the same windows.
+   decode last known times, sequential requests then a concurrent pair; its /metrics
+   (per-phase power and energy, ``unresolved`` counters, sensor gauges: parsed
+   generically) and its JSON access-log lines are compared with each phase's power
+   fitted to the 1 ms counter poll with the schedule's edges known (:func:`schedule_fit`).
 
 Unmeasured figures are ``null`` with a reason; NVML errors are recorded, not fatal.
 Exit status: 0 when every section ran, 1 when one failed, 2 when there is no GPU.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import gzip
 import itertools
 import json
 import math
@@ -62,7 +65,10 @@ sys.path.insert(0, str(HERE))
 from standin_engine import MODEL, StandinEngine  # noqa: E402
 
 FAKE_NVML = HERE / "fake_nvml"
-FIELDS = ["instant_w", "average_w", "usage_w", "counter_w"]  # counter_w: counter deltas
+PULSE_S = 0.02  # short compute pulses: what share of the time the instant field sees
+PULSE_EVERY_S = 0.2
+PULSES = 40
+PULSES_QUICK = 10
 SHORT_NAMES = {
     "instant_w": "NVML_FI_DEV_POWER_INSTANT",
     "average_w": "NVML_FI_DEV_POWER_AVERAGE",
@@ -139,6 +145,7 @@ class Load:
         self.per_op: dict[str, float] = {}
         self.info: dict[str, Any] = {"mode": mode}
         self.spans: list[dict] = []
+        self.local = threading.local()
 
     def setup(self) -> None:
         if self.mode == "sleep":
@@ -155,10 +162,10 @@ class Load:
         a = torch.randn(n, n, device=dev, dtype=dtype)
         b = torch.randn(n, n, device=dev, dtype=dtype)
         c = torch.empty(n, n, device=dev, dtype=dtype)
-        src = torch.empty(
+        # random bits, as weights and KV caches are (constant data would toggle fewer bits)
+        src = torch.randn(
             copy_bytes // 2, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float16
         )
-        src.fill_(1.0)
         dst = torch.empty_like(src)
         self.ops = {
             "compute": lambda: torch.matmul(a, b, out=c),
@@ -196,6 +203,9 @@ class Load:
         tick: Any = None,
         tick_every: float | None = None,
     ) -> tuple[float, float]:
+        if self.mode == "cuda" and not getattr(self.local, "bound", False):
+            self.torch.cuda.set_device(0)  # a new thread (the engine's) has no context yet
+            self.local.bound = True
         t0 = time.monotonic()
         self._announce(f"S {t0:.6f} {kind}")
         end = t0 + seconds
@@ -233,58 +243,99 @@ class Load:
 
 
 class Poll:
-    """tests/device/nvml_poll.py in its own process, and its rows once it stopped."""
+    """tests/device/nvml_poll.py, one process per NVML read, and their rows once stopped:
+    ``cols`` holds ``t_<what>`` (before the call), ``<what>``, ``t_end_<what>`` and
+    ``ts_<what>`` (the value's NVML timestamp, fields only) for each read."""
 
-    def __init__(self, workdir: Path, env: dict, gpu: int, max_seconds: float, tag: str) -> None:
-        self.base = workdir / f"poll_{tag}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "nvml_poll.py"),
-                "--out",
-                str(self.base),
-                "--gpu",
-                str(gpu),
-                "--max-seconds",
-                str(max_seconds),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self.meta: dict = {}
+    #: NVML_FI_DEV_ENERGY (nvml_poll.py's energy_field_mj) is left out: the same energy
+    #: as the counter on the drivers seen, and each field read holds the driver for
+    #: milliseconds on some GPUs (the H200: ~3 ms), slowing the other pollers' reads
+    WHAT = ("instant_w", "average_w", "usage_w", "counter_mj")
+
+    def __init__(
+        self,
+        workdir: Path,
+        env: dict,
+        gpu: int,
+        max_seconds: float,
+        tag: str,
+        what: tuple[str, ...] = WHAT,
+    ) -> None:
+        self.bases = {w: workdir / f"poll_{tag}_{w}" for w in what}
+        self.procs = {
+            w: subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "nvml_poll.py"),
+                    "--out",
+                    str(base),
+                    "--what",
+                    w,
+                    "--gpu",
+                    str(gpu),
+                    "--max-seconds",
+                    str(max_seconds),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for w, base in self.bases.items()
+        }
+        self.meta: dict = {"errors": {}, "polls": {}}
         self.cols: dict[str, list[float]] = {}
 
     def started(self, timeout: float = 30.0) -> bool:
-        """True once the poller is polling (it says so in OUT.ready)."""
+        """True once every poller is polling or was refused (each says so in OUT.ready),
+        and at least one is polling."""
         deadline = time.monotonic() + timeout
-        ready = Path(str(self.base) + ".ready")
         while time.monotonic() < deadline:
-            if ready.exists():
-                return True
-            if self.proc.poll() is not None:
-                return False
+            states = []
+            for w, base in self.bases.items():
+                ready = Path(str(base) + ".ready")
+                if ready.exists():
+                    with contextlib.suppress(ValueError, OSError):
+                        states.append(json.loads(ready.read_text()).get("error") is None)
+                        continue
+                if self.procs[w].poll() is not None:
+                    states.append(False)
+                    continue
+                break
+            else:
+                return any(states)
             time.sleep(0.05)
         return False
 
     def stop(self, timeout: float = 30.0) -> dict:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        meta_path = Path(str(self.base) + ".json")
-        if not meta_path.exists():
-            raise RuntimeError(f"poller wrote nothing: {out.decode(errors='replace')[-2000:]}")
-        self.meta = json.loads(meta_path.read_text())
-        rows = array("d")
-        with open(str(self.base) + ".bin", "rb") as f:
-            rows.frombytes(f.read())
-        names = self.meta["columns"]
-        k = len(names)
-        self.cols = {name: list(rows[i::k]) for i, name in enumerate(names)}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for w, proc in self.procs.items():
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            meta_path = Path(str(self.bases[w]) + ".json")
+            if not meta_path.exists():
+                self.meta["errors"][w] = (
+                    f"poller wrote nothing: {out.decode(errors='replace')[-1000:]}"
+                )
+                continue
+            meta = json.loads(meta_path.read_text())
+            if meta.get("error"):
+                self.meta["errors"][w] = meta["error"]
+            self.meta["polls"][w] = meta.get("polls", 0)
+            for k in ("name", "wall_minus_monotonic", "pynvml_file"):
+                self.meta.setdefault(k, meta.get(k))
+            rows = array("d")
+            with open(str(self.bases[w]) + ".bin", "rb") as f:
+                rows.frombytes(f.read())
+            names = meta["columns"]
+            k = len(names)
+            for i, name in enumerate(names):
+                key = w if name == "value" else f"{name}_{w}"
+                self.cols[key] = list(rows[i::k])
         return self.meta
 
 
@@ -338,8 +389,15 @@ class Counter:
     def __init__(self, ts: list[float], mj: list[float]) -> None:
         raw = Series(ts, mj)
         self.raw = raw
-        idx = [0, *raw.changes()] if len(raw) else []
-        self.pt = [raw.t[i] for i in idx]  # first poll that saw each new value
+        # the first poll that saw each new value: the refresh times (the very first poll
+        # is not one: its value is from some refresh before it). A change seen after a
+        # stall of the poller happened somewhere in the stall: not a time to rely on (the
+        # values are cumulative, so dropping it only merges two intervals)
+        gaps = sorted(b - a for a, b in itertools.pairwise(raw.t))
+        slack = max(0.005, 5 * gaps[len(gaps) // 2]) if gaps else math.inf
+        idx = [i for i in raw.changes() if raw.t[i] - raw.t[i - 1] <= slack]
+        self.dropped = len(raw.changes()) - len(idx)
+        self.pt = [raw.t[i] for i in idx]
         self.pe = [raw.v[i] / 1000.0 for i in idx]  # J
         # power between refreshes, held from one refresh point to the next
         pw_t, pw_v = [], []
@@ -370,40 +428,176 @@ class Counter:
         return f(b) - f(a)
 
 
+def trace(poll: Poll) -> dict:
+    """Each polled column at its change points, [monotonic s, value]: the raw sensor
+    behaviour, small enough to keep (sample-and-hold between points restores it)."""
+    c = poll.cols
+    out: dict[str, Any] = {}
+    for name in poll.bases:
+        s = Series(c.get(f"t_{name}", []), c.get(name, []))
+        idx = [0, *s.changes()] if len(s) else []
+        out[name] = [[round(s.t[i], 6), s.v[i]] for i in idx]
+    return out
+
+
+def schedule_fit(counter: Counter, spans: list[tuple[float, float]], pad: float = 1.0) -> dict:
+    """Each known span's mean power, fitted to the energy counter (least squares).
+
+    The timeline from ``pad`` before the first span to ``pad`` after the last is cut at
+    every span edge; what no span covers is idle, one unknown per idle stretch (idle power
+    drifts with temperature). Each counter refresh interval's energy is the sum of the
+    pieces' powers times their overlap with it. With the edges known, a span shorter than
+    a refresh is still solved from its neighbours, unlike any window read of the counter.
+    Returns ``{"span_w": [...], "idle_w": [...], "rms_residual_w": ...}``.
+    """
+    if not spans or len(counter.pt) < 3:
+        return {"error": "no spans or no counter"}
+    lo = max(min(a for a, _ in spans) - pad, counter.pt[0])
+    hi = min(max(b for _, b in spans) + pad, counter.pt[-1])
+    pieces: list[tuple[float, float, int]] = []  # start, end, unknown index
+    n_spans = len(spans)
+    order = sorted(range(n_spans), key=lambda i: spans[i][0])
+    t, k = lo, n_spans
+    for i in order:
+        a, b = spans[i]
+        if a - t > 0.005:
+            pieces.append((t, a, k))
+            k += 1
+        elif pieces and a > t:  # a sliver between two spans: the previous one's
+            s0, _, j = pieces[-1]
+            pieces[-1] = (s0, a, j)
+        pieces.append((max(a, t), b, i))
+        t = max(t, b)
+    if hi > t:
+        pieces.append((t, hi, k))
+        k += 1
+    n = k
+    ata = [[0.0] * n for _ in range(n)]
+    atb = [0.0] * n
+    rows = []
+    starts = [p[0] for p in pieces]
+    for i in range(1, len(counter.pt)):
+        t0, t1 = counter.pt[i - 1], counter.pt[i]
+        if t0 < lo or t1 > hi:
+            continue
+        de = counter.pe[i] - counter.pe[i - 1]
+        row: dict[int, float] = {}
+        j = max(0, bisect.bisect_right(starts, t0) - 1)
+        while j < len(pieces) and pieces[j][0] < t1:
+            ov = min(t1, pieces[j][1]) - max(t0, pieces[j][0])
+            if ov > 0:
+                row[pieces[j][2]] = row.get(pieces[j][2], 0.0) + ov
+            j += 1
+        if not row:
+            continue
+        rows.append((row, de, t1 - t0))
+        for a_i, va in row.items():
+            atb[a_i] += va * de
+            for b_i, vb in row.items():
+                ata[a_i][b_i] += va * vb
+    seen = [i for i in range(n) if ata[i][i] > 0]  # pieces outside the counter's range
+    sub = [[ata[i][j] for j in seen] for i in seen]
+    rhs = [atb[i] for i in seen]
+    note = None
+    x_seen = _solve(sub, rhs)
+    if x_seen is None:  # some pieces are seen only together (refreshes lost to stalls)
+        ridge = 1e-6 * max((sub[i][i] for i in range(len(seen))), default=1.0)
+        x_seen = _solve(
+            [
+                [v + (ridge if r == c else 0.0) for c, v in enumerate(row)]
+                for r, row in enumerate(sub)
+            ],
+            rhs,
+        )
+        note = "rank-deficient (refresh points lost to poller stalls): a ridge split pieces seen only together"
+        if x_seen is None:
+            return {"error": "the fit is singular"}
+    x: list[float | None] = [None] * n
+    for i, v in zip(seen, x_seen):
+        x[i] = v
+    res2 = [
+        ((sum(v * (x[c] or 0.0) for c, v in row.items()) - de) / dt) ** 2
+        for row, de, dt in rows
+        if dt > 0
+    ]
+    return {
+        "span_w": x[:n_spans],
+        "idle_w": x[n_spans:],
+        "note": note,
+        "intervals": len(rows),
+        "rms_residual_w": math.sqrt(statistics.fmean(res2)) if res2 else None,
+    }
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-9 * max(1.0, max(abs(m[r][r]) for r in range(n))):
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
 def load_fields(poll: Poll) -> tuple[dict[str, Series], Counter | None, dict]:
     c = poll.cols
     fields: dict[str, Series] = {}
-    for name, tcol in (
-        ("instant_w", "t_fields"),
-        ("average_w", "t_fields"),
-        ("usage_w", "t_usage"),
-    ):
-        s = Series(c.get(tcol, []), c.get(name, []))
+    for name in ("instant_w", "average_w", "usage_w"):
+        s = Series(c.get(f"t_{name}", []), c.get(name, []))
         if len(s):
             fields[name] = s
-    counter = Counter(c.get("t_counter", []), c.get("counter_mj", []))
+    counter = Counter(c.get("t_counter_mj", []), c.get("counter_mj", []))
     if len(counter.pt) < 3:
         counter_opt = None
     else:
         counter_opt = counter
         fields["counter_w"] = counter.power
-    t0s = [t for t in c.get("t_fields", []) if math.isfinite(t)]
-    intervals = [b - a for a, b in itertools.pairwise(t0s)]
 
-    def call_s(a: str, b: str) -> float | None:
-        return _median([y - x for x, y in zip(c.get(a, []), c.get(b, [])) if math.isfinite(y - x)])
+    def call_s(w: str) -> float | None:
+        return _median(
+            [
+                y - x
+                for x, y in zip(c.get(f"t_{w}", []), c.get(f"t_end_{w}", []))
+                if math.isfinite(y - x)
+            ]
+        )
 
+    def interval(w: str, q: float) -> float | None:
+        ts = [t for t in c.get(f"t_{w}", []) if math.isfinite(t)]
+        d = sorted(b - a for a, b in itertools.pairwise(ts))
+        return d[int(q * (len(d) - 1))] if d else None
+
+    # the fields' own timestamps: how old a value is when read, how often they move
+    stamps: dict[str, Any] = {}
+    offset = poll.meta.get("wall_minus_monotonic")
+    for name in ("instant_w", "average_w"):
+        ts = Series(c.get(f"t_{name}", []), c.get(f"ts_us_{name}", []))
+        if not len(ts) or offset is None:
+            continue
+        ages = [(t + offset) - v / 1e6 for t, v in zip(ts.t, ts.v) if v > 0]
+        moved = [ts.t[i] for i in ts.changes()]
+        stamps[name] = {
+            "age_median_s": _median(ages),
+            "timestamp_changes": len(moved),
+            "timestamp_period_s": _median([b - a for a, b in itertools.pairwise(moved)]),
+        }
     info = {
-        "call_median_s": {
-            "field_values": call_s("t_fields", "t_usage"),
-            "power_usage": call_s("t_usage", "t_counter"),
-            "energy_counter": call_s("t_counter", "t_end"),
-        },
-        "polls": len(t0s),
-        "poll_interval_median_s": _median(intervals),
-        "poll_interval_p99_s": sorted(intervals)[int(0.99 * (len(intervals) - 1))]
-        if intervals
-        else None,
+        "field_timestamps": stamps or None,
+        "call_median_s": {w: call_s(w) for w in poll.bases},
+        "poll_interval_median_s": {w: interval(w, 0.5) for w in poll.bases},
+        "poll_interval_p99_s": {w: interval(w, 0.99) for w in poll.bases},
+        "polls": poll.meta.get("polls"),
+        "counter_changes_dropped_after_a_stall": counter.dropped,
         "errors": poll.meta.get("errors", {}),
         "gpu_name": poll.meta.get("name"),
     }
@@ -450,12 +644,17 @@ def run_square(
     load: Load, workdir: Path, env: dict, gpu: int, quick: bool, deadline: float
 ) -> dict:
     sched = square_schedule(quick)
-    budget = sum(d + g for _, d, g in sched) + 10
+    budget = sum(d + g for _, d, g in sched) + 10 + PULSES * (PULSE_EVERY_S + 0.1)
     poll = Poll(
         workdir, env, gpu, min(budget + 30, max(10.0, deadline - time.monotonic())), "square"
     )
     bursts: list[dict] = []
-    out: dict[str, Any] = {"schedule": [list(x) for x in sched], "bursts": bursts}
+    pulses: list[dict] = []
+    out: dict[str, Any] = {
+        "schedule": [list(x) for x in sched],
+        "bursts": bursts,
+        "pulses": pulses,
+    }
     try:
         if not poll.started():
             raise RuntimeError("NVML poller exited at start")
@@ -470,6 +669,20 @@ def run_square(
             t0, t1 = load.burst(kind, dur)
             time.sleep(gap)
             bursts.append({"kind": kind, "nominal_s": dur, "t0": t0, "t1": t1, "gap_s": gap})
+        # short compute pulses at spread phases: how much of the time the instant field
+        # sees (a pulse is seen when it overlaps the field's averaging window)
+        # starts on an absolute plan, so their phases over a refresh period are spread
+        # evenly (golden-ratio offsets), not a sum of offsets
+        start = time.monotonic()
+        for i in range(PULSES_QUICK if quick else PULSES):
+            if time.monotonic() + 1.0 > deadline:
+                out["cut_short"] = "time box reached during the pulses"
+                break
+            time.sleep(max(0.0, start + i * PULSE_EVERY_S + _spread(i) - time.monotonic()))
+            t0, t1 = load.burst("compute", PULSE_S)
+            pulses.append({"t0": t0, "t1": t1})
+        time.sleep(PULSE_EVERY_S)
+        time.sleep(0.3)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()[-3000:]
@@ -479,8 +692,99 @@ def run_square(
         return out
     fields, counter, info = load_fields(poll)
     out["poll"] = info
+    out["trace"] = trace(poll)
     out.update(analyse_square(fields, counter, bursts, out["idle_lead"]))
+    out["pulse_visibility"] = analyse_pulses(fields, counter, pulses, out)
+    out["sensor_profile"] = sensor_profile(out)
     return out
+
+
+def analyse_pulses(
+    fields: dict[str, Series], counter: Counter | None, pulses: list[dict], sq: dict
+) -> dict:
+    """Per field: the share of short pulses it shows at all, and (instant field) the
+    averaging window that share implies: a pulse of length p is seen when it overlaps a
+    window W refreshed every R, with probability (p + W) / R at spread phases."""
+    if not pulses:
+        return {"error": "no pulses ran"}
+    res: dict[str, Any] = {
+        "pulses": len(pulses),
+        "pulse_s": _median([p["t1"] - p["t0"] for p in pulses]),
+    }
+    span = (pulses[0]["t0"] - 0.05, pulses[-1]["t1"] + 0.2)
+    ref_excess = None
+    idle = sq["idle_w"]
+    if counter is not None and idle.get("counter_w") is not None:
+        ref_excess = counter.between(*span) - idle["counter_w"] * (span[1] - span[0])
+        res["counter_excess_j"] = ref_excess
+    for name, s in fields.items():
+        top = sq["plateau_w"]["compute"].get(name)
+        base = idle.get(name)
+        if top is None or base is None or top - base < 5:
+            res[name] = {"error": "no step size for this field"}
+            continue
+        seen = 0
+        ratios = []
+        for p in pulses:
+            # against the level just before the pulse: a slow field carries the whole
+            # train's mean, which is not this pulse
+            local = _median(s.window(p["t0"] - 0.09, p["t0"] - 0.005))
+            lvl = base if local is None else local
+            peak = max(s.window(p["t0"], p["t1"] + 0.15) or [math.nan])
+            ratios.append((peak - lvl) / (top - base))
+            if peak - lvl > 0.15 * (top - base):
+                seen += 1
+        row: dict[str, Any] = {"seen_fraction": seen / len(pulses)}
+        # a pulse wholly inside a window W > p reads p / W of the step at most
+        ratios.sort()
+        high = ratios[-2] if len(ratios) >= 2 else None  # the second highest: one outlier
+        row["peak_ratio"] = high
+        if name != "counter_w":
+            excess = s.integral(*span) - base * (span[1] - span[0])
+            row["energy_above_idle_vs_counter_pct"] = _pct(excess, ref_excess)
+        refresh = sq["fields"].get(name, {}).get("refresh_period_s")
+        if name == "instant_w" and refresh:
+            # rough: the threshold trims a little off each side of the overlap
+            row["window_estimate_s"] = max(0.0, row["seen_fraction"] * refresh - res["pulse_s"])
+            if high is not None and 0.05 < high < 0.95:
+                row["window_from_peak_s"] = res["pulse_s"] / high
+            elif high is not None and high >= 0.95:
+                row["window_from_peak_s"] = f"<= {res['pulse_s']:.3f} (pulses read in full)"
+        res[name] = row
+    return res
+
+
+def sensor_profile(sq: dict) -> dict:
+    """The figures a simulator sensor profile needs, in one place."""
+    prof: dict[str, Any] = {
+        "gpu": sq.get("poll", {}).get("gpu_name"),
+        "poll_interval_s": sq.get("poll", {}).get("poll_interval_median_s"),
+        "unsupported": sq.get("poll", {}).get("errors") or {},
+    }
+    for name, f in sq.get("fields", {}).items():
+        lag = f.get("lag", {}).get("compute", {})
+        entry = {
+            "source": f.get("source"),
+            "refresh_s": f.get("refresh_period_s"),
+            "rise_to_50pct_s": lag.get("rise_to_50pct_s"),
+            "rise_to_90pct_s": lag.get("rise_to_90pct_s"),
+            "fall_to_50pct_s": lag.get("fall_to_50pct_s"),
+        }
+        r50 = lag.get("rise_to_50pct_s")
+        entry["looks_like"] = (
+            None if r50 is None else "1 s mean" if r50 > 0.3 else "instant or short window"
+        )
+        stamp = (sq.get("poll", {}).get("field_timestamps") or {}).get(name)
+        if stamp:
+            entry["field_timestamp"] = stamp
+        vis = sq.get("pulse_visibility", {}).get(name)
+        if isinstance(vis, dict):
+            entry["pulse_seen_fraction"] = vis.get("seen_fraction")
+            for k in ("window_estimate_s", "window_from_peak_s"):
+                if k in vis:
+                    entry[k] = vis[k]
+        prof[name] = entry
+    return prof
 
 
 def analyse_square(
@@ -551,8 +855,10 @@ def energy_per_burst(
     idle_w = idle.get("counter_w")
     if idle_w is None:
         return {"error": "no idle power from the counter"}
+    fit = schedule_fit(counter, [(b["t0"], b["t1"]) for b in bursts])
+    fit_w = fit.get("span_w") or [None] * len(bursts)
     rows = []
-    for b in bursts:
+    for b, fw in zip(bursts, fit_w):
         dur = b["t1"] - b["t0"]
         pa, pb = b["t0"] - 0.2, b["t1"] + min(b["gap_s"] - 0.1, 1.3)
         excess = counter.between(pa, pb) - idle_w * (pb - pa)
@@ -563,6 +869,7 @@ def energy_per_burst(
             "duration_s": dur,
             "truth_j": truth,
             "truth_mean_w": truth / dur if dur > 0 else None,
+            "fit_mean_w": fw,
             "window_j": {},
             "window_err_pct": {},
         }
@@ -585,12 +892,22 @@ def energy_per_burst(
                 continue
             summary[f"{kind}_{nominal:g}s"] = {
                 "truth_mean_w": _median([r["truth_mean_w"] for r in sel]),
+                "fit_mean_w": _median([r["fit_mean_w"] for r in sel]),
                 "median_err_pct": {
                     k: _median([r["window_err_pct"][k] for r in sel])
                     for k in sel[0]["window_err_pct"]
                 },
             }
-    return {"idle_w_from_counter": idle_w, "per_burst": rows, "summary": summary}
+    fit.pop("span_w", None)
+    return {
+        "idle_w_from_counter": idle_w,
+        "per_burst": rows,
+        "summary": summary,
+        "fit": fit,
+        "truth_note": "truth_mean_w: idle x duration + the counter's energy above idle over "
+        "the burst padded by 0.2 s before and up to 1.3 s after; fit_mean_w: the burst's "
+        "power fitted to every counter refresh with the schedule's edges known",
+    }
 
 
 # --------------------------------------------------------------------------- phasewatch
@@ -642,8 +959,9 @@ def _free_port() -> int:
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     import urllib.request
 
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with opener.open(url, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except OSError as exc:
         code = getattr(exc, "code", 0)
@@ -683,7 +1001,9 @@ def chat(port: int, prefill_s: float, decode_s: float, tokens: int, timeout: flo
     t_end = time.monotonic()
     wall_end = time.time()
     status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    rid = re.search(rb'"id": ?"(chatcmpl-[0-9a-f]+)"', data)
     return {
+        "id": rid.group(1).decode() if rid else None,
         "status": status,
         "t_send": t_send,
         "t_first": t_first,
@@ -692,6 +1012,72 @@ def chat(port: int, prefill_s: float, decode_s: float, tokens: int, timeout: flo
         "done": b"[DONE]" in data,
         "chunks": data.count(b"data: {"),
         "usage_seen": b'"usage"' in data,
+    }
+
+
+def run_concurrent(port: int, engine: StandinEngine, quick: bool) -> dict:
+    """Two overlapping requests between two scrapes (analysed after the poll stopped)."""
+    _, text = _get(f"http://127.0.0.1:{port}/metrics")
+    t_before = time.monotonic()
+    got: list[dict] = []
+
+    def one(prefill_s: float, decode_s: float, tokens: int) -> None:
+        r = chat(port, prefill_s, decode_s, tokens, timeout=prefill_s + decode_s + 30)
+        r.update(prefill_s=prefill_s, decode_s=decode_s, tokens=tokens)
+        got.append(r)
+
+    pair = [(0.2, 0.6, 12), (0.3, 0.4, 8)] if quick else [(0.3, 2.0, 64), (0.5, 1.0, 32)]
+    threads = [threading.Thread(target=one, args=args) for args in pair]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=40)
+    time.sleep(1.0 if quick else 2.0)
+    _, text2 = _get(f"http://127.0.0.1:{port}/metrics")
+    t_after = time.monotonic()
+    by_id = {t["id"]: t for t in engine.log}
+    for r in got:
+        r["engine"] = by_id.get(r["id"])
+    return {
+        "requests": got,
+        "scrape_window": [t_before, t_after],
+        "metrics_before": parse_metrics(text),
+        "metrics_after": parse_metrics(text2),
+    }
+
+
+def conservation(d: dict, counter: Counter | None, window: list[float] | None) -> dict:
+    """Energy over a scrape window: phasewatch's GPU total against the counter, and
+    requests' attributed energy plus any idle energy family against that total."""
+    gpu = _sum(d, "phasewatch_gpu_energy_joules_total")
+    req = _sum(d, "phasewatch_request_energy_joules_total")
+    energy = [
+        (n, dict(lab), v)
+        for (n, lab), v in d.items()
+        if ("energy" in n or "joule" in n) and n.endswith("_total")
+    ]
+    idle_vals = [v for n, _, v in energy if "idle" in n]
+    idle = sum(idle_vals) if idle_vals else None
+    phase_vals = [v for n, lab, v in energy if "phase" in lab and "idle" not in n]
+    by_phase = sum(phase_vals) if phase_vals else None
+    attributed = by_phase if by_phase is not None else req
+    ref = counter.between(*window) if counter is not None and window else None
+    notes = []
+    if idle is None:
+        notes.append("no idle energy family in /metrics")
+    if by_phase is None:
+        notes.append("no per-phase energy family: attributed = request_energy (by client)")
+    return {
+        "counter_j": ref,
+        "phasewatch_gpu_energy_j": gpu,
+        "gpu_energy_err_pct": _pct(gpu, ref),
+        "phasewatch_request_energy_j": req,
+        "phasewatch_phase_energy_j": by_phase,
+        "phasewatch_idle_energy_j": idle,
+        "attributed_plus_idle_vs_gpu_pct": _pct(attributed + (idle or 0.0), gpu)
+        if attributed is not None
+        else None,
+        "note": "; ".join(notes) or None,
     }
 
 
@@ -770,9 +1156,19 @@ def run_phasewatch(
             ]
         )
         gap = 0.8 if quick else 2.0
-        poll = Poll(workdir, env, gpu, max(10.0, deadline - time.monotonic() + 5), "phasewatch")
+        # the counter alone: each read holds the driver for milliseconds on some GPUs,
+        # and phasewatch's own reads must not queue behind this check's
+        poll = Poll(
+            workdir,
+            env,
+            gpu,
+            max(10.0, deadline - time.monotonic() + 5),
+            "phasewatch",
+            what=("counter_mj",),
+        )
         if not poll.started():
             raise RuntimeError("NVML poller exited at start")
+        time.sleep(1.0)  # a few counter refreshes before the first window opens
         _, text = _get(f"http://127.0.0.1:{port}/metrics")
         t_before = time.monotonic()
         before = parse_metrics(text)
@@ -798,9 +1194,13 @@ def run_phasewatch(
                 break
             time.sleep(0.5)
         out["scrape_window"] = [t_before, t_after]
-        truth = engine.log[n_logged:]
-        for r, t in zip(requests, truth):
-            r["engine"] = t
+        by_id = {t["id"]: t for t in engine.log[n_logged:]}
+        for r in requests:
+            r["engine"] = by_id.get(r["id"])
+        # two requests at once, in a scrape window of their own: phasewatch's sharing
+        # and its energy conservation (the engine serialises their GPU work)
+        if time.monotonic() + 15 < deadline:
+            out["concurrent"] = run_concurrent(port, engine, quick)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()[-3000:]
@@ -822,6 +1222,7 @@ def run_phasewatch(
         return out
     fields, counter, info = load_fields(poll)
     out["poll"] = info
+    out["trace"] = trace(poll)
     out["metrics_delta"] = [
         {"name": n, "labels": dict(lab), "delta": v}
         for (n, lab), v in sorted(metric_delta(before, after).items())
@@ -833,6 +1234,19 @@ def run_phasewatch(
         if not n.endswith("_bucket")
     ]
     out.update(compare_phasewatch(fields, counter, requests, before, after, out))
+    conc = out.get("concurrent")
+    if conc:
+        d2 = metric_delta(conc.pop("metrics_before"), conc.pop("metrics_after"))
+        conc["energy"] = conservation(d2, counter, conc["scrape_window"])
+        conc["unresolved_delta"] = {
+            f"{n}{{phase={dict(lab).get('phase', '')}}}": v
+            for (n, lab), v in d2.items()
+            if "unresolved" in n
+        } or None
+        conc["phase_power_observations"] = {
+            ph: _sum(d2, "phasewatch_gpu_power_watts_count", phase=ph)
+            for ph in ("prefill", "decode")
+        }
     return out
 
 
@@ -888,17 +1302,39 @@ def compare_phasewatch(
         c = _sum(d, "phasewatch_gpu_power_watts_count", phase=phase)
         pw_phase[phase] = {"observations": c, "mean_w": (s / c) if s is not None and c else None}
     res["phasewatch_phase_power"] = pw_phase
-    unresolved = {f"{n}{dict(lab)}": v for (n, lab), v in d.items() if "unresolved" in n}
+    # every watt histogram with a phase label, whatever it is called
+    other: dict[str, Any] = {}
+    for (n, lab), v in d.items():
+        labels = dict(lab)
+        if n.endswith("_sum") and "watt" in n and "phase" in labels:
+            c = d.get((n[: -len("_sum")] + "_count", lab))
+            key = f"{n[: -len('_sum')]}{{phase={labels['phase']}}}"
+            item = other.setdefault(key, {"sum": 0.0, "count": 0.0})
+            item["sum"] += v
+            item["count"] += c or 0.0
+    for item in other.values():
+        item["mean_w"] = item["sum"] / item["count"] if item["count"] else None
+    res["phasewatch_phase_watt_histograms"] = other or None
+    unresolved: dict[str, float] = {}
+    for (n, lab), v in d.items():
+        if "unresolved" in n:
+            key = f"{n}{{phase={dict(lab).get('phase', '')}}}"
+            unresolved[key] = unresolved.get(key, 0.0) + v
     res["phasewatch_unresolved_delta"] = unresolved or None
     if counter is None:
         res["reference"] = {"error": "no energy counter in the poll: no reference"}
         return res
     inst = fields.get("instant_w")
+    known = [r for r in requests if "prefill" in (r.get("engine") or {})]
+    # the concurrent pair's GPU work is known too (and is not idle): fitted after these
+    also = [r for r in (out.get("concurrent") or {}).get("requests", []) if (r.get("engine") or {})]
+    spans = [tuple(r["engine"][ph]) for r in known + also for ph in ("prefill", "decode")]
+    fit = schedule_fit(counter, spans)  # type: ignore[arg-type]
+    fit_w = fit.pop("span_w", None) or [None] * len(spans)
+    res["schedule_fit"] = fit
     per_req = []
-    for r in requests:
-        e = r.get("engine") or {}
-        if "prefill" not in e or "decode" not in e:
-            continue
+    for n_req, r in enumerate(known):
+        e = r["engine"]
         row: dict[str, Any] = {
             "prefill_s": r["prefill_s"],
             "decode_s": r["decode_s"],
@@ -911,16 +1347,26 @@ def compare_phasewatch(
             row[f"{phase}_instant_w"] = (
                 inst.integral(a, b) / dur if inst is not None and dur > 0 else None
             )
+            row[f"{phase}_fit_w"] = fit_w[2 * n_req + (phase == "decode")]
+            # the reference: the fit where it solved, else the counter over the window
+            fw = row[f"{phase}_fit_w"]
+            row[f"{phase}_ref_w"] = fw if fw is not None else row[f"{phase}_counter_w"]
         # the request's whole window as the proxy sees it: sent upstream to last byte
         a, b = r["t_send"], r["t_end"]
         row["request_counter_j"] = counter.between(a, b)
         per_req.append(row)
     res["reference_per_request"] = per_req
     for phase in ("prefill", "decode"):
-        vals = [row[f"{phase}_counter_w"] for row in per_req]
-        ref = statistics.fmean(vals) if vals and all(v is not None for v in vals) else None
-        pw_phase[phase]["reference_mean_w_counter"] = ref
-        pw_phase[phase]["error_pct"] = _pct(pw_phase[phase]["mean_w"], ref)
+        for key, col in (("reference_mean_w", "ref_w"), ("counter_window_mean_w", "counter_w")):
+            vals = [row[f"{phase}_{col}"] for row in per_req]
+            ok = vals and all(v is not None for v in vals)
+            pw_phase[phase][key] = statistics.fmean(vals) if ok else None
+        pw_phase[phase]["reference"] = (
+            "schedule fit to the energy counter" if "error" not in fit else "counter window"
+        )
+        pw_phase[phase]["error_pct"] = _pct(
+            pw_phase[phase]["mean_w"], pw_phase[phase]["reference_mean_w"]
+        )
     # any energy family with a phase label (per-phase energy, idle energy): its delta by
     # phase, against the counter's energy over the requests' phase windows
     phase_energy: dict[str, Any] = {}
@@ -936,12 +1382,15 @@ def compare_phasewatch(
     for item in phase_energy.values():
         phase = item["phase"]
         if phase in ("prefill", "decode"):
-            ref = sum(row[f"{phase}_counter_w"] * row[f"{phase}_duration_s"] for row in per_req)
+            ref = sum(row[f"{phase}_ref_w"] * row[f"{phase}_duration_s"] for row in per_req)
             item["reference_counter_j"] = ref
             item["error_pct"] = _pct(item["delta"], ref)
     res["phasewatch_phase_energy"] = phase_energy or None
     # per request, from the access log's power fields (matched by the time each ended)
     access = out.get("log", {}).get("access_power_fields", [])
+    if not any(k.endswith("_watts") or "energy" in k for a in access for k in a):
+        access = []
+        res["per_request_access_log"] = {"note": "phasewatch's access lines carry no power"}
     if access and per_req:
         cmp_rows = []
         used: set[int] = set()
@@ -961,9 +1410,7 @@ def compare_phasewatch(
             for phase in ("prefill", "decode"):
                 w = got.get(f"{phase}_watts")
                 row[f"{phase}_watts"] = w
-                row[f"{phase}_err_pct"] = (
-                    _pct(w, ref[f"{phase}_counter_w"]) if w is not None else None
-                )
+                row[f"{phase}_err_pct"] = _pct(w, ref[f"{phase}_ref_w"]) if w is not None else None
             ej = got.get("energy_j")
             row["energy_j"] = ej
             row["energy_err_pct_vs_request_window"] = (
@@ -971,29 +1418,68 @@ def compare_phasewatch(
             )
             cmp_rows.append(row)
         res["per_request_access_log"] = cmp_rows
+        # the same mean over the requests phasewatch gave a figure (it may leave a phase
+        # it cannot resolve without one)
+        for phase in ("prefill", "decode"):
+            pairs = [
+                (row[f"{phase}_watts"], ref[f"{phase}_ref_w"])
+                for row, ref in zip(cmp_rows, per_req)
+                if row.get(f"{phase}_watts") is not None and ref[f"{phase}_ref_w"] is not None
+            ]
+            pw_phase[phase]["logged_requests"] = len(pairs)
+            pw_phase[phase]["unlogged_requests"] = len(per_req) - len(pairs)
+            if pairs:
+                got = statistics.fmean(p[0] for p in pairs)
+                ref_w = statistics.fmean(p[1] for p in pairs)
+                pw_phase[phase]["logged_mean_w"] = got
+                pw_phase[phase]["reference_mean_w_logged"] = ref_w
+                pw_phase[phase]["logged_error_pct"] = _pct(got, ref_w)
     # energy totals over the scrape window
-    t_before, t_after = out.get("scrape_window", [None, None])
-    if t_before is not None:
-        ref_total = counter.between(t_before, t_after)
-        got_total = _sum(d, "phasewatch_gpu_energy_joules_total")
-        req_total = _sum(d, "phasewatch_request_energy_joules_total")
-        res["energy"] = {
-            "counter_j_between_scrapes": ref_total,
-            "phasewatch_gpu_energy_j": got_total,
-            "gpu_energy_err_pct": _pct(got_total, ref_total),
-            "phasewatch_request_energy_j": req_total,
-            "reference_request_windows_j": sum(r["request_counter_j"] for r in per_req)
-            if per_req
-            else None,
-            "request_energy_err_pct": _pct(
-                req_total, sum(r["request_counter_j"] for r in per_req) if per_req else None
-            ),
-            "note": "scrapes are timed at the client: a few ms of slack at each end",
-        }
+    window = out.get("scrape_window")
+    if window:
+        e = conservation(d, counter, window)
+        e["phasewatch_request_energy_j_vs_request_windows"] = (
+            sum(r["request_counter_j"] for r in per_req) if per_req else None
+        )
+        e["request_energy_err_pct"] = _pct(
+            e["phasewatch_request_energy_j"], e["phasewatch_request_energy_j_vs_request_windows"]
+        )
+        e["timing_note"] = "scrapes are timed at the client: a few ms of slack at each end"
+        res["energy"] = e
     return res
 
 
 # --------------------------------------------------------------------------- main
+
+
+#: phasewatch's field label values (its sensor gauges) -> this check's field names
+_FIELD_NAMES = {
+    "energy_counter": "counter_w",
+    "power_instant": "instant_w",
+    "power_usage": "usage_w",
+    "power_average": "average_w",
+}
+
+
+def learned_vs_measured(data: dict) -> dict | None:
+    """What phasewatch says about the sensor (any gauge with a field label and "refresh"
+    in its name, and any sensor/resolution gauge) beside what the 1 ms poll measured."""
+    after = (data.get("phasewatch") or {}).get("metrics_after") or []
+    fields = (data.get("square") or {}).get("fields") or {}
+    out: dict[str, Any] = {"refresh": {}, "other": []}
+    for m in after:
+        name, labels, value = m["name"], m["labels"], m["value"]
+        if "refresh" in name and "field" in labels:
+            mine = fields.get(_FIELD_NAMES.get(labels["field"], labels["field"]), {})
+            measured = mine.get("refresh_period_s")
+            out["refresh"][labels["field"]] = {
+                "phasewatch_s": value,
+                "measured_s": measured,
+                "diff_pct": _pct(value, measured),
+            }
+        elif re.search(r"sensor|resolution", name):
+            out["other"].append(m)
+    return out if out["refresh"] or out["other"] else None
 
 
 def environment(dry_run: bool, env: dict) -> dict:
@@ -1046,6 +1532,8 @@ def gpu_info(nvml: Any, gpu: int) -> dict:
         ("driver", lambda: nvml.nvmlSystemGetDriverVersion()),
         ("power_limit_w", lambda: nvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0),
         ("gpu_count", lambda: nvml.nvmlDeviceGetCount()),
+        ("architecture", lambda: nvml.nvmlDeviceGetArchitecture(h)),
+        ("cuda_capability", lambda: nvml.nvmlDeviceGetCudaComputeCapability(h)),
     ):
         try:
             v = fn()
@@ -1072,28 +1560,79 @@ def summary_lines(data: dict) -> list[str]:
             f"  {name:10s} refresh {_fmt(f.get('refresh_period_s'), 's')}  rise50 {_fmt(lag.get('rise_to_50pct_s'), 's')}"
             f"  rise90 {_fmt(lag.get('rise_to_90pct_s'), 's')}  fall50 {_fmt(lag.get('fall_to_50pct_s'), 's')}"
         )
+    poll = sq.get("poll") or {}
+    if poll:
+        every = poll.get("poll_interval_median_s") or {}
+        lines.append(
+            "  poll every (call takes): "
+            + "  ".join(
+                f"{k} {_fmt(every.get(k), 's')} ({_fmt(v, 's')})"
+                for k, v in (poll.get("call_median_s") or {}).items()
+                if v is not None
+            )
+        )
+    for name, v in (sq.get("pulse_visibility") or {}).items():
+        if isinstance(v, dict) and "seen_fraction" in v:
+            w = v.get("window_estimate_s")
+            wp = v.get("window_from_peak_s")
+            lines.append(
+                f"  {name:10s} sees {v['seen_fraction']:.0%} of {PULSE_S * 1000:.0f} ms pulses"
+                + (f" (window ~{_fmt(w, 's')} from that share" if w is not None else "")
+                + (
+                    f", {_fmt(wp, 's') if isinstance(wp, float) else wp} from peaks)"
+                    if w is not None and wp is not None
+                    else ")"
+                    if w is not None
+                    else ""
+                )
+            )
     for name, err in (sq.get("poll", {}).get("errors") or {}).items():
         lines.append(f"  unsupported {name}: {err}")
     for key, s in ((sq.get("energy") or {}).get("summary") or {}).items():
         errs = "  ".join(
             f"{k.replace('integral_', '')} {_fmt(v, '%')}" for k, v in s["median_err_pct"].items()
         )
-        lines.append(f"  burst {key:13s} {_fmt(s['truth_mean_w'], 'W')}  window energy err: {errs}")
+        lines.append(
+            f"  burst {key:13s} {_fmt(s['truth_mean_w'], 'W')} (fit {_fmt(s.get('fit_mean_w'), 'W')})"
+            f"  window energy err: {errs}"
+        )
     pw = data.get("phasewatch", {})
     if "error" in pw:
         lines.append(f"  phasewatch: FAILED {pw['error'][:200]}")
     for phase, p in (pw.get("phasewatch_phase_power") or {}).items():
         lines.append(
-            f"  phasewatch {phase:7s} {_fmt(p.get('mean_w'), 'W')} (n={_fmt(p.get('observations'), '')}) vs counter "
-            f"{_fmt(p.get('reference_mean_w_counter'), 'W')}: {_fmt(p.get('error_pct'), '%')}"
+            f"  phasewatch {phase:7s} {_fmt(p.get('mean_w'), 'W')} (n={_fmt(p.get('observations'), '')}) vs truth "
+            f"{_fmt(p.get('reference_mean_w'), 'W')}: {_fmt(p.get('error_pct'), '%')}"
+            + (
+                f"; per logged request {_fmt(p.get('logged_error_pct'), '%')},"
+                f" {p.get('unlogged_requests')} without a figure"
+                if p.get("logged_requests")
+                else ""
+            )
         )
     e = pw.get("energy") or {}
     if e:
         lines.append(
             f"  phasewatch energy: gpu {_fmt(e.get('gpu_energy_err_pct'), '%')}  requests {_fmt(e.get('request_energy_err_pct'), '%')}"
         )
+    if e:
+        lines.append(
+            f"  attributed+idle vs phasewatch gpu energy: {_fmt(e.get('attributed_plus_idle_vs_gpu_pct'), '%')}"
+            + (f" ({e['note']})" if e.get("note") else "")
+        )
+    ce = (pw.get("concurrent") or {}).get("energy") or {}
+    if ce:
+        lines.append(
+            f"  2 concurrent: gpu energy {_fmt(ce.get('gpu_energy_err_pct'), '%')}, attributed+idle"
+            f" vs gpu {_fmt(ce.get('attributed_plus_idle_vs_gpu_pct'), '%')}"
+        )
     if pw.get("phasewatch_unresolved_delta"):
         lines.append(f"  unresolved: {pw['phasewatch_unresolved_delta']}")
+    for fld, v in ((data.get("learned_vs_measured") or {}).get("refresh") or {}).items():
+        lines.append(
+            f"  phasewatch learnt {fld} refresh {_fmt(v.get('phasewatch_s'), 's')}"
+            f" (measured {_fmt(v.get('measured_s'), 's')})"
+        )
     lines.append(f"  wall {_fmt(data.get('wall_s'), 's')}")
     return lines
 
@@ -1104,6 +1643,8 @@ def _fmt(v: Any, unit: str) -> str:
     if unit == "%":
         return f"{v:+.1f}%"
     if unit == "s":
+        if abs(v) < 0.01:
+            return f"{v * 1e6:.0f}us"
         return f"{v * 1000:.0f}ms" if abs(v) < 1 else f"{v:.2f}s"
     return f"{v:.0f}{unit}"
 
@@ -1203,6 +1744,9 @@ def main(argv: list[str] | None = None) -> int:
     report.write()
     # section time boxes: the square wave gets up to 45 % of what is left
     sections = [s for s in ("square", "phasewatch") if s not in args.skip]
+    traces: dict[str, Any] = {}
+    out_path = Path(args.out)
+    trace_path = out_path.with_name(out_path.stem + "_trace.json.gz")
     for name in sections:
         t0 = time.monotonic()
         left = deadline - t0
@@ -1214,6 +1758,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_phasewatch(
                     load, workdir, env, args.gpu, args.quick, box, args.phasewatch_arg
                 )
+            traces[name] = res.pop("trace", None)
             data[name] = _clean(res)
             failed = failed or "error" in res
         except Exception as exc:
@@ -1224,12 +1769,20 @@ def main(argv: list[str] | None = None) -> int:
             }
         data[name]["section_s"] = time.monotonic() - t0
         report.write()
+        with contextlib.suppress(Exception):
+            with gzip.open(trace_path, "wt", encoding="utf-8") as f:
+                json.dump(_clean(traces), f)
+            data["trace_file"] = trace_path.name
+    with contextlib.suppress(Exception):
+        data["learned_vs_measured"] = learned_vs_measured(data)
     data["status"] = "partial" if failed else "ok"
     data["wall_s"] = time.monotonic() - t_start
     data["workdir"] = str(workdir)
+    lines = summary_lines(data)
+    data["summary"] = lines
     report.write()
     dog.cancel()
-    print("\n".join(summary_lines(data)))
+    print("\n".join(lines))
     return 1 if failed else 0
 
 

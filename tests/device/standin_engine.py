@@ -106,6 +106,7 @@ class StandinEngine:
         created = int(time.time())
         truth: dict = {"id": rid, "t_recv": t_recv, "prefill_s": prefill_s, "decode_s": decode_s}
         truth["tokens"] = tokens
+        truth["usage_requested"] = usage_wanted
 
         def chunk(delta: dict, finish: str | None = None) -> bytes:
             obj = {

@@ -7,14 +7,20 @@ lines ``S <monotonic> <kind>`` and ``E <monotonic>``), so every process on this 
 the same power (CLOCK_MONOTONIC is system-wide). Each field is refreshed every
 ``REFRESH`` seconds: the energy counter exactly, the instant field as the mean over a
 ``WINDOW`` before the refresh, ``nvmlDeviceGetPowerUsage`` and the average field as the
-1 s mean. Unknown ``nvml*`` calls raise Not Supported, as a driver without them does.
+1 s mean. Unknown ``nvml*`` calls raise Not Supported, as a driver without them does, and so do the
+reads named in ``FAKE_NVML_UNSUPPORTED`` (field ids, ``usage``, ``counter``; comma-separated).
 Module constants are the real library's values.
+
+It is independent of the simulator's sensor profiles (proxy.sim) on purpose: the check
+measures phasewatch against a sensor model phasewatch's own tests did not write.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -99,6 +105,8 @@ class _Activity:
 
 
 _state: dict[str, Any] = {"init": 0}
+_UNSUPPORTED = {x.strip() for x in os.environ.get("FAKE_NVML_UNSUPPORTED", "").split(",") if x}
+_WALL_OFFSET = time.time() - time.monotonic()
 _activity = _Activity(os.environ.get("FAKE_NVML_ACTIVITY"))
 
 
@@ -164,11 +172,15 @@ def nvmlSystemGetDriverVersion() -> str:
 
 def nvmlDeviceGetPowerUsage(handle: object) -> int:
     _check()
+    if "usage" in _UNSUPPORTED:
+        raise NVMLError_NotSupported()
     return int(_mean_w() * 1000)
 
 
 def nvmlDeviceGetTotalEnergyConsumption(handle: object) -> int:
     _check()
+    if "counter" in _UNSUPPORTED:
+        raise NVMLError_NotSupported()
     return int(_energy(_refreshed(time.monotonic())) * 1000)
 
 
@@ -177,10 +189,13 @@ def nvmlDeviceGetFieldValues(handle: object, field_ids: list) -> list:
     out = []
     for fid in field_ids:
         field, scope = fid if isinstance(fid, tuple) else (fid, 0)
-        now = time.time()
+        # stamped with the refresh the value comes from, as a driver's sample would be
+        now = _refreshed(time.monotonic()) + _WALL_OFFSET
         value = SimpleNamespace(dVal=0.0, uiVal=0, ulVal=0, ullVal=0, sllVal=0, siVal=0)
         ret, vtype = NVML_SUCCESS, NVML_VALUE_TYPE_UNSIGNED_INT
-        if field == NVML_FI_DEV_POWER_INSTANT and scope == 0:
+        if str(field) in _UNSUPPORTED:
+            ret = NVML_ERROR_NOT_SUPPORTED
+        elif field == NVML_FI_DEV_POWER_INSTANT and scope == 0:
             value.uiVal = int(_instant_w() * 1000)
         elif field == NVML_FI_DEV_POWER_AVERAGE and scope == 0:
             value.uiVal = int(_mean_w() * 1000)
@@ -207,7 +222,40 @@ def nvmlErrorString(value: int) -> str:
     return str(NVMLError(value))
 
 
+def _borrow_constants() -> None:
+    """The real library's other constants and structures (read from its file, which is
+    safe: it loads NVML only in nvmlInit), so code that names one still imports."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "pynvml.py")
+        if os.path.abspath(entry or ".") == here or not os.path.isfile(path):
+            continue
+        spec = importlib.util.spec_from_file_location("_real_pynvml", path)
+        if spec is None or spec.loader is None:
+            return
+        real = importlib.util.module_from_spec(spec)
+        sys.modules["_real_pynvml"] = real  # it looks itself up there
+        try:
+            spec.loader.exec_module(real)
+        except Exception:
+            return
+        finally:
+            sys.modules.pop("_real_pynvml", None)
+        mine = globals()
+        for name, value in vars(real).items():
+            if name.startswith(("NVML_", "c_nvml")) and name not in mine:
+                mine[name] = value
+        return
+
+
+_borrow_constants()
+
+
 def __getattr__(name: str) -> Any:
+    if name.startswith("NVMLError_"):  # the real library's per-error subclasses
+        cls = type(name, (NVMLError,), {})
+        globals()[name] = cls
+        return cls
     if name.startswith("nvml"):
 
         def unsupported(*args: object, **kwargs: object) -> Any:
