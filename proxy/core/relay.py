@@ -25,7 +25,7 @@ from ..engines import Prepared
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
-from .access import Access, Throttled, peer_of, throttled
+from .access import CLIENT_SCOPE, Access, Throttled, peer_of, throttled
 from .admission import Admitted, queue_refusal
 from .asgi import Receive, Scope, Send
 from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
@@ -108,6 +108,8 @@ class Relay:
         if key_client is None:
             await self.refusals.refuse(Reply(send), UNAUTHENTICATED)
             return
+        if key_client:
+            scope[CLIENT_SCOPE] = key_client  # who holds it, for the server's fair limits
         held = Body(self.bodies)
         try:
             # the body is passed on, not kept here: once prepared, only one copy lives

@@ -22,7 +22,10 @@ request. So phasewatch keeps httptools and adds, before any application code run
   uvicorn's own 400) is written after the answers to the requests read before it;
 - a **stalled-stream cap** (``--max-stalled-streams``): a connection whose writes wait on
   a client that stopped reading holds about two upstream reads of its stream (some
-  2 MiB); past the cap, the one stalled longest is closed (``stalled_stream``);
+  2 MiB); past the cap, a stream of the client holding the most stalled streams is
+  closed, its longest-stalled (``stalled_stream``): a client is its API key's name where
+  the relay names one, else its address, so one client's stalled streams cannot get
+  another's closed;
 - a **header deadline** (``--header-timeout``): from a connection's start, and from the
   first byte of each later request, until its head is complete; past it the client gets
   a 408 (a connection that sent nothing is just closed).
@@ -49,6 +52,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from ..core.access import CLIENT_SCOPE
 from ..core.errors import json_error
 from ..core.headers import content_length
 from ..core.limited import LimitedLog
@@ -124,7 +128,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     max_held = 64 * 1024
     #: Connections whose writes wait on a client that does not read, per server (each
     #: holds about two upstream reads of its stream), and how many may.
-    stalled: ClassVar[dict[GuardedProtocol, None]] = {}
+    stalled: ClassVar[dict[GuardedProtocol, str]] = {}  # -> its owner (_owner)
     max_stalled = 64
     #: Whether an answer's first writes go through the hand-off (--handoff).
     handoff = True
@@ -198,14 +202,15 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
 
     def pause_writing(self) -> None:
         """The client reads slower than its answer comes (its buffers are full): one
-        more stalled stream. Past --max-stalled-streams, the one stalled longest is
-        closed (its request ends as a hang-up, the engine's work is cancelled)."""
+        more stalled stream. Past --max-stalled-streams, the longest-stalled stream of
+        the client holding the most is closed (its request ends as a hang-up, the
+        engine's work is cancelled)."""
         super().pause_writing()
         stalled = self.stalled
-        stalled[self] = None
+        stalled[self] = self._owner()
         if len(stalled) <= self.max_stalled:
             return
-        oldest = next(iter(stalled))
+        oldest = _most_held(stalled)
         del stalled[oldest]
         self.on_reject("stalled_stream")
         self.refusals.warning(
@@ -221,6 +226,16 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     def resume_writing(self) -> None:
         self.stalled.pop(self, None)
         super().resume_writing()
+
+    def _owner(self) -> str:
+        """Who holds this connection, for the stalled-stream cap: the API key's name the
+        relay put in the request's scope, else the client's address."""
+        cycle = self.running or self.cycle
+        named = cycle.scope.get(CLIENT_SCOPE) if cycle is not None else None
+        if named:
+            return "key:" + str(named)
+        client = self.client
+        return "address:" + (client[0] if client else "unknown")
 
     # --- feeding the parser -------------------------------------------------------------
 
@@ -585,6 +600,16 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             return
         self.transport.write(answer)
         self._linger()
+
+
+def _most_held(stalled: dict[GuardedProtocol, str]) -> GuardedProtocol:
+    """The longest-stalled connection of the owner holding the most stalled ones (of
+    owners holding as many, the one stalled longest)."""
+    counts: dict[str, int] = {}
+    for owner in stalled.values():
+        counts[owner] = counts.get(owner, 0) + 1
+    most = max(counts.values())
+    return next(c for c, owner in stalled.items() if counts[owner] == most)
 
 
 def _peer(client: tuple[str, int] | None) -> str:
