@@ -230,6 +230,8 @@ class Relay:
                 async for chunk in raw_body(resp):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await reply.end()
+                if resp.status_code < 400:
+                    route.upstream.succeeded()
             except UpstreamFailure as exc:
                 shape = _shape(route.upstream, scope["path"])
                 await reply.error(exc.status, exc.message, exc.kind, shape=shape)
@@ -270,6 +272,8 @@ class Relay:
             ex.marks.t_end = time.monotonic()
             if ex.outcome == "ok" and ex.marks.t_admit is not None:
                 ex.upstream.observe(ex.marks.t_end - ex.marks.t_admit)  # least-loaded's rate
+                if ex.status < 400:
+                    ex.upstream.succeeded()  # real traffic, whole: the member is well
             self.recorder.record(ex)
 
     async def _exchange(
