@@ -181,6 +181,7 @@ class Relay:
             return
         del body  # only the prepared body is kept from here on
         ex = self._exchange_of(scope["headers"], route.upstream, prepared, t_recv, key_client)
+        ex.owner = "key:" + key_client if key_client else "address:" + (peer_of(scope) or "")
         await self._measured(scope, receive, send, ex, route)
 
     def _exchange_of(
