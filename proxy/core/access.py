@@ -38,6 +38,10 @@ from .refusals import Refusal
 #: The own pages' cookie (HttpOnly, SameSite=Strict; set by proxy.api).
 COOKIE = "phasewatch_key"
 _COOKIE_PREFIX = COOKIE.encode() + b"="
+#: The ASGI scope entry where the relay puts the name of the API key a request presented
+#: (absent for a bare key or none): who holds the request, for limits that are fair
+#: between clients (the server's stalled-stream cap).
+CLIENT_SCOPE = "phasewatch.key_client"
 #: Client addresses whose wrong keys are remembered (the oldest is forgotten first).
 MAX_ADDRESSES = 4096
 

@@ -47,7 +47,7 @@ class Admitted:
         upstream = self.ex.upstream
         self._queued.inc()
         try:
-            await upstream.gate.acquire()
+            await upstream.gate.acquire(self.ex.owner)
         finally:
             self._queued.dec()
         self.held = True

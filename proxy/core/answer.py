@@ -310,6 +310,8 @@ class Responder:
         timeout = isinstance(exc, httpx.TimeoutException)
         if not timeout:  # the engine went away
             ex.upstream.eject("midstream", "a response was cut")
+        else:  # it sent a head and then nothing in time: a failure in a row
+            ex.upstream.failed("timeout", "an answer that stopped")
         ex.fail(
             "timeout" if timeout else "midstream",
             f"upstream {ex.upstream.name} failed mid-response: {describe(exc)}",

@@ -33,6 +33,9 @@ class Exchange:
     result: Outcome = field(default_factory=Outcome)
     #: The bounded client label (proxy.core.clients).
     client: str = "unknown"
+    #: Who holds the request for limits shared by every client (the admission queue):
+    #: its API key's name, else its address.
+    owner: str = ""
     #: Set by the tracing hook (--otel): the trace id of a sampled request (for the
     #: exemplars and the log line), the hook's own handle of its span, and the trace
     #: context headers (traceparent, tracestate) to send upstream.

@@ -1,5 +1,10 @@
 """The admission gate: at most N generation requests in flight per upstream, a bounded
-FIFO queue behind them."""
+FIFO queue behind them.
+
+The queue is shared by every client, so it is fair between them: when it is full, a
+newcomer whose client (its API key's name, else its address) waits with fewer requests
+than the client waiting with the most takes the place of that client's newest waiter
+(which gets the QueueFull); only a newcomer of the client holding the most is refused."""
 
 from __future__ import annotations
 
@@ -26,32 +31,35 @@ class AdmissionGate:
         self.max_queue = max_queue
         self.timeout = timeout
         self.active = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: (the waiter, its client), oldest first
+        self._waiters: collections.deque[tuple[asyncio.Future[None], str]] = collections.deque()
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
+    async def acquire(self, owner: str = "") -> None:
+        """Wait for a place; `owner` names the client (the queue's fairness)."""
         if self.limit <= 0 or (self.active < self.limit and not self._waiters):
             self.active += 1
             return
         if len(self._waiters) >= self.max_queue:
-            raise QueueFull()
+            self._make_room(owner)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._waiters.append((fut, owner))
         try:
             if self.timeout > 0:
                 await asyncio.wait_for(asyncio.shield(fut), self.timeout)
             else:
                 await fut
         except (TimeoutError, asyncio.CancelledError) as exc:
-            if fut.done() and not fut.cancelled():  # admitted while giving up: pass it on
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # admitted while giving up: pass it on
                 self._release_slot()
             else:
                 fut.cancel()
                 try:
-                    self._waiters.remove(fut)
+                    self._waiters.remove((fut, owner))
                 except ValueError:
                     pass
             if isinstance(exc, asyncio.TimeoutError):
@@ -64,9 +72,24 @@ class AdmissionGate:
             return
         self._release_slot()
 
+    def _make_room(self, owner: str) -> None:
+        """The queue is full: the newest waiter of the client waiting with the most gives
+        its place up (QueueFull) to `owner`, who waits with fewer; else QueueFull."""
+        counts: collections.Counter[str] = collections.Counter(o for _, o in self._waiters)
+        top, most = counts.most_common(1)[0] if counts else ("", 0)
+        if self.max_queue <= 0 or counts[owner] + 1 >= most:
+            raise QueueFull()
+        for entry in reversed(self._waiters):
+            if entry[1] == top:
+                self._waiters.remove(entry)
+                if not entry[0].done():
+                    entry[0].set_exception(QueueFull())
+                return
+        raise QueueFull()
+
     def _release_slot(self) -> None:
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut, _ = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)  # the slot passes straight to the next waiter
                 return

@@ -16,6 +16,7 @@ as members come and go and as requests are picked.
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING
 
 from .balance import Balancer, Load, prefix_key
@@ -74,6 +75,9 @@ class Pools:
         alive = [u for u in members if u.up is not False]
         if not alive:
             raise PoolDown(pool, members)
+        now = time.monotonic()
+        # held back by a 429, or on trial with its one request out: not while others can
+        alive = [u for u in alive if u.available(now)] or alive
         # members with stalled streams (proxy.services.stall) take no new request while
         # another member has none
         alive = [u for u in alive if not u.stalled] or alive
@@ -86,6 +90,7 @@ class Pools:
             by_name[m.name] for m in self.balancer.order(pool, [load(u) for u in alive], key)
         ]
         first = ordered[0]
+        first.picked(now)
         self._count(pool, first, members)
         # a retry goes only to members of the same engine (the body is in its dialect)
         return [first, *(u for u in ordered[1:] if u.engine == first.engine)]

@@ -26,7 +26,7 @@ from ..extensions import GONE, WRITE
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
-from .access import Access, Throttled, peer_of, throttled
+from .access import CLIENT_SCOPE, Access, Throttled, peer_of, throttled
 from .admission import Admitted, queue_refusal
 from .answer import Reply, Responder, raw_body
 from .asgi import Receive, Scope, Send
@@ -107,6 +107,8 @@ class Relay:
         if key_client is None:
             await self.refusals.refuse(Reply(send), UNAUTHENTICATED)
             return
+        if key_client:
+            scope[CLIENT_SCOPE] = key_client  # who holds it, for the server's fair limits
         held = Body(self.bodies)
         try:
             # the body is passed on, not kept here: once prepared, only one copy lives
@@ -178,6 +180,7 @@ class Relay:
             return
         del body  # only the prepared body is kept from here on
         ex = self._exchange_of(scope["headers"], route.upstream, prepared, t_recv, key_client)
+        ex.owner = "key:" + key_client if key_client else "address:" + (peer_of(scope) or "")
         await self._measured(scope, receive, send, ex, route)
 
     def _exchange_of(
@@ -227,6 +230,8 @@ class Relay:
                 async for chunk in raw_body(resp):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await reply.end()
+                if resp.status_code < 400:
+                    route.upstream.succeeded()
             except UpstreamFailure as exc:
                 shape = _shape(route.upstream, scope["path"])
                 await reply.error(exc.status, exc.message, exc.kind, shape=shape)
@@ -267,6 +272,8 @@ class Relay:
             ex.marks.t_end = time.monotonic()
             if ex.outcome == "ok" and ex.marks.t_admit is not None:
                 ex.upstream.observe(ex.marks.t_end - ex.marks.t_admit)  # least-loaded's rate
+                if ex.status < 400:
+                    ex.upstream.succeeded()  # real traffic, whole: the member is well
             self.recorder.record(ex)
 
     async def _exchange(

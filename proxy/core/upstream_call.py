@@ -131,6 +131,7 @@ class UpstreamCall:
             upstream.eject("protocol", "closed the connection without an answer")
             raise UpstreamFailure(502, "protocol", f"{where} failed: {describe(exc)}") from None
         except httpx.TimeoutException as exc:
+            upstream.failed("timeout", "no answer in time")
             raise UpstreamFailure(
                 504, "timeout", f"{where} did not answer in time: {describe(exc)}"
             ) from None
@@ -141,7 +142,8 @@ class UpstreamCall:
             raise UpstreamFailure(
                 502, "protocol", f"{where} switched protocols (101), which is not relayed"
             )
-        upstream.answered(resp.status_code)
+        status = resp.status_code
+        upstream.answered(status, resp.headers.get("retry-after") if status == 429 else None)
         return resp
 
 

@@ -11,17 +11,28 @@ keep them while they are listed.
 Health: a refused connection or a failed request ejects the upstream at once (it is
 ``down`` with its reason); an idle upstream is probed every ``--health-interval`` with one
 cheap GET (not while real traffic answers), and a down one is probed back with a backoff
-that starts at a quarter second and doubles up to ``--health-backoff-max``. All upstreams
-together, routing among them and the loops that refresh and probe each: :mod:`.fleet`.
+that starts at a quarter second and doubles up to ``--health-backoff-max``, jittered. All
+upstreams together, routing among them and the loops that refresh and probe each:
+:mod:`.fleet`.
+
+Failure is judged by real requests, not by heads or probes: a request succeeds when its
+whole answer arrived under 400 (:meth:`Upstream.succeeded`); 5xx answers, read timeouts
+and answers cut short count as failures in a row (``--eject-after-5xx`` of them eject).
+An upstream that came back after an ejection is on trial (half-open): a pool lets one
+real request through to it at a time until one succeeds; one that fails ejects it again,
+for longer. A 429 holds the upstream back from its pool for its ``Retry-After`` (at most
+:data:`MAX_HOLD` s; 1 s without one): a fast refusal is load, not speed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import errno
 import functools
 import logging
 import math
+import random
 import time
 from dataclasses import astuple, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -85,8 +96,31 @@ class UpstreamOptions:
 
 #: The backoff of a down upstream's probes starts here and doubles.
 BACKOFF_START = 0.25
+#: Longest a 429's Retry-After holds an upstream back from its pool, and the hold
+#: without one.
+MAX_HOLD = 60.0
+DEFAULT_HOLD = 1.0
+#: Longest one trial request (half-open) keeps other requests from an upstream on trial.
+TRIAL_WAIT = 10.0
 #: Weight of the newest request in the measured seconds per request.
 SERVICE_ALPHA = 0.2
+
+
+def retry_seconds(value: str | None) -> float:
+    """A Retry-After value in seconds, within 0..MAX_HOLD: delta-seconds or an HTTP date;
+    DEFAULT_HOLD when missing or unreadable."""
+    if not value:
+        return DEFAULT_HOLD
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), MAX_HOLD)
+    try:
+        when = email.utils.parsedate_to_datetime(value[:64])
+    except (TypeError, ValueError, IndexError):
+        return DEFAULT_HOLD
+    if when.tzinfo is None:
+        return DEFAULT_HOLD
+    return min(max(when.timestamp() - time.time(), 0.0), MAX_HOLD)
 
 
 def failure_reason(exc: BaseException, path: str) -> str:
@@ -137,8 +171,13 @@ class Upstream:
         #: Not probed back before this monotonic time (ejected: backoff).
         self.retry_at = 0.0
         self._down_backoff = BACKOFF_START
-        self._fails_5xx = 0
-        self._ejections = 0  # ejections since a request last answered: the backoff grows
+        self._fails_5xx = 0  # real requests failed in a row (5xx, timeouts, cut answers)
+        self._ejections = 0  # ejections since a request last succeeded: the backoff grows
+        #: Held back from its pool until this monotonic time (a 429's Retry-After).
+        self.hold_until = 0.0
+        #: Back after an ejection, no real request succeeded yet: one at a time (half-open).
+        self.trial = False
+        self._trial_sent = -math.inf  # when the trial's request was let through
         #: Measured seconds per request (an average that forgets), for least-loaded.
         self.service_s: float | None = None
         #: The engine's own running / waiting requests and KV use (engine_state sets them).
@@ -355,6 +394,9 @@ class Upstream:
             self.reason = None
             self._down_backoff = BACKOFF_START
             self._fails_5xx = 0
+            if changed and self._ejections:  # back after an ejection: real traffic decides
+                self.trial = True
+                self._trial_sent = -math.inf
         elif reason is not None or self.reason is None:
             self.reason = reason or "model list not read"
         self.metrics.upstream_up.labels(self.name, self.engine).set(1 if up else 0)
@@ -369,26 +411,67 @@ class Upstream:
         probed back after a backoff. `kind` is the bounded label of the counter."""
         was = self.up
         self._set_up(False, reason)
+        self.trial = False
         if was is not False:
             self.metrics.upstream_ejections_total.labels(self.name, kind).inc()
             self._ejections += 1
             longest = self.options.health_backoff_max
             hold = min(BACKOFF_START * 2 ** min(self._ejections - 1, 16), longest)
             self._down_backoff = max(self._down_backoff, hold)
-        self.retry_at = time.monotonic() + self._down_backoff
+        # jittered, so members ejected together do not all come back at one moment
+        self.retry_at = time.monotonic() + self._down_backoff * random.uniform(0.75, 1.25)
         self.wake.set()
 
-    def answered(self, status: int) -> None:
-        """A relayed request got its response head: a 5xx streak ejects, anything else
-        counts as traffic that answered (the idle probe is skipped)."""
-        if status >= 500 and self.options.eject_after_5xx:
-            self._fails_5xx += 1
-            if self._fails_5xx >= self.options.eject_after_5xx and self.up:
-                self.eject("http_5xx", f"HTTP {status} on {self._fails_5xx} requests in a row")
+    def answered(self, status: int, retry_after: str | None = None) -> None:
+        """A relayed request got its response head: a 5xx is a failure (see
+        :meth:`failed`), a 429 holds the upstream back for its `retry_after`. Neither a
+        head nor a 4xx is a success: :meth:`succeeded` is, once the answer is whole."""
+        if status >= 500:
+            self.failed("http_5xx", f"HTTP {status}")
+        elif status == 429:
+            self.hold(retry_after)
+
+    def failed(self, kind: str, what: str) -> None:
+        """A real request failed (a 5xx, no answer in time, an answer cut short): one
+        more in a row; --eject-after-5xx in a row eject the upstream, and so does any
+        failure while it is on trial."""
+        if not self.options.eject_after_5xx:
             return
+        self._fails_5xx += 1
+        if self.up and (self.trial or self._fails_5xx >= self.options.eject_after_5xx):
+            how = "on trial after an ejection" if self.trial else "in a row"
+            self.eject(kind, f"{what} on {self._fails_5xx} requests {how}")
+
+    def succeeded(self) -> None:
+        """A real request's whole answer arrived under 400: the failure streak, the
+        ejections' backoff and any trial end, and the idle probe is skipped."""
         self._fails_5xx = 0
         self._ejections = 0
+        self.trial = False
         self.last_ok = time.monotonic()
+
+    def hold(self, retry_after: str | None) -> None:
+        """A 429: no new requests from its pool for `retry_after` seconds (a number, or
+        an HTTP date; at most MAX_HOLD, DEFAULT_HOLD without one), a tenth jittered."""
+        seconds = retry_seconds(retry_after)
+        until = time.monotonic() + seconds * random.uniform(1.0, 1.1)
+        if until > self.hold_until:
+            if self.hold_until < time.monotonic():  # a new hold, not one extended
+                self.metrics.upstream_ejections_total.labels(self.name, "retry_after").inc()
+            self.hold_until = until
+
+    def available(self, now: float) -> bool:
+        """Whether its pool may send it a new request now: not held back by a 429, and
+        on trial only while no trial request is out. Picking it first for a request
+        (:meth:`picked`) takes the trial's one place."""
+        if now < self.hold_until:
+            return False
+        return not self.trial or now - self._trial_sent >= TRIAL_WAIT
+
+    def picked(self, now: float) -> None:
+        """Its pool gave it a request: on trial, the one request let through."""
+        if self.trial:
+            self._trial_sent = now
 
     def observe(self, seconds: float) -> None:
         """A finished request's seconds from admission to end (least-loaded's rate)."""

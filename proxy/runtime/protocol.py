@@ -22,7 +22,10 @@ request. So phasewatch keeps httptools and adds, before any application code run
   uvicorn's own 400) is written after the answers to the requests read before it;
 - a **stalled-stream cap** (``--max-stalled-streams``): a connection whose writes wait on
   a client that stopped reading holds about two upstream reads of its stream (some
-  2 MiB); past the cap, the one stalled longest is closed (``stalled_stream``);
+  2 MiB); past the cap, a stream of the client holding the most stalled streams is
+  closed, its longest-stalled (``stalled_stream``): a client is its API key's name where
+  the relay names one, else its address, so one client's stalled streams cannot get
+  another's closed;
 - a **malformed chunked body** (a bad size line, a chunk longer than its size, a
   forbidden byte, a ``content-length`` trailer) gets a 400 in its request's turn and the
   close, its request told the client left (``bad_chunked``): it no longer waits for
@@ -52,6 +55,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from ..core.access import CLIENT_SCOPE
 from ..core.errors import json_error
 from ..core.headers import content_length
 from ..core.limited import LimitedLog
@@ -126,7 +130,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     max_held = 64 * 1024
     #: Connections whose writes wait on a client that does not read, per server (each
     #: holds about two upstream reads of its stream), and how many may.
-    stalled: ClassVar[dict[GuardedProtocol, None]] = {}
+    stalled: ClassVar[dict[GuardedProtocol, str]] = {}  # -> its owner (_owner)
     max_stalled = 64
     #: Called with the reason of each refusal (the metrics counter).
     on_reject: Callable[[str], None] = staticmethod(lambda reason: None)
@@ -197,14 +201,15 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
 
     def pause_writing(self) -> None:
         """The client reads slower than its answer comes (its buffers are full): one
-        more stalled stream. Past --max-stalled-streams, the one stalled longest is
-        closed (its request ends as a hang-up, the engine's work is cancelled)."""
+        more stalled stream. Past --max-stalled-streams, the longest-stalled stream of
+        the client holding the most is closed (its request ends as a hang-up, the
+        engine's work is cancelled)."""
         super().pause_writing()
         stalled = self.stalled
-        stalled[self] = None
+        stalled[self] = self._owner()
         if len(stalled) <= self.max_stalled:
             return
-        oldest = next(iter(stalled))
+        oldest = _most_held(stalled)
         del stalled[oldest]
         self.on_reject("stalled_stream")
         self.refusals.warning(
@@ -220,6 +225,16 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     def resume_writing(self) -> None:
         self.stalled.pop(self, None)
         super().resume_writing()
+
+    def _owner(self) -> str:
+        """Who holds this connection, for the stalled-stream cap: the API key's name the
+        relay put in the request's scope, else the client's address."""
+        cycle = self.running or self.cycle
+        named = cycle.scope.get(CLIENT_SCOPE) if cycle is not None else None
+        if named:
+            return "key:" + str(named)
+        client = self.client
+        return "address:" + (client[0] if client else "unknown")
 
     # --- feeding the parser -------------------------------------------------------------
 
@@ -599,6 +614,16 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             return
         self.transport.write(answer)
         self._linger()
+
+
+def _most_held(stalled: dict[GuardedProtocol, str]) -> GuardedProtocol:
+    """The longest-stalled connection of the owner holding the most stalled ones (of
+    owners holding as many, the one stalled longest)."""
+    counts: dict[str, int] = {}
+    for owner in stalled.values():
+        counts[owner] = counts.get(owner, 0) + 1
+    most = max(counts.values())
+    return next(c for c, owner in stalled.items() if counts[owner] == most)
 
 
 def _peer(client: tuple[str, int] | None) -> str:

@@ -429,8 +429,10 @@ class Settings(BaseSettings):
     eject_after_5xx: int = Field(
         3,
         ge=0,
-        description="5xx answers in a row that mark an upstream down (0: never on status "
-        "alone; a refused connection always does).",
+        description="Failed requests in a row (5xx answers, no answer within "
+        "--read-timeout, answers that stopped) that mark an upstream down; once back it "
+        "gets one request at a time until one succeeds (0: never on these alone; a "
+        "refused connection always does).",
     )
     stall_floor: float = Field(
         60.0,
