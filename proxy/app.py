@@ -86,7 +86,7 @@ class ProxyApp:
         for endpoint, kind in ENDPOINT_KINDS.items():
             self.metrics.endpoint_info.labels(endpoint, kind).set(1)
         # what engines say is bounded: label values from the wire, numbers they report
-        self.metrics.labels.max_length = settings.max_label_length
+        self.metrics.labels.max_label_length = settings.max_label_length
         self.metrics.labels.warn = LimitedLog(logging.getLogger("proxy.measure.labels")).warning
         self.recorder = Recorder(
             self.metrics,
@@ -107,8 +107,8 @@ class ProxyApp:
             settings.upstream_keys,
             settings.key_clients,
             secret=start_secret(host),
-            cookie_ttl=settings.page_cookie_ttl,
-            max_failures=settings.max_key_failures,
+            page_cookie_ttl=settings.page_cookie_ttl,
+            max_key_failures=settings.max_key_failures,
         )
         # OpenTelemetry (--otel): spans opened before the request goes upstream, ended and
         # exported once it is recorded; nothing of it is loaded without the flag.
