@@ -110,15 +110,20 @@ def _s(v: float) -> str:
 
 
 def advise(samples: Samples, report: Report, min_requests: int = MIN_REQUESTS) -> list[AdviceRow]:
-    """One row per measured row of `report`, in its order."""
+    """One row per row of `report` with a measured figure or a complete answer, in its
+    order (a model that only had errors has nothing to advise on: the report names it)."""
     rows_per_upstream: dict[str, int] = {}
     for r in report.rows:
         rows_per_upstream[r.upstream] = rows_per_upstream.get(r.upstream, 0) + 1
     return [
         _row(samples, report, r, rows_per_upstream, min_requests)
         for r in report.rows
-        if r.measured or r.requests
+        if r.measured or samples.total(_n("requests_total"), **_labels(r), outcome="ok")
     ]
+
+
+def _labels(r: Row) -> dict:
+    return {"upstream": r.upstream, "model": r.model, "precision": r.precision}
 
 
 def _row(
@@ -128,7 +133,7 @@ def _row(
     rows_per_upstream: dict[str, int],
     min_requests: int,
 ) -> AdviceRow:
-    lab = {"upstream": r.upstream, "model": r.model, "precision": r.precision}
+    lab = _labels(r)
     ok = samples.total(_n("requests_total"), **lab, outcome="ok")
     out = AdviceRow(r.upstream, r.model, r.precision, ok, ok >= min_requests)
 

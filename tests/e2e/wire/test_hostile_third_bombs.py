@@ -23,7 +23,7 @@ from ...support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
 from ...support.hostile import PeakRss
 from ...support.servers import metric_samples, sample, start_proxy, wait_for
 from ...support.watch import Seen, Watch
-from ..test_hostile_wire import log_lines
+from .test_hostile_wire import log_lines
 
 STEADY = "steady"
 EVENTS, PACE = 60, 0.025  # the well-behaved stream: 1.5 s of paced events

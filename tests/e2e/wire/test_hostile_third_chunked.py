@@ -17,7 +17,7 @@ import pytest
 from ...support.fake_engine import FakeEngine
 from ...support.hostile import MODEL, connect, fds
 from ...support.servers import start_proxy, wait_for
-from ..test_hostile_wire import log_lines, metrics
+from .test_hostile_wire import log_lines, metrics
 
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
 HEAD = (
