@@ -387,7 +387,7 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
 
-        # --- GPU power as the sensor resolves it (issue 42) ---------------------------
+        # --- GPU power as the sensor resolves it ---------------------------
         self.request_phase_energy_joules_total = Counter(
             PREFIX + "request_phase_energy_joules",
             "GPU energy attributed to requests by phase: energy-counter deltas at the "

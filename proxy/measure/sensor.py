@@ -47,12 +47,12 @@ class SensorView:
     def lines(self) -> list[str]:
         """One line per GPU, then the unresolved phases; the fix when too coarse."""
         if not self.sampled:
-            return [f"GPU power: not sampled by this phasewatch ({self.why_not})."]
+            return [f"Power: n/a, this phasewatch is not sampling GPU power ({self.why_not})."]
         out = []
         for g in self.gpus:
-            every = f", refreshed every {g.refresh:.3g} s" if g.refresh else ""
+            every = f", refreshed every {_s(g.refresh)} s" if g.refresh else ""
             phase = (
-                f"phases of {g.min_phase:.2g} s or longer measured"
+                f"phases of {_s(g.min_phase)} s or longer measured"
                 if g.min_phase is not None
                 else "still learning its refresh period"
             )
@@ -72,6 +72,10 @@ class SensorView:
             fix = DCGM_FIX if any(g.source == "dcgm" for g in coarse) else "read NVML on the host"
             out.append(f"The sensor is too slow for per-request figures: {fix}.")
         return out
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.2g}"
 
 
 def view(samples: Samples) -> SensorView:

@@ -205,7 +205,7 @@ class StatusPage:
             "window_s": WINDOW_SECONDS,
             "recent_s": RECENT_SECONDS,
             "power_sampled": rep.power,
-            # what the GPU power sensor resolves, or why power is not sampled (issue 42)
+            # what the GPU power sensor resolves, or why power is not sampled
             "power_sensor": sensor_view(reg).lines(),
             "gpus": rep.gpus,
             "upstreams": upstreams,

@@ -410,10 +410,6 @@ class Tracing:
             "phasewatch.ttft_seconds": f.ttft,
             "phasewatch.request_seconds": f.request_seconds,
             "phasewatch.load_seconds": f.load_seconds,
-            "phasewatch.prefill_watts": fields.get("prefill_watts"),
-            "phasewatch.decode_watts": fields.get("decode_watts"),
-            "phasewatch.energy_joules": fields.get("energy_j"),
-            "phasewatch.joules_per_token": fields.get("joules_per_token"),
         }
         for source, prefix in (("proxy", "phasewatch."), ("engine", "phasewatch.engine.")):
             optional[prefix + "prefill_seconds"] = f.prefill_seconds.get(source)
@@ -475,9 +471,6 @@ def _phase_attrs(
             out[f"{prefix}{phase}_seconds"] = seconds[source]
         if source in rates:
             out[f"{prefix}{phase}_tokens_per_second"] = rates[source]
-    watts = fields.get(f"{phase}_watts")
-    if watts is not None:
-        out["phasewatch.watts"] = watts
     return out
 
 

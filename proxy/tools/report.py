@@ -57,7 +57,7 @@ _COUNTERS = (
     "decode_batch_seconds_total",
     "decode_batch_tokens_total",
     "engine_preemptions_total",
-    # GPU power as the sensor resolves it (issue 42)
+    # GPU power as the sensor resolves it
     "gpu_power_unresolved_total",
     "request_phase_energy_joules_total",
     "gpu_idle_energy_joules_total",
@@ -69,7 +69,7 @@ _GAUGES = (
     "gpu_power_current_watts",
     "engine_requests_running",
     "engine_requests_waiting",
-    # GPU power as the sensor resolves it (issue 42)
+    # GPU power as the sensor resolves it
     "power_sampling_up",
     "gpu_power_sensor_info",
     "gpu_power_resolution_seconds",

@@ -19,7 +19,9 @@ proxy's CPU per 1,000 events (utime+stime from /proc, every process of the proxy
 CPU per event, context switches per event and how many of them were preemptions; (d) peak
 RSS (VmHWM) of the proxy's largest process; (e) 2-token streams over 8 connections: CPU
 per request, the part of (c)'s cost that is the request's own rather than its events'.
-Medians over --rounds.
+With --probe, beside each load of (b) and (c), new users: a request on a new
+connection every 50 ms while the load runs, its TTFT ("new request TTFT": does a busy
+proxy make new users wait?); their own CPU counts in the contender's. Medians over --rounds.
 The client is a raw asyncio protocol (uvloop when installed) counting events on bytes.
 It asserts nothing: a benchmark, not a test.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -621,14 +624,22 @@ async def scenario_load(
     interval: float = 0.0,
     spread: float = 0.0,
     shards: int = 1,
+    probing: bool = False,
 ) -> dict:
     """(b)/(c)/(e): one contender under load; CPU and context switches from /proc of
-    all its processes."""
+    all its processes. With `probing`, new users beside the load (:func:`probe`): the TTFT
+    of a request on a new connection while the load runs."""
     pids = t.pids()
     cpu0, (vol0, invol0) = cpu_seconds(pids), context_switches(pids)
-    streams, wall = await run_load(
-        t.url, concurrency, per_conn, tokens, interval, interval > 0, spread, shards=shards
-    )
+    stop = asyncio.Event()
+    probes_task = asyncio.ensure_future(probe(t.url, stop)) if probing else None
+    try:
+        streams, wall = await run_load(
+            t.url, concurrency, per_conn, tokens, interval, interval > 0, spread, shards=shards
+        )
+    finally:
+        stop.set()
+    probes = await probes_task if probes_task is not None else []
     vol, invol = context_switches(pids)
     cpu, vol, invol = cpu_seconds(pids) - cpu0, vol - vol0, invol - invol0
     events = sum(s.events for s in streams)
@@ -655,7 +666,29 @@ async def scenario_load(
     # starts among the open ones: the steady state's TTFT under load)
     firsts = [s.t_first - s.t0 for s in streams if s.ok and s.t_first > 0]
     res.update(ttft_p50=pct(firsts, 0.5), ttft_p99=pct(firsts, 0.99))
+    res.update(new_ttft_p50=pct(probes, 0.5))
     return res
+
+
+#: A new user's request beside a load: its tokens, and the pause between two.
+PROBE_TOKENS, PROBE_PAUSE = 8, 0.05
+
+
+async def probe(url: str, stop: asyncio.Event) -> list[float]:
+    """Until `stop` (at least once): a new connection, one short stream, its TTFT."""
+    body = chat_body(PROBE_TOKENS, 0.0)
+    out: list[float] = []
+    while True:
+        c = await open_conn(url)
+        try:
+            s = await c.request("/v1/chat/completions", body, PROBE_TOKENS, False)
+            out.append(s.t_first - s.t0)
+        finally:
+            c.transport.close()
+        if stop.is_set():
+            return out
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), PROBE_PAUSE)
 
 
 # --- the table -----------------------------------------------------------------------------
@@ -875,7 +908,12 @@ async def bench(args) -> int:
             for c in args.concurrency:
                 for t in order:
                     r = await scenario_load(
-                        t, c, max(1, args.streams // c), args.tokens, shards=args.client_procs
+                        t,
+                        c,
+                        max(1, args.streams // c),
+                        args.tokens,
+                        shards=args.client_procs,
+                        probing=args.probe,
                     )
                     loads.setdefault((f"c{c}", t.name), []).append(r)
             for n_paced in args.paced_streams:
@@ -890,6 +928,7 @@ async def bench(args) -> int:
                         1.0 / args.paced_rate,
                         spread=args.paced_tokens / args.paced_rate,
                         shards=args.client_procs,
+                        probing=args.probe,
                     )
                     loads.setdefault((f"paced{n_paced}", t.name), []).append(r)
             if args.short_requests:
@@ -941,6 +980,15 @@ async def bench(args) -> int:
                     "",
                 )
             )
+            if args.probe:
+                key = f"c{c}"
+                rows.append(
+                    (
+                        f"(b) c{c} new request TTFT p50 ms",
+                        {n: med([r["new_ttft_p50"] * 1e3 for r in loads[(key, n)]]) for n in names},
+                        "",
+                    )
+                )
             rows.append(
                 (
                     f"(b) c{c} CPU µs/event",
@@ -965,6 +1013,14 @@ async def bench(args) -> int:
             # what a proxy adds is read against it
             ttft50 = {n: med([r["ttft_p50"] * 1e3 for r in loads[(p, n)]]) for n in names}
             rows.append((f"(c) p{n_paced} TTFT p50 ms", ttft50, ""))
+            if args.probe:
+                rows.append(
+                    (
+                        f"(c) p{n_paced} new request TTFT p50 ms",
+                        {n: med([r["new_ttft_p50"] * 1e3 for r in loads[(p, n)]]) for n in names},
+                        "",
+                    )
+                )
             rows.append(
                 (
                     f"(c) p{n_paced} added TTFT p50 ms",
@@ -1042,6 +1098,12 @@ async def bench(args) -> int:
                 (f"(c) p{n_paced} decode tok/s mean", f"{args.paced_rate:g} ± 1 %"),
             ]
         goals += [(f"(b) c{c} CPU µs/event", "≤ 2× nginx") for c in args.concurrency]
+        goals += [
+            (f"(b) c{c} new request TTFT p50 ms", "≤ 2× nginx + 1 ms") for c in args.concurrency
+        ]
+        goals += [
+            (f"(c) p{n} new request TTFT p50 ms", "≤ 2× nginx + 1 ms") for n in args.paced_streams
+        ]
 
         bad = sum(r["bad"] for rs in loads.values() for r in rs)
         print()
@@ -1135,6 +1197,12 @@ def main(argv: list[str] | None = None) -> int:
         "--pin",
         action="store_true",
         help="each contender on the last CPU, the harness, clients and upstream on the others",
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="new users beside each load: a request on a new connection every 50 ms, its "
+        "TTFT (their CPU counts in the contender's)",
     )
     p.add_argument(
         "--busy",

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 from ...measure.metrics import Metrics
 from .energy import EnergyMeter
 from .ledger import Entry, InFlightBook, TickRing
@@ -49,6 +51,14 @@ class PowerOptions:
     power_dcgm_url: str | None = None
     power_interval: float = 0.2
     power_gpu: dict[str, str] = field(default_factory=dict)  # GPU -> upstream or model
+
+
+def _where(url: str | None) -> str:
+    """The DCGM page's scheme, host and path for a log line (no credentials, no query)."""
+    if not url:
+        return "dcgm"
+    u = httpx.URL(url)
+    return f"{u.scheme}://{u.host}{':' + str(u.port) if u.port else ''}{u.path}"
 
 
 class PowerService:
@@ -105,9 +115,7 @@ class PowerService:
                 timeout=max(1.0, 4 * options.power_interval),
                 rings=self.rings,
                 membership=membership,
-                describe=options.power_dcgm_url
-                if source.name == "dcgm" and options.power_dcgm_url
-                else "",
+                describe=_where(options.power_dcgm_url) if source.name == "dcgm" else "",
             )
             if self.book is None:
                 self.book = self.sampler.book
@@ -204,8 +212,9 @@ class PowerService:
         if book is None:
             return 0
         done = 0
-        now = time.monotonic()
-        for e in book.ended():
+        # the clock the snapshots were taken with (a test's, or the host's monotonic)
+        now = self.sampler.clock() if self.sampler is not None else time.monotonic()
+        for e in book.ended(now, GIVE_UP_SECONDS):
             got = self._settle_one(e)
             if got or (e.ended is not None and now - e.ended > GIVE_UP_SECONDS):
                 if not got:  # the sensor never covered it (power went down)

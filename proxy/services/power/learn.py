@@ -105,11 +105,13 @@ class SensorWatch:
             if now - self.first_t < PROBE_SECONDS:
                 return None
             period = max(silent, (now - self.first_t) / (1 + len(w.gaps)))
-        elif silent > 2.0 * period:
+        elif silent > max(2.0 * period, PROBE_SECONDS):
             period = silent
         res = max(period, 2.0 * poll)
-        if self.source == "dcgm":
-            res += 2.0 * period  # the exporter's lag, corrected by half a period on average
+        if self.source == "dcgm" and period > 1.5 * poll:
+            # the exporter's lag, corrected by half a period on average (a page that
+            # changes at every poll is read as it is)
+            res += 2.0 * period
         if name in ("power_usage", "power_average"):
             res += USAGE_MEAN_SECONDS
         return res

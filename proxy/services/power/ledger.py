@@ -104,8 +104,13 @@ class InFlightBook:
                 e.recorded, e.completion_tokens = True, completion_tokens
             return e
 
-    def ended(self) -> list[Entry]:
+    def ended(self, now: float, forget_after: float) -> list[Entry]:
+        """The finished requests the recorder has seen; one it never saw (no listener
+        ran for it) is forgotten after `forget_after` s, so nothing piles up."""
         with self.lock:
+            for ex, e in list(self.entries.items()):
+                if not e.recorded and e.ended is not None and now - e.ended > forget_after:
+                    del self.entries[ex]
             return [e for e in self.entries.values() if e.end_seq is not None and e.recorded]
 
     def drop(self, e: Entry) -> None:
@@ -216,6 +221,8 @@ class TickRing:
             states = {s for _, _, s in parts}
             weights = self._weights(parts, joules)
             w = [ov * weights.get(s, 1.0) for _, ov, s in parts]
+            if sum(w) <= 0:  # every state here weighs nothing: by time alone
+                w = [ov for _, ov, _ in parts]
             total = sum(w) or 1.0
             idle = 0.0
             for (i, _, s), wi in zip(parts, w):

@@ -1,10 +1,11 @@
-"""The power sampler: a daemon thread reading a source, feeding the power metrics, the
-per-GPU rings and each request's mean power over its prefill and decode windows.
+"""The power sampler: a daemon thread reading a source, learning what it resolves
+(:mod:`.learn`), feeding the power metrics and each GPU's tick ring (:mod:`.ledger`), from
+which requests' phase energy is settled.
 
 Every driver or HTTP call runs behind a timeout on a second daemon thread, so a hung NVML
-call can neither stall the proxy nor keep it from exiting. Each sample is classified by
-what the GPU's upstream had in flight (idle / prefill / decode) and counted as energy (the
-device's own energy counter where it has one, else integrated power).
+call can neither stall the proxy nor keep it from exiting. Each tick records what the GPU's
+upstream had in flight (idle / prefill / decode); each step of the energy counter (else
+integrated power) is spread over the ticks it covers.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def classify(prefill: int, decode: int) -> str:
     return "prefill" if prefill else "decode" if decode else "idle"
 
 
-#: What a GPU's ring of samples offers (a local Ring, or the workers' shared one).
+#: Each GPU's tick ring: a dict of this process's, or the workers' shared rings.
 RingStore = Any
 
 
@@ -239,7 +240,7 @@ class PowerSampler:
         self._since: dict[str, float] = {}  # gpu -> start of the energy not yet spread
         self._unspread: dict[str, float] = {}  # gpu -> joules counted, not yet spread
         self._state: dict[str, str] = {}  # gpu -> state at its last tick
-        self._told: dict[str, float | None] = {}  # gpu -> resolution last logged
+        self._told: dict[str, tuple[float, float]] = {}  # gpu -> resolution logged, when
         self._warned = False
         self.started: float | None = None
         self.up: bool | None = None  # None until the first tick
@@ -315,15 +316,19 @@ class PowerSampler:
         except Exception as exc:  # noqa: BLE001 - driver or HTTP error: said once
             self._set_down(f"reading {self.source.name} failed: {exc}")
             return
-        t = (t_c + self.clock()) / 2.0
+        t_read = self.clock()
+        t = (t_c + t_read) / 2.0
         if readings.keys() - self.meters.keys():  # a GPU seen for the first time
             seqs, counts = self.membership(sorted(readings), t_c)
+        # what was in flight once the source had answered: a sample read while that
+        # changed (a request began or ended) belongs to neither state's histogram
+        after = self.membership(sorted(readings), t_read)[1]
         seen = 0
         for gpu, r in sorted(readings.items()):
             if not self.gpus.owners(gpu):
                 continue
             seen += 1
-            self._sample(gpu, r, t_c, t, counts.get(gpu, (0, 0)), seqs)
+            self._sample(gpu, r, t_c, t, counts.get(gpu, (0, 0)), seqs, after)
         if seen:
             self._set_up(len(readings), seen)
             self._learnt(t)
@@ -334,7 +339,14 @@ class PowerSampler:
             )
 
     def _sample(
-        self, gpu: str, r: Reading, t_c: float, t: float, counts: tuple[int, int], seqs
+        self,
+        gpu: str,
+        r: Reading,
+        t_c: float,
+        t: float,
+        counts: tuple[int, int],
+        seqs: tuple[int, ...],
+        after: dict[str, tuple[int, int]],
     ) -> None:
         watch = self.watches.get(gpu)
         if watch is None:
@@ -375,7 +387,9 @@ class PowerSampler:
             pj, pi = self._pending.get(gpu, (0.0, 0.0))
             self._pending[gpu] = (pj + spread, pi + idle)
         else:
-            same = self._state.get(gpu, state) == state
+            same = (
+                self._state.get(gpu, state) == state and classify(*after.get(gpu, counts)) == state
+            )
             self._publish(gpu, watts, spread, idle, state if same else None)
         self._state[gpu] = state
 
@@ -445,10 +459,15 @@ class PowerSampler:
                 ring.min_phase = min_phase
             if min_phase is not None:
                 m.gpu_power_resolution_seconds.labels(gpu).set(min_phase)
-            told = self._told.get(gpu, -1.0)
-            if res is not None and (told is None or told < 0 or not told / 2 < res < told * 2):
-                self._told[gpu] = res
+            # one line at start, then again when the resolution changes twofold (at most
+            # once a minute: a busy machine's late polls are not a new sensor)
+            told, told_at = self._told.get(gpu, (None, -1e9))
+            changed = told is None or not told / 2 < (res or 0) < told * 2
+            if res is not None and changed and (told is None or now - told_at >= 60.0):
+                self._told[gpu] = (res, now)
                 self._say(gpu, watch, use, period, res)
+            elif res is not None:
+                self._warn_coarse(res)
         self.poll = min(self.interval, min(polls)) if polls else self.interval
 
     def _say(self, gpu: str, watch: SensorWatch, use: str, period, res: float) -> None:
@@ -466,6 +485,10 @@ class PowerSampler:
             use,
             min_phase or res,
         )
+        self._warn_coarse(res)
+
+    def _warn_coarse(self, res: float) -> None:
+        """Once: a sensor too slow for per-request figures, and how to fix it."""
         if res > COARSE_RESOLUTION and not self._warned:
             self._warned = True
             if self.source.name == "dcgm":

@@ -143,7 +143,7 @@ def table(result: dict) -> str:
     sensor = result.get("power_sensor") or []
     if not power:
         if sensor:  # through phasewatch: it says why it is not sampling
-            out += [f"- Power: n/a. {ln}" for ln in sensor]
+            out += [f"- {ln}" for ln in sensor]
         else:
             out.append("- Power: n/a (not benched through phasewatch, which samples GPU power).")
     else:

@@ -157,7 +157,9 @@ def test_joules_per_token_by_precision_match_the_simulator(powered):
             and dict(lab).get("precision") == p
         )
         true_jpt = sum(t["energy_joules"] for t in mine) / sum(t["completion_tokens"] for t in mine)
-        assert attributed / tokens == pytest.approx(true_jpt, rel=0.02), p
+        # (each request is charged from the first sampler tick that saw it to the first
+        # that did not: a tick's worth of edge on ~2 s requests)
+        assert attributed / tokens == pytest.approx(true_jpt, rel=0.04), p
 
     # Per-request decode power per precision: the simulator's draw at a batch of two.
     decode = {}

@@ -73,12 +73,16 @@ def test_power_by_phase_through_phasewatch(powered):
         pw, profile = m["power"], PROFILES[prec]
         print(
             f"\n{prec}: decode {pw['decode_watts']:.1f} W (physics {profile.decode_watts:g}), "
-            f"prefill {pw['prefill_watts']:.1f} W (physics {profile.prefill_watts:g})"
+            f"prefill {pw.get('prefill_watts')} W (physics {profile.prefill_watts:g})"
         )
         assert pw["idle_watts"] == pytest.approx(RTX_4090.idle_watts, abs=0.5)
         assert pw["decode_watts"] == pytest.approx(profile.decode_watts, rel=0.05), prec
         assert pw["decode_watts_stats"]["n"] == 3
-        assert pw["prefill_watts"] == pytest.approx(profile.prefill_watts, rel=0.1), prec
+        if "prefill_watts" in pw:
+            assert pw["prefill_watts"] == pytest.approx(profile.prefill_watts, rel=0.1), prec
+        else:  # int4's prefills at --speed 4, even added up, are shorter than resolved
+            assert any("shorter than the GPU power sensor resolves" in n for n in m["notes"])
+            assert prec == "int4", m["notes"]
         assert pw["joules_per_token"] == pytest.approx(
             pw["decode_watts"] / m["decode"]["tok_s"], rel=0.1
         )

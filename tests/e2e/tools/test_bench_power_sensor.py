@@ -100,6 +100,6 @@ def test_bench_through_a_phasewatch_without_power_says_why():
         sim.stop()
     lines = [ln for ln in res.stdout.splitlines() if "Power: n/a" in ln]
     assert lines == [
-        "- Power: n/a. GPU power: not sampled by this phasewatch (started with "
+        "- Power: n/a, this phasewatch is not sampling GPU power (started with "
         "--power-source none)."
     ], res.stdout
