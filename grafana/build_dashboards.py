@@ -20,9 +20,6 @@ import json
 import sys
 from pathlib import Path
 
-# the repository root, for the engine registry (proxy.engines) the panels are built from
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 try:
     from dashboards_src import overview, power, precision
 except ImportError as exc:  # the SDK is a build-time dependency, not the proxy's

@@ -342,7 +342,7 @@ class OwnApi:
         self.access = access
         self.refusals = refusals
         #: The page cookie's lifetime, in whole seconds (its Max-Age).
-        self.max_age = max(1, int(access.cookie_ttl))
+        self.max_age = max(1, int(access.page_cookie_ttl))
         self._routes = frozenset(
             getattr(r, "path", "") for r in app.routes if "{" not in getattr(r, "path", "{")
         )

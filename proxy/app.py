@@ -28,6 +28,7 @@ from .core.host import Host, start_secret
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
 from .core.refusals import Refusal, Refusals
+from .engines import ENDPOINT_KINDS
 from .measure.exposition import exposition_app
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder
@@ -81,8 +82,11 @@ class ProxyApp:
                 "start; replicas of phasewatch in front of one pool need a shared "
                 "--affinity-secret (PHASEWATCH_AFFINITY_SECRET) to agree"
             )
+        # what each endpoint label is, so queries select generations by kind
+        for endpoint, kind in ENDPOINT_KINDS.items():
+            self.metrics.endpoint_info.labels(endpoint, kind).set(1)
         # what engines say is bounded: label values from the wire, numbers they report
-        self.metrics.labels.max_length = settings.max_label_length
+        self.metrics.labels.max_label_length = settings.max_label_length
         self.metrics.labels.warn = LimitedLog(logging.getLogger("proxy.measure.labels")).warning
         self.recorder = Recorder(
             self.metrics,
@@ -103,8 +107,8 @@ class ProxyApp:
             settings.upstream_keys,
             settings.key_clients,
             secret=start_secret(host),
-            cookie_ttl=settings.page_cookie_ttl,
-            max_failures=settings.max_key_failures,
+            page_cookie_ttl=settings.page_cookie_ttl,
+            max_key_failures=settings.max_key_failures,
         )
         # OpenTelemetry (--otel): spans opened before the request goes upstream, ended and
         # exported once it is recorded; nothing of it is loaded without the flag.

@@ -19,8 +19,6 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import heatmap as hm
 from grafana_foundation_sdk.models import prometheus as pm
 
-from proxy.engines import GENERATION_ENDPOINTS
-
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'upstream=~"$upstream", model=~"$model", precision=~"$precision"'
 UP = 'upstream=~"$upstream"'
@@ -28,10 +26,17 @@ TOKS = "suffix: tok/s"
 
 GREEN, YELLOW, ORANGE, RED, BLUE = "green", "yellow", "orange", "red", "blue"
 
-#: Endpoints that generate (the rest are whole-body requests: embeddings, rerank, ...).
-#: Taken from the engine registry, so a new engine's generations join the panels.
-GENERATION = f'endpoint=~"{"|".join(GENERATION_ENDPOINTS)}"'
-NOT_GENERATION = f'endpoint!~"{"|".join(GENERATION_ENDPOINTS)}"'
+
+def generation(expr: str) -> str:
+    """`expr`'s series of generation endpoints. The kind comes from the proxy
+    (phasewatch_endpoint_info), so no query lists an engine's endpoints."""
+    return f'({expr} and on (endpoint) phasewatch_endpoint_info{{kind="generation"}})'
+
+
+def whole_body(expr: str) -> str:
+    """`expr`'s series of whole-body endpoints (embeddings, rerank ...: nothing generated)."""
+    return f'({expr} and on (endpoint) phasewatch_endpoint_info{{kind="whole_body"}})'
+
 
 #: Any panel builder of the SDK (they share no base class but Builder[Panel]).
 PanelBuilder = timeseries.Panel | stat.Panel | bargauge.Panel | heatmap.Panel | table.Panel

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from .common import (
     BLUE,
-    GENERATION,
     GREEN,
-    NOT_GENERATION,
     RED,
     SEL,
     TOKS,
@@ -16,6 +14,7 @@ from .common import (
     YELLOW,
     Dash,
     bargauge_panel,
+    generation,
     override,
     stat_panel,
     steps,
@@ -23,7 +22,11 @@ from .common import (
     target,
     timeseries_panel,
     value_map,
+    whole_body,
 )
+
+#: The recorded end-to-end latency buckets of completed requests, by endpoint.
+REQUEST_BUCKETS = f"phasewatch:request_seconds_bucket:rate5m{{{SEL}}}"
 
 
 def engine_rows(d: Dash) -> None:
@@ -287,13 +290,12 @@ def physics(d: Dash) -> None:
             "generate nothing, by endpoint (recording rule phasewatch:request_seconds_bucket:rate5m).",
             [
                 target(
-                    "histogram_quantile(0.5, sum by (endpoint, le) "
-                    f"(phasewatch:request_seconds_bucket:rate5m{{{SEL}, {NOT_GENERATION}}}))",
+                    f"histogram_quantile(0.5, sum by (endpoint, le) {whole_body(REQUEST_BUCKETS)})",
                     "p50 {{endpoint}}",
                 ),
                 target(
                     "histogram_quantile(0.95, sum by (endpoint, le) "
-                    f"(phasewatch:request_seconds_bucket:rate5m{{{SEL}, {NOT_GENERATION}}}))",
+                    f"{whole_body(REQUEST_BUCKETS)})",
                     "p95 {{endpoint}}",
                 ),
             ],
@@ -310,8 +312,8 @@ def physics(d: Dash) -> None:
             "(error: the engine answered >= 400 or was unreachable).",
             [
                 target(
-                    "sum by (endpoint, outcome) (rate(phasewatch_requests_total"
-                    f"{{{SEL}, {NOT_GENERATION}}}[$__rate_interval]))",
+                    "sum by (endpoint, outcome) "
+                    + whole_body(f"rate(phasewatch_requests_total{{{SEL}}}[$__rate_interval])"),
                     "{{endpoint}} {{outcome}}",
                 )
             ],
@@ -350,8 +352,7 @@ def physics(d: Dash) -> None:
             "byte forwarded (vLLM's e2e_request_latency_seconds, as the client feels it).",
             [
                 target(
-                    f"histogram_quantile({p}, sum by (le) (phasewatch:request_seconds_bucket:rate5m"
-                    f"{{{SEL}, {GENERATION}}}))",
+                    f"histogram_quantile({p}, sum by (le) {generation(REQUEST_BUCKETS)})",
                     f"p{int(p * 100)}",
                 )
                 for p in (0.5, 0.95, 0.99)
@@ -446,7 +447,7 @@ def physics(d: Dash) -> None:
                 ),
                 target(
                     "histogram_quantile(0.95, sum by (upstream, model, le) "
-                    f"(phasewatch:request_seconds_bucket:rate5m{{{SEL}, {GENERATION}}}))",
+                    f"{generation(REQUEST_BUCKETS)})",
                     "phasewatch {{model}}",
                 ),
             ],

@@ -121,8 +121,8 @@ class Access:
         key_clients: dict[str, str] | None = None,
         *,
         secret: bytes = b"",
-        cookie_ttl: float = 12 * 3600,
-        max_failures: int = 30,
+        page_cookie_ttl: float = 12 * 3600,
+        max_key_failures: int = 30,
         clock: Callable[[], float] = time.time,
     ) -> None:
         names = key_clients or {}
@@ -130,11 +130,11 @@ class Access:
         self._keys = [(k.encode(), names.get(k, "")) for k in api_keys if k]
         #: The page cookie's MAC key: this start's secret (a restart ends every cookie).
         self._secret = secret or secrets.token_bytes(32)
-        self.cookie_ttl = cookie_ttl
+        self.page_cookie_ttl = page_cookie_ttl
         self._clock = clock
         self._upstream = {name: ("Bearer " + key).encode() for name, key in upstream_keys.items()}
         #: Wrong keys per client address (--max-key-failures a minute).
-        self.guesses = Guesses(max_failures)
+        self.guesses = Guesses(max_key_failures)
 
     @property
     def required(self) -> bool:
@@ -207,7 +207,7 @@ class Access:
         if self._match(presented) is None:
             self.guesses.failed(peer)
             return None
-        expires = math.ceil(self._clock() + self.cookie_ttl)
+        expires = math.ceil(self._clock() + self.page_cookie_ttl)
         return f"{expires}.{self._mac(presented, expires)}"
 
     def _mac(self, key: bytes, expires: int) -> str:

@@ -63,13 +63,13 @@ class Load:
 
 @dataclass(frozen=True, slots=True)
 class BalanceOptions:
-    policy: Policy = "least-loaded"
+    balance: Policy = "least-loaded"
     affinity: Affinity = "none"
     #: Leading bytes of the prompt hashed for --affinity prefix.
     prefix_bytes: int = 512
     #: The prefix hash's key (--affinity-secret, else one made at start): replicas of
     #: phasewatch in front of one pool share it to send a prefix to the same member.
-    secret: bytes = field(default=b"", repr=False)
+    affinity_secret: bytes = field(default=b"", repr=False)
 
 
 def outstanding(m: Load) -> float:
@@ -115,7 +115,7 @@ class Balancer:
         return lambda m: expected_wait(m, default)
 
     def _pick(self, pool: str, members: list[Load]) -> Load:
-        policy = self.options.policy
+        policy = self.options.balance
         if policy == "round-robin":
             return self._round_robin(pool, members)
         if policy == "random":

@@ -84,7 +84,7 @@ class Pools:
         key = None
         if self.balancer.options.affinity == "prefix":
             options = self.balancer.options
-            key = prefix_key(body, options.prefix_bytes, options.secret)
+            key = prefix_key(body, options.prefix_bytes, options.affinity_secret)
         by_name = {u.name: u for u in alive}
         ordered = [
             by_name[m.name] for m in self.balancer.order(pool, [load(u) for u in alive], key)

@@ -78,12 +78,12 @@ class UpstreamOptions:
     max_queue: int = 256
     queue_timeout: float = 0.0
     max_models: int = 64
-    extra_models: frozenset[str] = frozenset()
-    precision_overrides: tuple[tuple[str, str], ...] = ()
+    models: frozenset[str] = frozenset()
+    precision: tuple[tuple[str, str], ...] = ()
     model_dir: str | None = None
     #: KV-cache element type per model or upstream name (``fp8``, ``q8_0`` ...), for
     #: engines that do not say (llama-server's --cache-type-k, OLLAMA_KV_CACHE_TYPE)
-    kv_dtype_overrides: tuple[tuple[str, str], ...] = ()
+    kv_cache_dtype: tuple[tuple[str, str], ...] = ()
     #: Seconds between health probes of an idle upstream that is up (0: no probes).
     health_interval: float = 1.0
     #: Longest wait between probes of a down (ejected) upstream.
@@ -152,11 +152,9 @@ class Upstream:
         self.dialect: Dialect = get_dialect(spec.engine or GENERIC)
         # a precision table per upstream: one model name can be served at different
         # precisions by different engines (the side-by-side comparison the tool is for)
-        self.precision = PrecisionTable(
-            dict(options.precision_overrides), model_dir=options.model_dir
-        )
+        self.precision = PrecisionTable(dict(options.precision), model_dir=options.model_dir)
         self.precision_read: set[str] = set()  # models whose precision the engine was asked
-        self.configured_models = set(options.extra_models)
+        self.configured_models = set(options.models)
         #: The labelled models (at most --max-models of the list, kept while listed).
         self.models: set[str] = set()
         #: Every name the engine lists (bounded by the model-list read), for routing.
@@ -203,7 +201,7 @@ class Upstream:
         #: the engine reports per model, and the series published from them.
         self.kv_shapes: dict[str, KVShape | None] = {}
         self.kv_engine_dtype: dict[str, str] = {}
-        self._kv_overrides = dict(options.kv_dtype_overrides)
+        self._kv_overrides = dict(options.kv_cache_dtype)
         self._kv_models: dict[str, KVModel] = {}
         self._kv_published: dict[str, tuple[str, str, str, str]] = {}
         #: Exchanges admitted and not finished. Side services (the power sampler) read it

@@ -75,16 +75,15 @@ MODEL_FIELDS: tuple[str, ...] = tuple(
 )
 
 
-#: The endpoint labels of generations (the measured endpoints that are not whole bodies),
-#: every engine's: the dashboards select generation panels by them.
-GENERATION_ENDPOINTS: tuple[str, ...] = tuple(
-    dict.fromkeys(
-        label
-        for e in ENGINES.values()
-        for label in e.endpoints.values()
-        if label not in e.whole_endpoints
-    )
-)
+#: Every engine's endpoint labels and their kind: ``generation`` (tapped as it is
+#: generated) or ``whole_body`` (one answer: embeddings, rerank ...). Exported as
+#: ``phasewatch_endpoint_info``, so dashboards and rules select generations by kind and a
+#: new engine's endpoints join them with no query naming its labels.
+ENDPOINT_KINDS: dict[str, str] = {
+    label: "whole_body" if label in e.whole_endpoints else "generation"
+    for e in ENGINES.values()
+    for label in e.endpoints.values()
+}
 
 
 def _native_apis() -> tuple[tuple[str, Dialect], ...]:
@@ -175,8 +174,8 @@ async def served_file(client: httpx.AsyncClient) -> str | None:
 __all__ = [
     "ADMIN_PATHS",
     "DETECTION_ORDER",
+    "ENDPOINT_KINDS",
     "ENGINES",
-    "GENERATION_ENDPOINTS",
     "GENERIC",
     "LISTINGS",
     "MODEL_FIELDS",

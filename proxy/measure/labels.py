@@ -3,7 +3,7 @@
 A model id is whatever text the engine lists, and each one becomes a label value on every
 histogram's series for that model: a few very long ids would make ``/metrics`` and the
 proxy's memory grow with them. Every name an engine lists passes :meth:`LabelBound.fits`
-before it can become a label value: at most ``max_length`` characters, all printable (no
+before it can become a label value: at most ``max_label_length`` characters, all printable (no
 control characters, no line or paragraph separators). What does not fit is never listed,
 so requests for it are labelled ``other`` like any unlisted model; each refusal is
 counted and said (the value itself never: its length only).
@@ -23,17 +23,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_LABEL_LENGTH = 128
 
 
-def plain(value: str, max_length: int = DEFAULT_MAX_LABEL_LENGTH) -> bool:
+def plain(value: str, max_label_length: int = DEFAULT_MAX_LABEL_LENGTH) -> bool:
     """Whether `value` may be a label value as it is."""
-    return 0 < len(value) <= max_length and value.isprintable()
+    return 0 < len(value) <= max_label_length and value.isprintable()
 
 
 class LabelBound:
     """Decides which wire names may become label values; counts and says the others."""
 
-    def __init__(self, folded: Counter, max_length: int = DEFAULT_MAX_LABEL_LENGTH) -> None:
+    def __init__(self, folded: Counter, max_label_length: int = DEFAULT_MAX_LABEL_LENGTH) -> None:
         self.folded = folded
-        self.max_length = max_length
+        self.max_label_length = max_label_length
         #: The rate-limited warning (proxy.core.limited.LimitedLog's ``warning``), set by
         #: the app; None: no line.
         self.warn: Callable[..., object] | None = None
@@ -41,7 +41,7 @@ class LabelBound:
     def fits(self, upstream: str, label: str, value: str) -> bool:
         """Whether `value` (of the `label` label, from `upstream`) may be used as it is;
         when not, it is counted under `label` and said once in a while."""
-        if plain(value, self.max_length):
+        if plain(value, self.max_label_length):
             return True
         self.folded.labels(upstream, label).inc()
         if self.warn is not None:
@@ -52,6 +52,6 @@ class LabelBound:
                 upstream,
                 label,
                 len(value),
-                self.max_length,
+                self.max_label_length,
             )
         return False

@@ -325,6 +325,17 @@ class Metrics:
             multiprocess_mode="max",
         )
 
+        self.endpoint_info = Gauge(
+            PREFIX + "endpoint_info",
+            "1 for each measured endpoint label, with its kind: generation (tapped as it is "
+            "generated: TTFT, decode) or whole_body (one answer: embeddings, rerank ...). "
+            "Dashboards and rules select by kind (and on (endpoint)), never by listing "
+            "endpoints, so a new engine's endpoints join them unchanged.",
+            ("endpoint", "kind"),
+            registry=r,
+            multiprocess_mode="max",
+        )
+
         # GPU power, fed by proxy.services.power.
         self.gpu_power_watts = hist(
             "gpu_power_watts",

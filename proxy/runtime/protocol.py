@@ -123,15 +123,15 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     """uvicorn's httptools protocol with a head limit, a header deadline, half-close and
     lingering close. :func:`guarded_protocol` makes one per server, with its limits."""
 
-    max_head = 64 * 1024
+    max_head_bytes = 64 * 1024
     header_timeout = 10.0
     #: Requests read ahead of the one being answered, and bytes held unparsed beyond them.
-    max_pipelined = 16
-    max_held = 64 * 1024
+    max_pipelined_requests = 16
+    max_pipelined_bytes = 64 * 1024
     #: Connections whose writes wait on a client that does not read, per server (each
     #: holds about two upstream reads of its stream), and how many may.
     stalled: ClassVar[dict[GuardedProtocol, str]] = {}  # -> its owner (_owner)
-    max_stalled = 64
+    max_stalled_streams = 64
     #: Called with the reason of each refusal (the metrics counter).
     on_reject: Callable[[str], None] = staticmethod(lambda reason: None)
     refusals = LimitedLog(log)
@@ -207,7 +207,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         super().pause_writing()
         stalled = self.stalled
         stalled[self] = self._owner()
-        if len(stalled) <= self.max_stalled:
+        if len(stalled) <= self.max_stalled_streams:
             return
         oldest = _most_held(stalled)
         del stalled[oldest]
@@ -217,7 +217,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             "closed a stream to %s: its client stopped reading, and more than %d "
             "others had too (--max-stalled-streams)",
             _peer(oldest.client),
-            self.max_stalled,
+            self.max_stalled_streams,
         )
         if oldest.real is not None:
             oldest.real.abort()
@@ -259,13 +259,13 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             busy = bool(self.pipeline) or (
                 running is not None and not running.response_complete and not running.disconnected
             )
-            slots = self.max_pipelined - len(self.pipeline) + (0 if busy else 1)
+            slots = self.max_pipelined_requests - len(self.pipeline) + (0 if busy else 1)
             if slots <= 0:
                 self._hold(bytes(view[pos:]))
                 return
             size = end - pos
             if self.in_head or self.in_trailers:
-                room = self.max_head - self.head_bytes
+                room = self.max_head_bytes - self.head_bytes
                 if room <= 0:
                     self._refuse_head(trailers=not self.in_head)
                     return
@@ -302,7 +302,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
 
     def _hold(self, rest: bytes) -> None:
         """The pipeline is full: keep what was read, parse it as answers go out."""
-        if len(rest) > self.max_held:
+        if len(rest) > self.max_pipelined_bytes:
             self._refuse_pipeline(f"{len(rest)} bytes read ahead of a full pipeline")
             return
         self.held = rest
@@ -345,7 +345,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         """Bytes of the open head (or trailer section) that began inside a slice (one
         that began with a slice is counted whole, as raw bytes)."""
         self.head_bytes += size
-        if self.head_bytes > self.max_head:
+        if self.head_bytes > self.max_head_bytes:
             self._refuse_head(trailers=not self.in_head)
             raise _Refused
 
@@ -370,9 +370,9 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             cycle.keep_alive = False
         if not (self.pipeline and self.pipeline[0][0] is cycle):
             self.running = cycle  # started at once
-        elif len(self.pipeline) > self.max_pipelined:
+        elif len(self.pipeline) > self.max_pipelined_requests:
             self.pipeline.popleft()  # never started
-            self._refuse_pipeline(f"more than {self.max_pipelined} requests read ahead")
+            self._refuse_pipeline(f"more than {self.max_pipelined_requests} requests read ahead")
             raise _Refused
 
     def on_body(self, body: bytes) -> None:
@@ -418,7 +418,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
                 self.transport.write(answer)
                 self._linger()
             return
-        if self.held and len(self.pipeline) < self.max_pipelined:
+        if self.held and len(self.pipeline) < self.max_pipelined_requests:
             self._resume_held()
 
     def send_400_response(self, msg: str) -> None:
@@ -530,7 +530,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             reason,
             "refused a request %s over %d bytes from %s",
             "trailer section" if trailers else "head",
-            self.max_head,
+            self.max_head_bytes,
             _peer(self.client),
         )
         what = "request trailers" if trailers else "request head"
@@ -538,7 +538,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             _answer(
                 431,
                 b"Request Header Fields Too Large",
-                f"{what} over {self.max_head} bytes",
+                f"{what} over {self.max_head_bytes} bytes",
                 "request_header_too_large",
             ),
             self.cycle if trailers else None,
@@ -568,14 +568,14 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
             "--max-pipelined-bytes %d)",
             _peer(self.client),
             why,
-            self.max_pipelined,
-            self.max_held,
+            self.max_pipelined_requests,
+            self.max_pipelined_bytes,
         )
         self._refuse(
             _answer(
                 429,
                 b"Too Many Requests",
-                f"more than {self.max_pipelined} pipelined requests on one connection",
+                f"more than {self.max_pipelined_requests} pipelined requests on one connection",
                 "too_many_pipelined_requests",
             ),
             None,
@@ -631,24 +631,24 @@ def _peer(client: tuple[str, int] | None) -> str:
 
 
 def guarded_protocol(
-    max_head: int,
+    max_head_bytes: int,
     header_timeout: float,
     on_reject: Callable[[str], None],
-    max_pipelined: int = 16,
-    max_held: int = 64 * 1024,
-    max_stalled: int = 64,
+    max_pipelined_requests: int = 16,
+    max_pipelined_bytes: int = 64 * 1024,
+    max_stalled_streams: int = 64,
 ) -> type[GuardedProtocol]:
     """The protocol class for one server, with its limits and its refusal counter."""
     return type(
         "GuardedProtocol",
         (GuardedProtocol,),
         {
-            "max_head": max_head,
+            "max_head_bytes": max_head_bytes,
             "header_timeout": header_timeout,
-            "max_pipelined": max_pipelined,
-            "max_held": max_held,
+            "max_pipelined_requests": max_pipelined_requests,
+            "max_pipelined_bytes": max_pipelined_bytes,
             "stalled": {},
-            "max_stalled": max_stalled,
+            "max_stalled_streams": max_stalled_streams,
             "on_reject": staticmethod(on_reject),
             "refusals": LimitedLog(log),
         },

@@ -107,9 +107,9 @@ def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
         limits.max_head_bytes,
         limits.header_timeout,
         lambda reason: rejected.labels(reason).inc(),
-        max_pipelined=limits.max_pipelined_requests,
-        max_held=limits.max_pipelined_bytes,
-        max_stalled=limits.max_stalled_streams,
+        max_pipelined_requests=limits.max_pipelined_requests,
+        max_pipelined_bytes=limits.max_pipelined_bytes,
+        max_stalled_streams=limits.max_stalled_streams,
     )
     return config
 

@@ -55,14 +55,14 @@ ALPHA = 0.2
 class StallOptions:
     """The thresholds (flags ``--stall-floor``, ``--stall-prefill-factor``, ``--stall-gaps``)."""
 
-    floor: float = 60.0  # seconds; 0 turns detection off
-    prefill_factor: float = 4.0
-    gaps: float = 100.0
+    stall_floor: float = 60.0  # seconds; 0 turns detection off
+    stall_prefill_factor: float = 4.0
+    stall_gaps: float = 100.0
 
     @property
     def interval(self) -> float:
         """How often the streams are scanned: a few times per floor, within 0.25-5 s."""
-        return min(5.0, max(0.25, self.floor / 8))
+        return min(5.0, max(0.25, self.stall_floor / 8))
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ class StallWatch:
         self.view: dict[str, tuple[int, float]] = {}
 
     def start(self) -> None:
-        if self.options.floor > 0:
+        if self.options.stall_floor > 0:
             self.upstreams.spawn(every(self.options.interval, self._step, "stall scan"))
 
     async def _step(self) -> None:
@@ -120,8 +120,8 @@ class StallWatch:
         if ex.marks.t_first is None:
             tokens = len(ex.prepared.body) / BYTES_PER_TOKEN
             expected = tokens / (r.prefill_tps or FALLBACK_PREFILL_TPS)
-            return "prefill", max(o.floor, o.prefill_factor * expected)
-        return "decode", max(o.floor, o.gaps * (r.itl_s or 0.0))
+            return "prefill", max(o.stall_floor, o.stall_prefill_factor * expected)
+        return "decode", max(o.stall_floor, o.stall_gaps * (r.itl_s or 0.0))
 
     def silence(self, ex: Exchange, now: float) -> float | None:
         """Seconds since the stream last advanced (None: not a stream in flight)."""
@@ -139,7 +139,7 @@ class StallWatch:
                 [self.last_output.get(u.name, 0.0)]
                 + [ex.marks.t_last for ex in active if ex.marks.t_last is not None]
             )
-            quiet_upstream = now - progressed > self.options.floor
+            quiet_upstream = now - progressed > self.options.stall_floor
             count, longest = 0, 0.0
             for ex in active:
                 silent = self.silence(ex, now)

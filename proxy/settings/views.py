@@ -65,7 +65,7 @@ def balance_options(s: Settings, start_secret: bytes = b"") -> BalanceOptions:
         secret = given.get_secret_value().encode()
     else:
         secret = hmac.new(start_secret, b"phasewatch prefix affinity", hashlib.sha256).digest()
-    return BalanceOptions(s.balance, s.affinity, secret=secret)
+    return BalanceOptions(balance=s.balance, affinity=s.affinity, affinity_secret=secret)
 
 
 def upstream_options(s: Settings) -> UpstreamOptions:
@@ -75,19 +75,19 @@ def upstream_options(s: Settings) -> UpstreamOptions:
             connect_timeout=s.connect_timeout,
             read_timeout=s.read_timeout,
             write_timeout=s.write_timeout,
-            max_connections=s.upstream_max_connections,
-            pool_timeout=s.upstream_pool_timeout,
-            keepalive_expiry=s.upstream_keepalive,
-            max_head_bytes=s.upstream_max_head_bytes,
+            upstream_max_connections=s.upstream_max_connections,
+            upstream_pool_timeout=s.upstream_pool_timeout,
+            upstream_keepalive=s.upstream_keepalive,
+            upstream_max_head_bytes=s.upstream_max_head_bytes,
         ),
         max_concurrency=s.max_concurrency,
         max_queue=s.max_queue,
         queue_timeout=s.queue_timeout,
         max_models=s.max_models,
-        extra_models=frozenset(s.models),
-        precision_overrides=tuple(s._precision.items()),
+        models=frozenset(s.models),
+        precision=tuple(s._precision.items()),
         model_dir=s.model_dir,
-        kv_dtype_overrides=tuple(
+        kv_cache_dtype=tuple(
             (name, kv_dtype(dtype) or dtype)
             for name, _, dtype in (item.partition("=") for item in s.kv_cache_dtype)
         ),
@@ -99,8 +99,17 @@ def upstream_options(s: Settings) -> UpstreamOptions:
 
 
 def power_options(s: Settings) -> PowerOptions:
-    return PowerOptions(s.power_source, s.power_dcgm_url, s.power_interval, dict(s._power_gpu))
+    return PowerOptions(
+        power_source=s.power_source,
+        power_dcgm_url=s.power_dcgm_url,
+        power_interval=s.power_interval,
+        power_gpu=dict(s._power_gpu),
+    )
 
 
 def stall_options(s: Settings) -> StallOptions:
-    return StallOptions(s.stall_floor, s.stall_prefill_factor, s.stall_gaps)
+    return StallOptions(
+        stall_floor=s.stall_floor,
+        stall_prefill_factor=s.stall_prefill_factor,
+        stall_gaps=s.stall_gaps,
+    )

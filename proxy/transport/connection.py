@@ -128,7 +128,11 @@ class Connection(asyncio.Protocol):
             self.unexpected = True
             self.transport.close()
             return
-        if counting and self.head_bytes > self.pool.max_head_bytes and not self.headers_done:
+        if (
+            counting
+            and self.head_bytes > self.pool.upstream_max_head_bytes
+            and not self.headers_done
+        ):
             self._head_too_large()
             return
         if self.edge and data[-2:] != b"\r\n":
@@ -203,7 +207,7 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         self.headers_done = True
-        if sum(len(k) + len(v) + 4 for k, v in self.headers) > self.pool.max_head_bytes:
+        if sum(len(k) + len(v) + 4 for k, v in self.headers) > self.pool.upstream_max_head_bytes:
             self._head_too_large()
             return
         if self.head or status in (204, 304):
@@ -241,7 +245,7 @@ class Connection(asyncio.Protocol):
     def _head_too_large(self) -> None:
         if self.error is not None:
             return
-        limit = self.pool.max_head_bytes
+        limit = self.pool.upstream_max_head_bytes
         log.warning(
             "upstream response head over the limit; connection closed",
             extra={"fields": {"limit_bytes": limit, "upstream": self.pool.name}},

@@ -16,7 +16,7 @@ What it promises, like the library clients it is tested beside:
   ``httpx.RemoteProtocolError``, never a short body taken as complete;
 - a request is sent once: only idempotent methods are re-sent, once, and only when a
   reused idle connection turned out closed before any response byte; idle connections
-  expire (``keepalive_expiry``) before the engine's own keep-alive, so that race is rare;
+  expire (``upstream_keepalive``) before the engine's own keep-alive, so that race is rare;
 - a connection that carried anything unexpected (bytes after a complete response, a
   second response, a protocol switch) is closed, never reused;
 - limits: response head size, connections per upstream with a pool wait, and
@@ -94,12 +94,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
     ) -> None:
         options = options or ClientOptions()
         self.name = name
-        self.max_connections = options.max_connections
-        self.keepalive_expiry = options.keepalive_expiry
-        self.max_head_bytes = options.max_head_bytes
+        self.upstream_max_connections = options.upstream_max_connections
+        self.upstream_keepalive = options.upstream_keepalive
+        self.upstream_max_head_bytes = options.upstream_max_head_bytes
         self._ssl = ssl_context
         self._idle: dict[tuple, deque[Connection]] = {}
-        self._open = 0  # connections open (busy and idle), counted against max_connections
+        self._open = 0  # connections open (busy and idle), counted against upstream_max_connections
         self._waiters: deque[asyncio.Future] = deque()
 
     # --- the pool -------------------------------------------------------------------------
@@ -125,7 +125,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         idle = self._idle.get(key)
         if not idle:
             return None
-        deadline = time.monotonic() - self.keepalive_expiry
+        deadline = time.monotonic() - self.upstream_keepalive
         while idle:
             conn = idle.pop()  # most recently used first: warmest, least likely stale
             if not conn.closed and conn.idle_since > deadline:
@@ -145,7 +145,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn = self._get(key)
             if conn is not None:
                 return conn
-            if not self.max_connections or self._open < self.max_connections:
+            if not self.upstream_max_connections or self._open < self.upstream_max_connections:
                 return await self._connect(method, url, request, key, timeouts.get("connect"))
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
@@ -158,13 +158,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     extra={
                         "fields": {
                             "upstream": self.name,
-                            "max_connections": self.max_connections,
+                            "max_connections": self.upstream_max_connections,
                             "wait_s": wait,
                         }
                     },
                 )
                 raise httpx.PoolTimeout(
-                    f"all {self.max_connections} connections busy for {wait:g}s "
+                    f"all {self.upstream_max_connections} connections busy for {wait:g}s "
                     "(--upstream-max-connections)",
                     request=named(method, url, request),
                 ) from None

@@ -45,15 +45,15 @@ class ClientOptions:
     #: Longest one write of the request may block (an engine that stopped reading).
     write_timeout: float = 60.0
     #: Most connections open to one upstream (busy and idle); 0: no limit.
-    max_connections: int = 1024
-    #: Longest a request waits for a free connection when max_connections are busy.
-    pool_timeout: float = 30.0
+    upstream_max_connections: int = 1024
+    #: Longest a request waits for a free connection when upstream_max_connections are busy.
+    upstream_pool_timeout: float = 30.0
     #: Idle keep-alive connections are dropped after this many seconds: below the
     #: engine's own idle timeout (uvicorn-based engines such as vLLM close at 5 s), so the
     #: proxy never sends a request on a connection the engine is closing.
-    keepalive_expiry: float = 4.0
+    upstream_keepalive: float = 4.0
     #: Largest response head (status line and headers) taken from an engine.
-    max_head_bytes: int = 64 * 1024
+    upstream_max_head_bytes: int = 64 * 1024
     tls: TLSOptions = field(default_factory=TLSOptions)
     #: A transport to use instead of building one (tests: ``httpx.MockTransport``).
     transport: httpx.AsyncBaseTransport | None = field(default=None, compare=False)
@@ -64,5 +64,5 @@ class ClientOptions:
             "connect": self.connect_timeout,
             "read": self.read_timeout,
             "write": self.write_timeout,
-            "pool": self.pool_timeout,
+            "pool": self.upstream_pool_timeout,
         }

@@ -157,7 +157,9 @@ def test_compose_phasewatch_env_are_real_settings_and_point_at_services():
     assert urlsplit(settings.power_dcgm_url).hostname == "simulator"
     from proxy.sim.physics import DEFAULT_MODELS
 
-    assert settings.power_options().gpu_map == {str(i): m.id for i, m in enumerate(DEFAULT_MODELS)}
+    assert settings.power_options().power_gpu == {
+        str(i): m.id for i, m in enumerate(DEFAULT_MODELS)
+    }
     assert f"127.0.0.1:{settings.port}:{settings.port}" in _published(services["phasewatch"])
 
 

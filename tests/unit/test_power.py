@@ -550,7 +550,7 @@ def test_no_nvml_says_so_once_and_exports_no_power(monkeypatch, caplog):
 
 def test_settings_for_power():
     s = Settings(upstream=["a=http://h:1"], power_gpu="0=a 1=org/model-AWQ")
-    assert s.power_options().gpu_map == {"0": "a", "1": "org/model-AWQ"}
+    assert s.power_options().power_gpu == {"0": "a", "1": "org/model-AWQ"}
     assert s.power_interval == 0.2 and s.power_source == "auto"
     with pytest.raises(ValueError):
         Settings(power_gpu=["0"])

@@ -69,7 +69,7 @@ def gauge(metrics: Metrics, name: str, upstream: str) -> float | None:
 
 
 def test_a_stream_with_no_first_token_stalls_after_the_floor_and_is_counted_once(caplog):
-    watch, metrics, (a, b) = setup(floor=60.0)
+    watch, metrics, (a, b) = setup(stall_floor=60.0)
     stream(a, T0, rid="req-1")
     watch.scan(T0 + 59)
     assert a.stalled == 0 and gauge(metrics, "phasewatch_stalled_streams", "a") == 0
@@ -90,7 +90,7 @@ def test_a_stream_with_no_first_token_stalls_after_the_floor_and_is_counted_once
 
 
 def test_a_long_prompt_gets_its_prefill_allowance():
-    watch, _, (a, _b) = setup(floor=60.0, prefill_factor=4.0)
+    watch, _, (a, _b) = setup(stall_floor=60.0, stall_prefill_factor=4.0)
     learn(watch, a, prefill_tps=5000.0, itl=0.02)
     tokens = 100_000
     stream(a, T0, prompt_bytes=int(tokens * 4))  # about 4 bytes a token in the body
@@ -103,7 +103,7 @@ def test_a_long_prompt_gets_its_prefill_allowance():
 
 
 def test_a_request_queued_behind_streams_that_advance_is_not_stalled():
-    watch, _, (a, _b) = setup(floor=60.0)
+    watch, _, (a, _b) = setup(stall_floor=60.0)
     stream(a, T0, rid="queued")
     busy = stream(a, T0, rid="busy")
     busy.marks.t_first = T0 + 1
@@ -116,7 +116,7 @@ def test_a_request_queued_behind_streams_that_advance_is_not_stalled():
 
 
 def test_after_the_first_token_many_gaps_at_the_measured_decode_rate():
-    watch, metrics, (a, _b) = setup(floor=10.0, gaps=100.0)
+    watch, metrics, (a, _b) = setup(stall_floor=10.0, stall_gaps=100.0)
     learn(watch, a, prefill_tps=None, itl=0.5)  # a slow engine: 2 tok/s, 50 s allowed
     ex = stream(a, T0)
     ex.marks.t_first = T0 + 1
@@ -140,7 +140,7 @@ def test_after_the_first_token_many_gaps_at_the_measured_decode_rate():
 
 
 def test_a_pool_sends_new_requests_to_members_without_stalled_streams():
-    watch, _, (a, b) = setup(floor=5.0)
+    watch, _, (a, b) = setup(stall_floor=5.0)
     ups = watch.upstreams
     assert Counter(ups.choose("m", b"")[0].name for _ in range(10)) == {"a": 5, "b": 5}
     stream(a, T0)
@@ -151,7 +151,7 @@ def test_a_pool_sends_new_requests_to_members_without_stalled_streams():
 
 
 def test_non_streamed_and_finished_requests_are_not_streams_in_flight():
-    watch, _, (a, _b) = setup(floor=5.0)
+    watch, _, (a, _b) = setup(stall_floor=5.0)
     ex = stream(a, T0)
     ex.prepared = Prepared("chat", "m", False, b"x")
     watch.scan(T0 + 100)

@@ -47,10 +47,10 @@ GIVE_UP_SECONDS = 60.0
 class PowerOptions:
     """Where and how often power is read, and which GPU serves what."""
 
-    source: str = "auto"  # auto | nvml | dcgm | none
-    dcgm_url: str | None = None
-    interval: float = 0.2
-    gpu_map: dict[str, str] = field(default_factory=dict)  # GPU -> upstream or model
+    power_source: str = "auto"  # auto | nvml | dcgm | none
+    power_dcgm_url: str | None = None
+    power_interval: float = 0.2
+    power_gpu: dict[str, str] = field(default_factory=dict)  # GPU -> upstream or model
 
 
 def _where(url: str | None) -> str:
@@ -87,13 +87,13 @@ class PowerService:
         self._publisher: asyncio.Task[None] | None = None
         self._settler: asyncio.Task[None] | None = None
         self.book: InFlightBook | None = None
-        source = choose_source(options.source, options.dcgm_url, options.interval)
+        source = choose_source(options.power_source, options.power_dcgm_url, options.power_interval)
         if source is None:
             metrics.power_sampling_up.labels("none").set(0)
             if host is None or host.primary:
                 log.info("GPU power is not sampled (--power-source none)")
             return
-        self.gpus = GpuMap(options.gpu_map, upstreams.all, upstreams.route)
+        self.gpus = GpuMap(options.power_gpu, upstreams.all, upstreams.route)
         self.worker = 0
         membership = None
         if host is not None:
@@ -111,11 +111,11 @@ class PowerService:
                 source,
                 metrics,
                 self.gpus,
-                interval=options.interval,
-                timeout=max(1.0, 4 * options.interval),
+                interval=options.power_interval,
+                timeout=max(1.0, 4 * options.power_interval),
                 rings=self.rings,
                 membership=membership,
-                describe=_where(options.dcgm_url) if source.name == "dcgm" else "",
+                describe=_where(options.power_dcgm_url) if source.name == "dcgm" else "",
             )
             if self.book is None:
                 self.book = self.sampler.book

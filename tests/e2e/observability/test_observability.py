@@ -267,6 +267,21 @@ def test_every_metric_named_in_dashboards_and_rules_exists(proxy):
     assert recorded <= used, f"recording rules nobody uses: {recorded - used}"
 
 
+def test_the_proxy_says_which_endpoints_generate(proxy):
+    """What the dashboards select generations by: every engine's endpoint labels with
+    their kind, exported from the first scrape (before any request)."""
+    from proxy.engines import ENDPOINT_KINDS
+
+    text = httpx.get(proxy.url + "/metrics", timeout=10).text
+    found = dict(
+        re.findall(
+            r'^phasewatch_endpoint_info\{endpoint="([^"]+)",kind="([^"]+)"\} 1\.0$', text, re.M
+        )
+    )
+    assert found == ENDPOINT_KINDS
+    assert found["chat"] == "generation" and found["embeddings"] == "whole_body"
+
+
 # --- end to end: a real Prometheus scraping a real phasewatch ------------------------------------
 
 POWER = re.compile(r"gpu_power|gpu_energy|joules|power_sampling")

@@ -138,7 +138,7 @@ async def test_a_request_is_resent_only_when_idempotent(method):
 
 async def test_idle_connections_expire_before_the_engines_keepalive():
     with FakeEngine(lambda req: Reply(response(200, b"ok"))) as engine:
-        t = transport(keepalive_expiry=0.3)
+        t = transport(upstream_keepalive=0.3)
         try:
             await fetch(t, "POST", engine.url + "/a", b"{}")
             await fetch(t, "POST", engine.url + "/a", b"{}")
@@ -351,7 +351,7 @@ async def test_a_response_head_over_the_limit_is_refused():
         return Reply(big if req.target == "/big" else response(200, b"small"))
 
     with FakeEngine(answer) as engine:
-        t = transport(max_head_bytes=64 * 1024)
+        t = transport(upstream_max_head_bytes=64 * 1024)
         try:
             with pytest.raises(httpx.RemoteProtocolError, match="head"):
                 await fetch(t, "GET", engine.url + "/big")
@@ -372,7 +372,7 @@ async def test_connections_per_upstream_are_capped_with_a_bounded_wait():
         return Reply(response(200, b"short"))
 
     with FakeEngine(answer) as engine:
-        t = transport(max_connections=1)
+        t = transport(upstream_max_connections=1)
         try:
             req = httpx.Request(
                 "GET",
@@ -381,7 +381,7 @@ async def test_connections_per_upstream_are_capped_with_a_bounded_wait():
             )
             long = await t.handle_async_request(req)
             with pytest.raises(httpx.PoolTimeout):
-                await fetch(t, "GET", engine.url + "/short", pool_timeout=0.3)
+                await fetch(t, "GET", engine.url + "/short", upstream_pool_timeout=0.3)
             waiting = asyncio.create_task(fetch(t, "GET", engine.url + "/short"))
             await asyncio.sleep(0.1)
             assert not waiting.done()
