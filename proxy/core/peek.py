@@ -6,17 +6,17 @@ dialect's ``prepare`` (whether it streams, whether usage may be injected) each r
 request body as JSON. ``json.loads`` of a 44 MiB body holds the event loop (and the GIL:
 a thread would not help) for most of a second and builds an object about five times the
 body's size. So a body over :data:`LARGE` is first reduced to a small JSON document of
-the same shape: every string cut to its first :data:`CAP` bytes, every list and nested
-object cut after :data:`KEEP` bytes of members (its first member always kept, so what is
-non-empty stays non-empty); the top-level object keeps every member (the model may come
-last). The reduction is one pass over the bytes, in slices that yield to the loop, and its
+the same shape: every string cut to its first :data:`CAP` bytes, every list cut after
+:data:`KEEP` bytes of items (its first item always kept, so what is non-empty stays
+non-empty); objects keep every member (the model may come last, a message's role after
+its content). The reduction is one pass over the bytes, in slices that yield to the loop, and its
 output is bounded (:data:`MOST`); what the readers parse is that. Everything they read
 lies within those bounds (a model name, flags, the first KiBs of the prompt), so they
 read what they would have read from the whole body. The body sent upstream is the
 client's own, never the reduction.
 
-A body whose reduction would still be large (a top-level object with a vast number of
-members, nesting deeper than :data:`DEPTH`) is read as unreadable, as malformed JSON is:
+A body whose reduction would still be large (objects with a vast number of members,
+nesting deeper than :data:`DEPTH`) is read as unreadable, as malformed JSON is:
 no model, no prefix, passed on as it came. A body that is not JSON reduces to something
 that does not parse either.
 """
@@ -30,7 +30,7 @@ import re
 LARGE = 1024 * 1024
 #: Bytes kept of each string (its source, escapes included).
 CAP = 64 * 1024
-#: Bytes of members after which a list or nested object keeps no more.
+#: Bytes of items after which a list keeps no more.
 KEEP = 64 * 1024
 #: Largest reduction; beyond it the body is read as unreadable.
 MOST = 4 * 1024 * 1024
@@ -47,7 +47,7 @@ _INSIDE = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
 _UNITS = re.compile(rb'(?:[^"\\]+|\\u[0-9a-fA-F]{4}|\\[^u])*', re.DOTALL)
 #: Anything that is neither a bracket nor the start of an unfinished string: skipped whole.
 _SKIP = re.compile(rb'(?:[^"\[\]{}]+|"[^"\\]*(?:\\.[^"\\]*)*")+', re.DOTALL)
-_SCALAR = re.compile(rb"[-+0-9.eE]+|true|false|null")
+_SCALAR = re.compile(rb"-?Infinity|NaN|[-+0-9.eE]+|true|false|null")
 
 
 async def reduced(body: bytes) -> bytes:
@@ -62,12 +62,12 @@ async def reduced(body: bytes) -> bytes:
 
 
 class _Frame:
-    __slots__ = ("close", "dropping", "skip", "start", "top")
+    __slots__ = ("close", "dropping", "skip", "start", "whole")
 
-    def __init__(self, close: bytes, start: int, top: bool) -> None:
+    def __init__(self, close: bytes, start: int, whole: bool) -> None:
         self.close = close
         self.start = start  # output size when it opened
-        self.top = top
+        self.whole = whole  # an object: every member kept
         self.dropping = False  # past KEEP: members are skipped to the close
         self.skip = 0  # brackets open inside the skipped members
 
@@ -138,13 +138,14 @@ class _Reducer:
                 if len(self.stack) >= DEPTH:
                     return self._fail()
                 self._emit(c)
-                self.stack.append(_Frame(b"}" if c == b"{" else b"]", self.size, not self.stack))
+                # an object keeps every member (its keys matter); a list is cut
+                self.stack.append(_Frame(b"}" if c == b"{" else b"]", self.size, c == b"{"))
                 self.pos += 1
             elif c in b"}]" and len(c) == 1:
                 self._close(c)
             elif c == b",":
                 self.pos += 1
-                if frame is not None and not frame.top and self.size - frame.start >= KEEP:
+                if frame is not None and not frame.whole and self.size - frame.start >= KEEP:
                     frame.dropping = True
                 else:
                     self._emit(c)
@@ -153,7 +154,7 @@ class _Reducer:
                 self._emit(c)
             else:
                 m = _SCALAR.match(body, self.pos, stop)
-                if m is None and stop < end and stop - self.pos < 8:
+                if m is None and stop < end and stop - self.pos < 10:
                     return False  # a literal across the slice's end: read on
                 if m is None or not self.stack:
                     return self._fail()
