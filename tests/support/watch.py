@@ -41,6 +41,20 @@ class Seen:
         )
 
 
+#: Rounds a same-run comparison may take: a box busy with other work stalls anyone now and
+#: then for a moment, in a baseline or beside a hostile party; a hostile party that stalls
+#: everyone does so in every round.
+ROUNDS = 3
+
+
+def within(base: Seen, hostile: Seen, slack: float) -> bool:
+    """Whether nobody saw more than `slack` seconds beyond the baseline's worst."""
+    return (
+        hostile.worst_health <= base.worst_health + slack
+        and hostile.worst_gap <= base.worst_gap + slack
+    )
+
+
 class Watch:
     """Health probes every `every` seconds and one streamed chat request for `model` (an
     engine that paces its events), in a child process, until the stream ends."""
