@@ -249,8 +249,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         is this, for an ``httpx.Request``; errors name `request` (or one made for them).
         `written` is called once the request is written, before its answer is awaited."""
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
-        # a large body goes out after its head, a slice at a time (never copied whole)
-        large = len(body) > WRITE_SLICE
+        # a large body is written after its head, not copied behind it (the event loop's
+        # transport keeps a reference to what the socket does not take at once)
+        large = len(body) > LARGE_BODY
         wire = request_wire(method, url.raw_path, fields, b"" if large else body)
         resend = method in IDEMPOTENT
         while True:
@@ -261,10 +262,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.start(method, url, request, timeouts.get("read"))
             try:
                 conn.transport.write(wire)
+                if large:
+                    conn.transport.write(body)
                 if written is not None:
                     written()
-                if large:
-                    await _write_slices(conn, body, timeouts.get("write"))
                 await conn.drain(timeouts.get("write"))
                 while not conn.headers_done:
                     if conn.error is not None:
@@ -303,19 +304,5 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
 
 
-#: Largest piece of a request body handed to the transport at once.
-WRITE_SLICE = 1024 * 1024
-
-
-async def _write_slices(conn: Connection, body: bytes, timeout: float | None) -> None:
-    """Write `body` a slice at a time, each once the transport has taken the last: the
-    transport would otherwise copy what the socket does not take at once (most of a
-    large body) into its own buffer, on the event loop. Once the engine has answered,
-    the rest goes without waiting, as a small body's would (the connection stays in step);
-    once it failed, nothing more goes."""
-    view = memoryview(body)
-    for i in range(0, len(body), WRITE_SLICE):
-        if conn.error is not None:
-            return
-        conn.transport.write(view[i : i + WRITE_SLICE])
-        await conn.drain(timeout)
+#: A request body at least this large is written on its own, after the head.
+LARGE_BODY = 1024 * 1024
