@@ -17,6 +17,9 @@ import asyncio
 
 from .asgi import Receive
 
+#: A body at least this large is joined from its pieces off the event loop.
+JOIN_OFF_LOOP = 1024 * 1024
+
 
 class ClientGone(Exception):
     """The client disconnected while its request body was being read."""
@@ -92,7 +95,13 @@ class Body:
                     self.reserve(size)
                     chunks.append(chunk)
                 if not msg.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    if len(chunks) == 1:
+                        return chunks[0]
+                    if size < JOIN_OFF_LOOP:
+                        return b"".join(chunks)
+                    # joining bytes of this size drops the interpreter lock: a thread
+                    # copies them while the loop serves everyone else
+                    return await asyncio.to_thread(b"".join, chunks)
                 guard.progress()
         except asyncio.CancelledError:
             if guard.expired():

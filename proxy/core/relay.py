@@ -38,6 +38,7 @@ from .fleet import Upstreams
 from .gate import QueueFull, QueueTimeout
 from .headers import IDENTITY, Headers, content_length, request_id, response_headers
 from .limited import LimitedLog
+from .peek import reduced
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
 from .routing import Route, Router
@@ -163,8 +164,10 @@ class Relay:
         t_recv = time.monotonic()
         method = scope["method"]
         path = scope["path"]
+        # what routing and prepare parse: a large body's bounded reduction (core.peek)
+        view = await reduced(body) if method == "POST" else body
         try:
-            route = await self.router.route(method, path, body, key_client)
+            route = await self.router.route(method, path, view, key_client)
         except Refused as exc:
             await self.refusals.refuse(Reply(send), exc.refusal)
             return
@@ -174,11 +177,17 @@ class Relay:
         dialect = route.upstream.dialect
         endpoint = dialect.endpoint(method, path)
         # a dialect may also decline (an Ollama model load is not a generation)
-        prepared = dialect.prepare(endpoint, body, self.options.inject_usage) if endpoint else None
+        prepared = (
+            dialect.prepare(
+                endpoint, body, self.options.inject_usage, None if view is body else view
+            )
+            if endpoint
+            else None
+        )
         if prepared is None:
             await self._passthrough(scope, receive, send, route, body)
             return
-        del body  # only the prepared body is kept from here on
+        del body, view  # only the prepared body is kept from here on
         ex = self._exchange_of(scope["headers"], route.upstream, prepared, t_recv, key_client)
         ex.owner = "key:" + key_client if key_client else "address:" + (peer_of(scope) or "")
         await self._measured(scope, receive, send, ex, route)

@@ -46,7 +46,8 @@ class Router:
     async def route(self, method: str, path: str, body: bytes, key_client: str) -> Route | None:
         """The request's route; None for a model list the proxy answers itself. Raises
         Refused where no upstream may take it. `key_client`: the client a named proxy key
-        names ("" when none does)."""
+        names ("" when none does). `body`: what to read the model and prompt from (a
+        large body's bounded reduction: proxy.core.peek)."""
         if not self.upstreams.probed:  # only the first requests after start
             await self.upstreams.wait_probed()
         if (

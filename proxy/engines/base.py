@@ -455,8 +455,12 @@ class Dialect(Protocol):
         """The bounded endpoint label when (method, path) is measured (a generation, or a
         whole-body request such as embeddings), else None."""
 
-    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
-        """What to send upstream; None when this request is not measured after all."""
+    def prepare(
+        self, endpoint: str, raw: bytes, inject_usage: bool, view: bytes | None = None
+    ) -> Prepared | None:
+        """What to send upstream; None when this request is not measured after all.
+        `view`: what to parse instead of `raw` (a large body's bounded reduction, of the
+        same shape; proxy.core.peek); the body sent is always `raw` or made from it."""
 
     def tap(
         self, content_type: str, marks: Marks, prepared: Prepared, limit: int = MAX_EVENT_BYTES

@@ -266,9 +266,11 @@ class LlamaCppDialect(OpenAIDialect):
 
     # --- the request path ---------------------------------------------------------------
 
-    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared:
+    def prepare(
+        self, endpoint: str, raw: bytes, inject_usage: bool, view: bytes | None = None
+    ) -> Prepared:
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw if view is None else view)
         except (ValueError, UnicodeDecodeError, RecursionError):
             obj = None
         if not isinstance(obj, dict):

@@ -222,11 +222,13 @@ class OllamaDialect(OpenAIDialect):
 
     # --- the request path ---------------------------------------------------------------
 
-    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
+    def prepare(
+        self, endpoint: str, raw: bytes, inject_usage: bool, view: bytes | None = None
+    ) -> Prepared | None:
         if endpoint in OPENAI.values():
-            return super().prepare(endpoint, raw, inject_usage)
+            return super().prepare(endpoint, raw, inject_usage, view)
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw if view is None else view)
         except (ValueError, UnicodeDecodeError, RecursionError):
             obj = None
         if not isinstance(obj, dict):  # Ollama answers malformed input itself (400)

