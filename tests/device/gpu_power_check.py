@@ -3,7 +3,7 @@
 Device command (repository root; .whl/ holds the wheels phasewatch needs that the device
 lacks, an ignored folder the device run must carry; timeout 540 s):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 tests/device/gpu_power_check.py --out $OUT/gpu_power.json
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 setup.py -q build_ext --inplace && python3 tests/device/gpu_power_check.py --out $OUT/gpu_power.json
 
 Dry run here (fake NVML, CPU torch if importable, else sleeps):
 
