@@ -1,7 +1,8 @@
 """What a real NVIDIA GPU's power sensors resolve, and what phasewatch makes of them.
 
 Device command (repository root; .whl/ holds the wheels phasewatch needs that the device
-lacks, an ignored folder the device run must carry; timeout 540 s):
+lacks, fetched by tests/device/fetch_wheels.sh: an ignored folder the device run must carry;
+timeout 540 s):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && python3 setup.py -q build_ext --inplace && python3 tests/device/gpu_power_check.py --out $OUT/gpu_power.json
 
