@@ -29,12 +29,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import BaseModel, create_model
 
 from . import __version__
-from .core import Access, Relay, Upstreams
+from .core import Access, Relay
 from .core.access import COOKIE, Throttled, peer_of, throttled
 from .core.answer import Reply
 from .core.asgi import Receive, Scope, Send
-from .core.bridge import bridge_metrics
 from .core.refusals import Refusal, Refusals
+from .fleet import Upstreams
+from .fleet.bridge import bridge_metrics
 from .measure.advice import AdviceRow
 from .measure.summary import Row
 from .services.status import StatusPage

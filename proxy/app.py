@@ -18,17 +18,18 @@ from urllib.parse import quote
 
 from . import __version__
 from .api import PREFIX, build_api, wants_page
-from .core import Access, Relay, Upstream, Upstreams
+from .core import Access, Relay
 from .core.access import Throttled, peer_of, throttled
 from .core.answer import Reply
 from .core.asgi import Receive, Scope, Send
 from .core.clients import Clients
 from .core.errors import send_error
-from .core.host import Host, start_secret
 from .core.limited import LimitedLog
 from .core.paths import BadPath, normalise
 from .core.refusals import Refusal, Refusals
 from .engines import ENDPOINT_KINDS
+from .fleet import Upstream, Upstreams
+from .fleet.host import Host, start_secret
 from .measure.exposition import exposition_app
 from .measure.metrics import Metrics
 from .measure.recorder import Recorder

@@ -1,4 +1,4 @@
-"""The data path: access check, routing, admission gate, relay, the exchange's record.
+"""The request path: access check, routing, admission, relay, the exchange's record.
 
 One step of a request's life per module, in the order it lives them: ``relay`` (the
 ASGI app walking it through, told its options at start-up in ``relay_options``),
@@ -7,31 +7,14 @@ proxy's own instead), ``admission`` (its place at the gate), ``upstream_call`` (
 failures mapped, retried while unsent), ``answer`` (the relay loop, the final send, the
 client watched); ``exchange`` is what the recorder reads of it. Engines
 are reached only through their Dialect (no engine is named here). Imports only downward
-(engines, transport, measure); never tools, services or the simulator.
+(the fleet, engines, transport, measure); never tools, services or the simulator.
 """
 
 from __future__ import annotations
 
 from .access import Access
 from .exchange import Exchange
-from .fleet import Upstreams
-from .gate import AdmissionGate, QueueFull, QueueTimeout
 from .relay import Relay
 from .relay_options import RelayOptions
-from .upstreams import OTHER, UNKNOWN, Upstream, UpstreamOptions, UpstreamSpec
 
-__all__ = [
-    "OTHER",
-    "UNKNOWN",
-    "Access",
-    "AdmissionGate",
-    "Exchange",
-    "QueueFull",
-    "QueueTimeout",
-    "Relay",
-    "RelayOptions",
-    "Upstream",
-    "UpstreamOptions",
-    "UpstreamSpec",
-    "Upstreams",
-]
+__all__ = ["Access", "Exchange", "Relay", "RelayOptions"]

@@ -15,14 +15,14 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from .gate import QueueFull, QueueTimeout
+from ..fleet.gate import QueueFull, QueueTimeout
 from .refusals import RETRY_AFTER, Refusal
 
 if TYPE_CHECKING:
+    from ..fleet.upstream import Upstream
     from ..measure.metrics import Metrics
     from .errors import UpstreamFailure
     from .exchange import Exchange
-    from .upstreams import Upstream
 
 
 class Admitted:

@@ -7,7 +7,7 @@ each upstream whose engine serves that list and merges the answers as the engine
 :class:`~proxy.engines.base.Listing` says: entries as each engine wrote them, a model
 named twice kept once. A list on an engine's own API is asked of that engine's upstreams
 only: its clients speak that API, which the other engines do not serve
-(:meth:`~proxy.core.fleet.Upstreams.route_native` answers such a request with the
+(:meth:`~proxy.fleet.upstreams.Upstreams.route_native` answers such a request with the
 engine's own "not found").
 """
 
@@ -24,8 +24,8 @@ from ..engines.probe import get_json
 from .asgi import Send
 
 if TYPE_CHECKING:
-    from .fleet import Upstreams
-    from .upstreams import Upstream
+    from ..fleet.upstream import Upstream
+    from ..fleet.upstreams import Upstreams
 
 UNION_PATHS = frozenset(LISTINGS)
 

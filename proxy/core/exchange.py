@@ -10,7 +10,7 @@ from ..measure.kvcache import KVModel
 from ..measure.timeline import EngineTimings, Marks, Usage
 
 if TYPE_CHECKING:
-    from .upstreams import Upstream
+    from ..fleet.upstream import Upstream
 
 
 @dataclass(slots=True, eq=False)

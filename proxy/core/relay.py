@@ -23,6 +23,9 @@ import httpx
 
 from ..engines import Prepared
 from ..extensions import GONE, WRITE
+from ..fleet.gate import QueueFull, QueueTimeout
+from ..fleet.upstream import Upstream
+from ..fleet.upstreams import Upstreams
 from ..measure.recorder import Recorder
 from ..measure.timeline import Marks
 from . import catalog
@@ -34,8 +37,6 @@ from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
 from .errors import ErrorShape, UpstreamFailure, describe
 from .exchange import Exchange
-from .fleet import Upstreams
-from .gate import QueueFull, QueueTimeout
 from .headers import IDENTITY, Headers, content_length, request_id, response_headers
 from .limited import LimitedLog
 from .peek import reduced
@@ -43,7 +44,6 @@ from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
 from .routing import Route, Router
 from .upstream_call import UpstreamCall
-from .upstreams import Upstream
 
 log = logging.getLogger(__name__)
 

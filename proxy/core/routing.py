@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..engines import MODEL_FIELDS, is_admin_path, native_api
+from ..fleet.pool import PoolDown
 from . import catalog
-from .pool import PoolDown
 from .refusals import RETRY_AFTER, Refusal, Refused
 
 if TYPE_CHECKING:
-    from .fleet import Upstreams
-    from .upstreams import Upstream
+    from ..fleet.upstream import Upstream
+    from ..fleet.upstreams import Upstreams
 
 
 @dataclass(slots=True)

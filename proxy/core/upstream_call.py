@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from ..fleet.upstream import Upstream, failure_reason
 from ..measure.timeline import Marks
 from ..transport.lean import LeanTransport
 from .access import Access, strip_key_param
@@ -23,7 +24,6 @@ from .errors import UpstreamFailure, describe
 from .headers import Headers, request_headers
 from .limited import LimitedLog
 from .routing import Route
-from .upstreams import Upstream, failure_reason
 
 #: Called before a request that could not be sent goes to the next member of its pool
 #: (the measured path moves its admission there); it may raise the failure again.

@@ -13,7 +13,7 @@ gauges are combined per their ``multiprocess_mode`` (in-flight and queued: ``liv
 only the living workers). When a worker dies its live gauges are dropped
 (``mark_process_dead``) and it is started again with the same index.
 
-One per host: worker 0 is the *primary* (:class:`proxy.core.host.Host`). Only the primary
+One per host: worker 0 is the *primary* (:class:`proxy.fleet.host.Host`). Only the primary
 samples GPU power, so energy is counted once, not N times; it writes the samples to memory
 shared with every worker, and each worker publishes what it has in flight there, so every
 worker's requests get their phase power and every sample is classified by what all of
@@ -47,7 +47,7 @@ from types import FrameType
 from typing import Any
 
 from ..app import ProxyApp
-from ..core.host import Host
+from ..fleet.host import Host
 from ..measure.metrics import MULTIPROC_ENV
 from ..settings import Settings
 from .logs import configure_logging

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import httpx
 from prometheus_client import Gauge
 
-from ..core.host import Board, Host
-from ..core.supervisor import every
+from ..fleet.host import Board, Host
+from ..fleet.supervisor import every
 
 if TYPE_CHECKING:
-    from ..core.fleet import Upstreams
-    from ..core.upstreams import Upstream
     from ..engines import EngineReading
+    from ..fleet.upstream import Upstream
+    from ..fleet.upstreams import Upstreams
     from ..measure.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -30,12 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..core.supervisor import every
+from ..fleet.supervisor import every
 
 if TYPE_CHECKING:
     from ..core.exchange import Exchange
-    from ..core.fleet import Upstreams
-    from ..core.upstreams import Upstream
+    from ..fleet.upstream import Upstream
+    from ..fleet.upstreams import Upstreams
     from ..measure.metrics import Metrics
     from ..measure.timeline import Figures
 

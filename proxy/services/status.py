@@ -26,7 +26,7 @@ from ..measure.summary import Samples, build
 
 if TYPE_CHECKING:
     from ..core.exchange import Exchange
-    from ..core.fleet import Upstreams
+    from ..fleet.upstreams import Upstreams
     from ..measure.metrics import Metrics
     from ..measure.timeline import Figures
 

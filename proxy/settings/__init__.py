@@ -9,11 +9,11 @@ nothing downstream splits a string again. An empty variable counts as unset.
 - ``model``: the fields and their validation (:class:`Settings`);
 - ``checks``: what a value may be (upstream URLs, variable names and near-misses, named
   keys, readable files), checked at start-up;
-- ``upstreams``: the ``--upstream`` flags as :class:`~proxy.core.upstreams.UpstreamSpec`
+- ``upstreams``: the ``--upstream`` flags as :class:`~proxy.fleet.upstream.UpstreamSpec`
   objects (names, engines, keys, TLS, weights);
 - ``views``: the sections, one object per consumer (the relay's
   :class:`~proxy.core.relay_options.RelayOptions`, the server's :class:`ServerLimits`,
-  :class:`~proxy.core.upstreams.UpstreamOptions`, :class:`~proxy.services.power.PowerOptions`).
+  :class:`~proxy.fleet.upstream.UpstreamOptions`, :class:`~proxy.services.power.PowerOptions`).
 """
 
 from .checks import ENV_ALIASES, ENV_PREFIX, parse_upstream, split_named_key

@@ -18,8 +18,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..core.upstreams import UpstreamSpec
 from ..engines import engine_names
+from ..fleet.upstream import UpstreamSpec
 from . import views
 from .checks import (
     ENV_ALIASES,

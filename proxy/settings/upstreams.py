@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from ..core.upstreams import UpstreamSpec
 from ..engines import ENGINES
+from ..fleet.upstream import UpstreamSpec
 from ..transport import TLSOptions
 from .checks import parse_upstream, readable_files
 

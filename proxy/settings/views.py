@@ -11,9 +11,9 @@ import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..core.balance import BalanceOptions
 from ..core.relay_options import RelayOptions
-from ..core.upstreams import UpstreamOptions
+from ..fleet.balance import BalanceOptions
+from ..fleet.upstream import UpstreamOptions
 from ..measure.kvcache import kv_dtype
 from ..services.power import PowerOptions
 from ..services.stall import StallOptions

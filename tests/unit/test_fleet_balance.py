@@ -1,5 +1,5 @@
-"""The balancing policy on its own (proxy.core.balance) and the pools it serves
-(proxy.core.pool) with real upstream objects: who is picked, in what order, and why."""
+"""The balancing policy on its own (proxy.fleet.balance) and the pools it serves
+(proxy.fleet.pool) with real upstream objects: who is picked, in what order, and why."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections import Counter
 import httpx
 import pytest
 
-from proxy.core import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
-from proxy.core.balance import BalanceOptions, Balancer, Load, expected_wait, prefix_key
-from proxy.core.pool import PoolDown
+from proxy.fleet import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.fleet.balance import BalanceOptions, Balancer, Load, expected_wait, prefix_key
+from proxy.fleet.pool import PoolDown
 from proxy.measure.metrics import Metrics
 from proxy.transport import ClientOptions
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core import peek
-from proxy.core.balance import prefix_key
 from proxy.core.routing import peek_model
 from proxy.engines.openai import OpenAIDialect
+from proxy.fleet.balance import prefix_key
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
 values = st.recursive(

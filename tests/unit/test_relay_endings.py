@@ -10,7 +10,8 @@ import json
 
 import httpx
 
-from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.core import Relay, RelayOptions
+from proxy.fleet import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from proxy.transport import ClientOptions

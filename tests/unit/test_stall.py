@@ -9,11 +9,11 @@ from collections import Counter
 
 import httpx
 
-from proxy.core.balance import BalanceOptions
 from proxy.core.exchange import Exchange
-from proxy.core.fleet import Upstreams
-from proxy.core.upstreams import Upstream, UpstreamOptions, UpstreamSpec
 from proxy.engines import Prepared
+from proxy.fleet.balance import BalanceOptions
+from proxy.fleet.upstream import Upstream, UpstreamOptions, UpstreamSpec
+from proxy.fleet.upstreams import Upstreams
 from proxy.measure.metrics import Metrics
 from proxy.measure.timeline import Figures, Marks
 from proxy.services.stall import BYTES_PER_TOKEN, StallOptions, StallWatch

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from proxy.core import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.fleet import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.measure.metrics import Metrics
 from proxy.services.status import StatusPage
 

@@ -30,8 +30,8 @@ from .sources import (
 )
 
 if TYPE_CHECKING:
-    from ...core.fleet import Upstreams
-    from ...core.host import Host
+    from ...fleet.host import Host
+    from ...fleet.upstreams import Upstreams
 
 log = logging.getLogger(__name__)
 

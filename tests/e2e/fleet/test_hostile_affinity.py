@@ -18,7 +18,7 @@ from collections import Counter
 
 import httpx
 
-from proxy.core.balance import prefix_key, rendezvous
+from proxy.fleet.balance import prefix_key, rendezvous
 
 from ...support.fake_engine import FakeEngine, completion, json_response
 from ...support.servers import start_proxy

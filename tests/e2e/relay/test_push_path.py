@@ -11,10 +11,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from proxy.core import Relay, RelayOptions, Upstream, UpstreamOptions, Upstreams, UpstreamSpec
+from proxy.core import Relay, RelayOptions
 from proxy.core.limited import LimitedLog
 from proxy.core.push import Push, Writer
 from proxy.extensions import WRITE
+from proxy.fleet import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from proxy.transport.wire import whole_chunk

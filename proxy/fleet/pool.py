@@ -2,7 +2,7 @@
 
 Two ``--upstream`` flags whose engines list the same model are a pool of that model; no
 setting names pools. A request for a pooled model goes to the member the balancing
-policy (:mod:`proxy.core.balance`) puts first among those up; the rest are the order in
+policy (:mod:`proxy.fleet.balance`) puts first among those up; the rest are the order in
 which a request that could not be sent is tried again (members of the same engine only:
 the request was prepared in that engine's dialect). With every member down the request
 is refused with a 503 naming the pool, rather than sent to an engine known dead.
@@ -23,7 +23,7 @@ from .balance import Balancer, Load, prefix_key
 
 if TYPE_CHECKING:
     from ..measure.metrics import Metrics
-    from .upstreams import Upstream
+    from .upstream import Upstream
 
 #: Weight of the newest pick in a member's share (about the last 64 requests).
 SHARE_ALPHA = 1.0 / 64

@@ -1,7 +1,7 @@
 """The fleet: every upstream, a request's upstream chosen by model (a pool's members in
 the balancer's order), and each upstream's background work: engine detection and model
 lists, health probes, and under --workers N the primary's view shared with the others.
-Each upstream on its own is :mod:`proxy.core.upstreams`."""
+Each upstream on its own is :mod:`proxy.fleet.upstream`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .balance import BalanceOptions, Balancer
 from .host import Board, Host
 from .pool import Pools
 from .supervisor import every
-from .upstreams import Upstream
+from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Upstreams:
         if not upstreams:
             raise ValueError("at least one upstream is needed")
         self.all = upstreams
-        #: Upstreams listing one model form its pool (proxy.core.pool).
+        #: Upstreams listing one model form its pool (proxy.fleet.pool).
         self.pools = Pools(upstreams, Balancer(balance or BalanceOptions()), upstreams[0].metrics)
         self._tasks: list[asyncio.Task[None]] = []
         #: True once every upstream's first probe is done (or was waited for long enough).

@@ -15,7 +15,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .upstreams import Upstream
+    from .upstream import Upstream
 
 NAMES = (
     ("vllm:num_requests_running", "Requests running on the engine."),

@@ -35,7 +35,7 @@ import math
 import random
 import time
 from dataclasses import astuple, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -46,9 +46,6 @@ from ..measure.precision import Precision, PrecisionTable
 from ..measure.summary import model_family
 from ..transport import ClientOptions, TLSOptions, make_client, make_transport
 from .gate import AdmissionGate
-
-if TYPE_CHECKING:
-    from .exchange import Exchange
 
 log = logging.getLogger(__name__)
 
@@ -204,10 +201,11 @@ class Upstream:
         self._kv_overrides = dict(options.kv_cache_dtype)
         self._kv_models: dict[str, KVModel] = {}
         self._kv_published: dict[str, tuple[str, str, str, str]] = {}
-        #: Exchanges admitted and not finished. Side services (the power sampler) read it
-        #: from their own thread to classify the GPU's state: a request with no first
-        #: token yet is in prefill, one with a first token is decoding.
-        self.active: set[Exchange] = set()
+        #: The request path's exchanges (proxy.core.exchange) admitted and not finished:
+        #: the fleet only counts them (it sits below the request path, so it does not name
+        #: their type). Side services read them to classify the GPU's state and to see
+        #: stalls: a request with no first token yet is in prefill, one with it decodes.
+        self.active: set[Any] = set()
         #: Streams in flight whose output stopped (proxy.services.stall sets them): a pool
         #: sends new requests elsewhere, readiness reports the reason.
         self.stalled = 0
