@@ -13,7 +13,7 @@ import sys
 
 from ..measure.advice import advise
 from ..measure.summary import build
-from .report import advice_markdown, load
+from .report import add_reading_arguments, advice_markdown, load
 
 
 def run(args) -> int:
@@ -33,22 +33,4 @@ def run(args) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--from",
-        dest="source",
-        default="http://127.0.0.1:8090",
-        help="phasewatch base or /metrics URL, or a Prometheus server URL "
-        "[default http://127.0.0.1:8090].",
-    )
-    parser.add_argument(
-        "--window",
-        default=None,
-        help="With a Prometheus server: only traffic of the last WINDOW "
-        "(a PromQL duration such as 15m or 1h); default: everything since start.",
-    )
-    parser.add_argument(
-        "--format",
-        choices=("markdown", "json"),
-        default="markdown",
-        help="Output format [default markdown].",
-    )
+    add_reading_arguments(parser)

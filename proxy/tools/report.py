@@ -487,7 +487,9 @@ def run(args) -> int:
     return 0
 
 
-def add_arguments(parser) -> None:
+def add_reading_arguments(parser) -> None:
+    """Where the figures are read from, and how they are written: `report`'s and
+    `advise`'s common flags."""
     parser.add_argument(
         "--from",
         dest="source",
@@ -502,17 +504,21 @@ def add_arguments(parser) -> None:
         help="Output format [default markdown].",
     )
     parser.add_argument(
+        "--window",
+        default=None,
+        help="With a Prometheus server: only traffic of the last WINDOW "
+        "(a PromQL duration such as 15m or 1h); default: everything since start.",
+    )
+
+
+def add_arguments(parser) -> None:
+    add_reading_arguments(parser)
+    parser.add_argument(
         "--by",
         choices=("model", "client"),
         default="model",
         help="model: the per-precision table [default]; client: requests, tokens and "
         "energy per client (chargeback).",
-    )
-    parser.add_argument(
-        "--window",
-        default=None,
-        help="With a Prometheus server: only traffic of the last WINDOW "
-        "(a PromQL duration such as 15m or 1h); default: everything since start.",
     )
     parser.add_argument(
         "--plot",
