@@ -41,7 +41,7 @@ EXAMPLES: dict[str, object] = {
     "power_gpu": ["0=a"],
     "power_dcgm_url": "http://127.0.0.1:9400/metrics",
     "model_dir": "/tmp",
-    "affinity_secret": SecretStr("shared"),
+    "affinity_secret": SecretStr("replica-key"),
     "admin_api": "deny",
 }
 
