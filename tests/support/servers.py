@@ -225,3 +225,19 @@ def sample(samples: dict, name: str, **labels) -> float:
         if n == name and all(dict(items).get(k) == v for k, v in labels.items()):
             total += value
     return total
+
+
+def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> None:
+    """One streamed chat completion through `url`, read to its end (ignore_eos: exactly
+    `max_tokens` tokens)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for _ in resp.iter_raw():
+            pass

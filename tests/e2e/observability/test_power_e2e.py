@@ -17,26 +17,12 @@ import pytest
 from proxy.services.power import parse_dcgm
 from proxy.sim.physics import DEFAULT_MODELS, RTX_4090, power_watts
 
-from ...support.servers import metric_samples, sample, start_proxy, start_sim, wait_for
+from ...support.servers import metric_samples, sample, start_proxy, start_sim, stream_chat, wait_for
 
 MODELS = {m.profile.name: m for m in DEFAULT_MODELS}  # precision -> spec; GPU i = model i
 GPU = {m.profile.name: str(i) for i, m in enumerate(DEFAULT_MODELS)}
 #: Tokens per request so each precision decodes for about 3 s on the simulated RTX 4090.
 TOKENS = {"bf16": 150, "fp8": 280, "int4": 470}
-
-
-def stream(url: str, model: str, prompt: str, max_tokens: int) -> None:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200
-        for _ in resp.iter_raw():
-            pass
 
 
 def test_simulator_serves_dcgm_exporter_lines(sim):
@@ -110,14 +96,14 @@ def test_joules_per_token_by_precision_match_the_simulator(powered):
     # Two concurrent streams per precision, all three GPUs busy at once, ~3 s each...
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         jobs = [
-            pool.submit(stream, proxy.url, m.id, f"power test {p} {i}", TOKENS[p])
+            pool.submit(stream_chat, proxy.url, m.id, f"power test {p} {i}", TOKENS[p])
             for p, m in MODELS.items()
             for i in range(2)
         ]
         for job in jobs:
             job.result()
     # ...then one 8K-token prompt on bf16: ~2 s of prefill alone on its GPU.
-    stream(proxy.url, MODELS["bf16"].id, " ".join(["prefill"] * 8000), 2)
+    stream_chat(proxy.url, MODELS["bf16"].id, " ".join(["prefill"] * 8000), 2)
     truth = sim.truth(at_least=7)
     assert len(truth) == 7 and all(t["energy_joules"] > 0 for t in truth)
 
@@ -234,7 +220,7 @@ def test_without_power_the_proxy_relays_measures_and_says_so_once(sim, tmp_path,
     proxy = start_proxy(f"sim={sim.url}", env=env, args=args)
     try:
         for i in range(2):
-            stream(proxy.url, "meta-llama/Llama-3.1-8B-Instruct", f"no power {case} {i}", 8)
+            stream_chat(proxy.url, "meta-llama/Llama-3.1-8B-Instruct", f"no power {case} {i}", 8)
         wait_for(lambda: len(proxy.request_lines()) >= 2, what="request lines")
         samples = wait_for(
             lambda: (

@@ -22,7 +22,7 @@ import pytest
 
 from proxy.sim.physics import DEFAULT_MODELS
 
-from ...support.servers import metric_samples, start_proxy, start_sim, wait_for
+from ...support.servers import metric_samples, start_proxy, start_sim, stream_chat, wait_for
 
 MODELS = {m.profile.name: m for m in DEFAULT_MODELS}  # precision -> spec; GPU i = model i
 NVML = Path(__file__).resolve().parents[2] / "support" / "nvml"
@@ -30,20 +30,6 @@ PROMPT = 3000  # tokens: ~0.3 s of bf16 prefill on the simulated RTX 4090
 #: Answer lengths giving each precision ~1.8 s of decode (int4 decodes ~3x faster)
 ANSWER = {"bf16": 100, "fp8": 180, "int4": 300}
 LIMIT = {"prefill": 0.12, "decode": 0.07}
-
-
-def stream(url: str, model: str, prompt: str, max_tokens: int) -> None:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200
-        for _ in resp.iter_raw():
-            pass
 
 
 def true_mean(trace: list[list[float]], a: float, b: float) -> float:
@@ -137,7 +123,7 @@ def test_phase_power_is_true_or_unresolved_and_energy_is_conserved(profile):
             before = metric_samples(proxy.url)
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 jobs = [
-                    pool.submit(stream, proxy.url, m.id, f"r{r} " + "w " * PROMPT, ANSWER[p])
+                    pool.submit(stream_chat, proxy.url, m.id, f"r{r} " + "w " * PROMPT, ANSWER[p])
                     for p, m in MODELS.items()
                 ]
                 for job in jobs:
@@ -171,7 +157,7 @@ def test_phase_power_is_true_or_unresolved_and_energy_is_conserved(profile):
         # then four requests at once on the bf16 GPU: shared energy
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             jobs = [
-                pool.submit(stream, proxy.url, MODELS["bf16"].id, f"c{i} " + "w " * 500, 60)
+                pool.submit(stream_chat, proxy.url, MODELS["bf16"].id, f"c{i} " + "w " * 500, 60)
                 for i in range(4)
             ]
             for job in jobs:
@@ -239,7 +225,7 @@ def test_a_default_dcgm_exporter_resolves_no_phase_and_says_how_to_fix_it():
         wait_for(lambda: "too slow for per-request" in proxy.log(), what="the warning")
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             for job in [
-                pool.submit(stream, proxy.url, m.id, f"d {p} " + "w " * PROMPT, ANSWER[p])
+                pool.submit(stream_chat, proxy.url, m.id, f"d {p} " + "w " * PROMPT, ANSWER[p])
                 for p, m in MODELS.items()
             ]:
                 job.result()
@@ -261,7 +247,7 @@ def test_energy_is_conserved_under_workers():
         learnt(proxy)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             jobs = [
-                pool.submit(stream, proxy.url, m.id, f"w{i} " + "w " * 1000, 80)
+                pool.submit(stream_chat, proxy.url, m.id, f"w{i} " + "w " * 1000, 80)
                 for m in MODELS.values()
                 for i in range(2)
             ]
