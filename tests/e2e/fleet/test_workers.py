@@ -11,7 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ...support.servers import metric_samples, sample, start_proxy, start_sim, wait_for
+from ...support.servers import (
+    metric_samples,
+    sample,
+    start_proxy,
+    start_sim,
+    stream_chat,
+    wait_for,
+)
 
 N = 24
 
@@ -154,7 +161,7 @@ def test_every_workers_requests_carry_phase_power_from_one_sampler():
     get their prefill/decode power and energy share, and the engines are probed once."""
     from proxy.sim.physics import RTX_4090, power_watts
 
-    from ..observability.test_power_e2e import GPU, MODELS, TOKENS, stream
+    from ..observability.test_power_e2e import GPU, MODELS, TOKENS
 
     sim = start_sim("vllm", speed=1.0, jitter=0.0, max_num_seqs=64)
     args = [
@@ -186,7 +193,7 @@ def test_every_workers_requests_carry_phase_power_from_one_sampler():
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
                 jobs = [
                     pool.submit(
-                        stream,
+                        stream_chat,
                         proxy.url,
                         m.id,
                         f"workers power {p} {i} {len(pids)}",
