@@ -12,6 +12,9 @@ test sees every such link (a name spelled as a literal would hide it).
 
 from __future__ import annotations
 
+#: ASGI scope, offered by the server, taken by the relay: the answer's
+#: :class:`~proxy.core.client_out.ClientOut` (replaces WRITE and GONE).
+CLIENT_OUT = "phasewatch.client_out"
 WRITE = "phasewatch.write"
 GONE = "phasewatch.gone"
 PUSH = "phasewatch.push"
