@@ -68,7 +68,7 @@ def _engine(case: str) -> Iterator[str]:
     scripts = {
         "ok": streaming(*EVENTS),
         "midstream": streaming(*EVENTS[:2], end=b""),
-        "hang-up": streaming(*EVENTS, pause=0.05),
+        "hang-up": streaming(*EVENTS[:2], hold=True),  # open until the client leaves
     }
     if case == "http_500":
         engine = FakeEngine(_500, models=["m"])

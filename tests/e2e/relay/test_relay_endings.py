@@ -11,7 +11,7 @@ import json
 import httpx
 
 from ...support.fake_engine import SSE_HEAD, FakeEngine, Request, chunk
-from .test_relay_unit import count, recorded, relay_to
+from .test_relay_unit import count, recorded, relay_to, streaming
 
 #: The client asks for no usage: phasewatch asks the engine for it (inject_usage).
 BODY = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
@@ -52,14 +52,10 @@ def stream_until(url: str, enough) -> bytes:
 
 
 def test_leaving_after_done_is_not_an_abort():
-    async def script(req: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        writer.write(SSE_HEAD)
-        for e in [*events(), b"data: [DONE]\n\n"]:
-            writer.write(chunk(e))
-            await writer.drain()
-        await asyncio.sleep(1.0)  # [DONE] is out, the response lingers a moment
-        writer.write(b"0\r\n\r\n")
-
+    # [DONE] is out, the response lingers a moment before its last chunk (the finish
+    # event held for the usage goes out, with what followed it, when usage or the end
+    # of the body comes)
+    script = streaming(*events(), b"data: [DONE]\n\n", pause_end=1.0)
     with FakeEngine(models=["m"], script=script) as engine, relay_to(engine, "openai") as proxy:
         got = stream_until(proxy.url, lambda got: got.endswith(b"data: [DONE]\n\n"))
         assert got.endswith(b"data: [DONE]\n\n")

@@ -49,9 +49,17 @@ def relay_to(engine: FakeEngine, kind: str = "vllm", **settings) -> Iterator[InP
         yield p
 
 
-def streaming(*events: bytes, pause: float = 0.0, end: bytes = b"0\r\n\r\n"):
+def streaming(
+    *events: bytes,
+    pause: float = 0.0,
+    end: bytes = b"0\r\n\r\n",
+    hold: bool = False,
+    pause_end: float = 0.0,
+):
     """A script streaming `events` as chunks of an SSE response (`pause` before each),
-    then `end` (the last chunk; b"" leaves the body open and closes the connection)."""
+    then `end` (the last chunk, `pause_end` later; b"" leaves the body open and closes
+    the connection); with `hold`, the body stays open until the proxy closes the
+    connection."""
 
     async def script(req: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         writer.write(SSE_HEAD)
@@ -60,7 +68,11 @@ def streaming(*events: bytes, pause: float = 0.0, end: bytes = b"0\r\n\r\n"):
                 await asyncio.sleep(pause)
             writer.write(chunk(e))
             await writer.drain()
-        if end:
+        if hold:
+            await asyncio.wait_for(reader.read(1), 30)  # b"": the proxy closed
+            writer.close()
+        elif end:
+            await asyncio.sleep(pause_end)
             writer.write(end)
             await writer.drain()
         else:
