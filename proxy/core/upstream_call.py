@@ -17,7 +17,6 @@ import httpx
 
 from ..fleet.upstream import Upstream, failure_reason
 from ..measure.timeline import Marks
-from ..transport.lean import LeanTransport
 from .access import Access, strip_key_param
 from .asgi import Scope
 from .errors import UpstreamFailure, describe
@@ -93,23 +92,10 @@ class UpstreamCall:
         except httpx.InvalidURL as exc:
             raise UpstreamFailure(400, "bad_request", f"bad request target: {exc}") from None
         fields = upstream_fields(method, url, headers, body)
-        transport = upstream.transport
-        extensions = upstream.request_extensions
         if marks is not None:
             marks.t_sent = time.monotonic()
         try:
-            if isinstance(transport, LeanTransport):  # the request as its parts
-                resp = await transport.send(
-                    method,
-                    url,
-                    fields,
-                    body,
-                    extensions["timeout"],
-                )
-            else:
-                resp = await transport.handle_async_request(
-                    upstream_request(method, url, fields, body, extensions)
-                )
+            resp = await upstream.transport.send(method, url, fields, body, upstream.timeouts)
         except httpx.ConnectTimeout as exc:
             upstream.eject("timeout", failure_reason(exc, ""))
             raise UpstreamFailure(
@@ -153,7 +139,9 @@ _BODY_METHODS = ("POST", "PUT", "PATCH")
 def upstream_fields(method: str, url: httpx.URL, headers: Headers, body: bytes) -> Headers:
     """The header fields httpx would send for ``httpx.Request(method, url,
     headers=headers, content=body)``: `headers` in order, Host and Content-Length added
-    as httpx adds them. Tests hold them (and the bytes sent) to httpx's."""
+    as httpx adds them. Why not build that request: the lean transport takes the parts,
+    and httpx normalises the headers twice and looks each added one up by name, work the
+    request path does not need. Tests hold them (and the bytes sent) to httpx's."""
     names = {k.lower() for k, _ in headers}
     raw = list(headers)
     if body and b"content-length" not in names:
@@ -169,20 +157,6 @@ def upstream_fields(method: str, url: httpx.URL, headers: Headers, body: bytes) 
     ):
         auto.append((b"Content-Length", b"0"))
     return auto + raw
-
-
-def upstream_request(
-    method: str, url: httpx.URL, fields: Headers, body: bytes, extensions: dict
-) -> httpx.Request:
-    """The request with exactly `fields` (:func:`upstream_fields`), for transports that
-    take an ``httpx.Request``, built through httpx's ``stream=`` form. Why: with
-    ``content=`` httpx normalises the headers twice and looks each added one up by name,
-    work the request path does not need; tests hold the two forms to the same request."""
-    req = httpx.Request(
-        method, url, headers=fields, stream=httpx.ByteStream(body), extensions=extensions
-    )
-    req.read()
-    return req
 
 
 #: Parsed upstream URLs by (base, target, query): parsing one is over half the cost of

@@ -44,7 +44,7 @@ from ..measure.kvcache import KVModel, KVShape
 from ..measure.metrics import Metrics
 from ..measure.precision import Precision, PrecisionTable
 from ..measure.summary import model_family
-from ..transport import ClientOptions, TLSOptions, make_client, make_transport
+from ..transport import ClientOptions, LeanTransport, TLSOptions, make_client, make_transport
 from .gate import AdmissionGate
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,8 @@ class Upstream:
         self.gate = AdmissionGate(options.max_concurrency, options.max_queue, options.queue_timeout)
         client = options.client if spec.tls is None else replace(options.client, tls=spec.tls)
         #: What the relay sends through (its own pool), and the timeouts each request takes.
-        self.transport = make_transport(client, spec.name)
-        self.request_extensions = {"timeout": client.timeouts()}
+        self.transport: LeanTransport = make_transport(client, spec.name)
+        self.timeouts = client.timeouts()
         #: The proxy's own calls (probes, model lists, gauges), over the same transport.
         self.client = make_client(spec.url, client, spec.api_key, self.transport)
         self._label_cache: dict[str, str] = {}

@@ -1,11 +1,11 @@
 """The upstream HTTP client, behind httpx's transport API.
 
-The relay sends through an ``httpx.AsyncBaseTransport`` (one per upstream, its own pool);
-the engines' probes use an ``httpx.AsyncClient`` over the same transport. What moves the
+The relay sends through a :class:`~.lean.LeanTransport` (one per upstream, its own pool),
+the request as its parts (``LeanTransport.send``); the engines' probes use an
+``httpx.AsyncClient`` over the same transport (httpx's transport API). What moves the
 bytes is :mod:`.lean` (asyncio + httptools): whole responses or an error, one send per
 non-idempotent request, TLS options, limits, no added headers, no decompression. Why not a
-library client: docs/transport.md. A test hands in its own transport
-(``httpx.MockTransport``) through ``ClientOptions.transport``.
+library client: docs/transport.md. Tests give an upstream a real engine on loopback.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ log = logging.getLogger(__name__)
 _CLIENT_DEFAULTS = ("accept", "accept-encoding", "connection", "user-agent")
 
 
-def make_transport(options: ClientOptions, name: str = "") -> httpx.AsyncBaseTransport:
+def make_transport(options: ClientOptions, name: str = "") -> LeanTransport:
     """The transport for one upstream (its own pool). A bad TLS file raises ValueError."""
-    if options.transport is not None:
-        return options.transport
     tls = options.tls
     context = tls.context() if (tls.ca or tls.cert or tls.insecure) else None
     if tls.insecure:

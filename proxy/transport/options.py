@@ -5,8 +5,6 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
-import httpx
-
 #: Methods a client may send twice (RFC 9110 §9.2.2): only these are ever re-sent, and
 #: only when a reused idle connection turned out closed before any response byte.
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -55,8 +53,6 @@ class ClientOptions:
     #: Largest response head (status line and headers) taken from an engine.
     upstream_max_head_bytes: int = 64 * 1024
     tls: TLSOptions = field(default_factory=TLSOptions)
-    #: A transport to use instead of building one (tests: ``httpx.MockTransport``).
-    transport: httpx.AsyncBaseTransport | None = field(default=None, compare=False)
 
     def timeouts(self) -> dict[str, float | None]:
         """The per-request ``timeout`` extension every httpx transport reads."""

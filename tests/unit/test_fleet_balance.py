@@ -7,14 +7,12 @@ import json
 import random
 from collections import Counter
 
-import httpx
 import pytest
 
 from proxy.fleet import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.fleet.balance import BalanceOptions, Balancer, Load, expected_wait, prefix_key
 from proxy.fleet.pool import PoolDown
 from proxy.measure.metrics import Metrics
-from proxy.transport import ClientOptions
 
 
 def picks(balancer: Balancer, members: list[Load], n: int, key=None) -> Counter:
@@ -112,7 +110,7 @@ def test_affinity_keeps_a_prefix_on_one_member_until_it_is_overloaded():
 
 
 def upstream(name: str, models: set[str], metrics: Metrics, weight: float = 1.0) -> Upstream:
-    options = UpstreamOptions(client=ClientOptions(transport=httpx.MockTransport(lambda r: None)))
+    options = UpstreamOptions()  # never sent through: its transport stays unopened
     u = Upstream(
         UpstreamSpec(name, f"http://{name}.test", engine="vllm", weight=weight), options, metrics
     )

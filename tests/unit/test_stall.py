@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-import httpx
-
 from proxy.core.exchange import Exchange
 from proxy.engines import Prepared
 from proxy.fleet.balance import BalanceOptions
@@ -17,13 +15,12 @@ from proxy.fleet.upstreams import Upstreams
 from proxy.measure.metrics import Metrics
 from proxy.measure.timeline import Figures, Marks
 from proxy.services.stall import BYTES_PER_TOKEN, StallOptions, StallWatch
-from proxy.transport import ClientOptions
 
 T0 = 1000.0
 
 
 def upstream(name: str, metrics: Metrics) -> Upstream:
-    options = UpstreamOptions(client=ClientOptions(transport=httpx.MockTransport(lambda r: None)))
+    options = UpstreamOptions()  # never sent through: its transport stays unopened
     u = Upstream(UpstreamSpec(name, f"http://{name}.test", engine="vllm"), options, metrics)
     u.routable = u.models = {"m"}
     u.up = True

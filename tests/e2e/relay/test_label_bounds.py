@@ -22,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from proxy.measure.labels import plain
 
 from ...support.fake_engine import FakeEngine, Reply, Request, response
+from ...support.in_process import InProcessProxy
 from ...support.servers import metric_samples, sample, start_proxy
 
 LONG_IDS = [f"{i:02d}-" + "x" * (100 * 1024) for i in range(64)]
@@ -152,26 +153,25 @@ class HeldCollector:
 
 
 def test_a_slow_scrape_does_not_hold_up_health_and_concurrent_scrapes_share_it():
-    from proxy.app import ProxyApp
-    from proxy.settings import Settings
+    with InProcessProxy.serving("eng=http://127.0.0.1:9", engine=["eng=openai"]) as proxy:
+        held = HeldCollector()
+        proxy.metrics.exposition.register(held)
 
-    app = ProxyApp(Settings(upstream=["eng=http://127.0.0.1:9"], engine=["eng=openai"]))
-    held = HeldCollector()
-    app.metrics.exposition.register(held)
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as c:
+                first = asyncio.create_task(c.get("/metrics"))
+                assert await asyncio.to_thread(held.entered.wait, 10)
+                second = asyncio.create_task(c.get("/metrics"))
+                health = await asyncio.wait_for(c.get("/phasewatch/health"), 10)
+                assert health.status_code == 200
+                # health was answered while the scrapes were still being rendered
+                assert not first.done() and not second.done()
+                held.release.set()
+                for r in await asyncio.gather(first, second):
+                    assert r.status_code == 200 and "held_scrape 1.0" in r.text
+                assert held.calls == 1  # one rendering for both
 
-    async def main() -> None:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
-            first = asyncio.create_task(c.get("/metrics"))
-            assert await asyncio.to_thread(held.entered.wait, 10)
-            second = asyncio.create_task(c.get("/metrics"))
-            health = await asyncio.wait_for(c.get("/phasewatch/health"), 10)
-            assert health.status_code == 200
-            # health was answered while the scrapes were still being rendered
-            assert not first.done() and not second.done()
+        try:
+            asyncio.run(main())
+        finally:
             held.release.set()
-            for r in await asyncio.gather(first, second):
-                assert r.status_code == 200 and "held_scrape 1.0" in r.text
-            assert held.calls == 1  # one rendering for both
-
-    asyncio.run(main())

@@ -19,7 +19,8 @@ from proxy.fleet import Upstream, UpstreamOptions, Upstreams, UpstreamSpec
 from proxy.measure.metrics import Metrics
 from proxy.measure.recorder import Recorder
 from proxy.transport.wire import whole_chunk
-from tests.unit.test_relay_unit import CHAT
+
+from .test_relay_unit import CHAT
 
 EVENTS = [
     b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',

@@ -1,6 +1,6 @@
 """Faults injected one by one: hang-ups in every phase, engine faults, access keys, the
 metrics address, graceful shutdown, slow readers — and nothing leaks. (Odd request bodies
-and the body limit are the relay's alone: tests/unit/test_relay_bodies.py.)"""
+and the body limit: test_relay_bodies.py.)"""
 
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def test_hang_up_in_prefill_and_decode_cancels_the_engine():
 
 def test_hang_up_while_queued():
     """(The hang-ups while usage is awaited and after [DONE] are the relay's alone:
-    tests/unit/test_relay_endings.py.)"""
+    test_relay_endings.py.)"""
     sim = start_sim("vllm", speed=1.0)
     proxy = start_proxy(f"sim={sim.url}", args=["--max-concurrency", "1"])
     try:

@@ -18,7 +18,7 @@ import trustme
 
 from ...support.fake_engine import FakeEngine, Reply, Request, response
 from ...support.servers import ROOT, free_port, metric_samples, sample, start_proxy
-from ...unit.test_relay_unit import EVENTS
+from ..relay.test_relay_unit import EVENTS
 
 
 @pytest.fixture(scope="module")
