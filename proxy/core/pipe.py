@@ -68,7 +68,12 @@ class Pipe:
 
     async def run(self, read: Read) -> None:
         """Relay the body through `read` until it ends; raise why it broke."""
-        relay = self.resp.extensions[RELAY]
+        relay = self.resp.extensions.get(RELAY)
+        if relay is None:
+            raise RuntimeError(
+                "the relay reads a body through its transport's phasewatch.relay "
+                "extension (the lean transport's)"
+            )
         self.resp.is_stream_consumed = True  # (its stream is closed by the relay)
         self._hold = relay(read, self._end)
         self._apply()
