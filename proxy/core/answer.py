@@ -4,19 +4,19 @@ while it waits), and how an engine's response becomes it (:class:`Responder`).
 A client that hangs up cancels its exchange at once (which closes the upstream connection,
 so the engine stops generating), unless its answer is already complete: the last message
 of an answer goes out through :meth:`Reply.end` or :meth:`Reply.error`, which mark it
-finished first, so a client that leaves after that has had its whole answer. How the
-hang-up is seen: where the server offers it, through its hang-up hook (the
-:data:`~proxy.extensions.GONE` ASGI extension), a callback the server's protocol calls
-when the connection is lost; elsewhere, a watcher task waiting on ASGI ``receive`` for
-``http.disconnect``.
+finished first, so a client that leaves after that has had its whole answer. The hang-up
+is seen one way: the answer's :class:`~.client_out.ClientOut` (the server's
+:data:`~proxy.extensions.CLIENT_OUT` extension) calls back when the connection is lost.
 
 The response head goes out as the engine sent it (less what the proxy may change: a
-length the proxy's stripping would falsify, a coding it decoded). A stream goes through
-the engine's tap, one chunk at a time (:meth:`Responder._stream`, the hottest code in
-the product); a whole body is forwarded as it comes and kept, bounded, to read its usage
-at the end. A stream the engine cut off, or ended without its terminator, is closed with
-an error event in its own framing, so no client takes a cut answer as whole. What the
-finished answer said (usage, the engine's timings, errors) is read at the end.
+length the proxy's stripping would falsify, a coding it decoded), through ASGI ``send``.
+Its body takes one path whatever it is (:mod:`.pipe`): each upstream read goes through
+the engine's tap (a stream; a coded one on its decoded copy) or as it is (a whole body,
+kept bounded to read its usage at the end), straight to the client, in the upstream
+connection's callback. The relay task awaits the body's end and ends the answer: a
+stream the engine cut off, or ended without its terminator, is closed with an error
+event in its own framing, so no client takes a cut answer as whole. What the finished
+answer said (usage, the engine's timings, errors) is read at the end.
 """
 
 from __future__ import annotations
@@ -24,62 +24,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 import httpx
 
 from ..engines import Tap
-from ..engines.sse import SSETap
-from .asgi import Receive, Send
+from ..transport.connection import Read
+from .asgi import Send
+from .client_out import ClientOut
 from .coding import Decoded, codings, decodable, decode_whole, stacked
 from .errors import ErrorShape, describe, send_error
 from .exchange import Exchange
 from .headers import Headers, response_headers, without
 from .limited import LimitedLog
-from .push import Push, Token, Writer
+from .pipe import Flow, Pipe
 from .relay_options import RelayOptions
-
-#: The hook's value: ``watch(callback)`` has the server call `callback` once, from its
-#: protocol, when the client's connection is lost before its answer is complete (at once
-#: when it is lost already); ``watch(None)`` takes it back.
-Watch = Callable[[Callable[[], None] | None], None]
 
 
 class Reply:
-    """What goes back to one client: its ASGI `send` (and the server's `writer` and hang-up
-    hook `gone`, where it offers them), the headers every error of the proxy's own carries
-    (`echo`: x-request-id with --echo-request-id), whether the last message went, and
-    whether the client left before it."""
+    """What goes back to one client: its ASGI `send` and, where the server offers it, its
+    :class:`~.client_out.ClientOut` `out` (the body's writes, the client's flow and
+    hang-up); the headers every error of the proxy's own carries (`echo`: x-request-id
+    with --echo-request-id), whether the last message went, and whether the client left
+    before it."""
 
-    __slots__ = (
-        "_hooked",
-        "_task",
-        "_watcher",
-        "disconnected",
-        "echo",
-        "finished",
-        "gone",
-        "send",
-        "writer",
-    )
+    __slots__ = ("_hooked", "_task", "disconnected", "echo", "finished", "flow", "out", "send")
 
     def __init__(
         self,
         send: Send,
         echo: Headers | None = None,
-        writer: Writer | None = None,
-        gone: Watch | None = None,
+        out: ClientOut | None = None,
     ) -> None:
         self.send = send
-        #: The server's synchronous writer (the ``phasewatch.write`` extension), if any.
-        self.writer = writer
-        #: The server's hang-up hook (the ``phasewatch.gone`` extension), if any.
-        self.gone = gone
+        self.out = out
         self.echo: Headers = echo or []
         self.finished = False
         self.disconnected = False
-        self._watcher: asyncio.Task[None] | None = None
+        #: Told the client's flow while a body is relayed (:class:`~.pipe.Pipe`).
+        self.flow: Flow | None = None
         self._hooked = False
         self._task: asyncio.Task[None] | None = None
 
@@ -101,55 +84,50 @@ class Reply:
         self.finished = True
         await send_error(self.send, status, message, kind, [*(headers or ()), *self.echo], shape)
 
-    def watching(self, receive: Receive) -> _Watching:
+    def watching(self) -> _Watching:
         """Watch the client for the block's duration: when it hangs up before the answer
         is finished, the current task is cancelled; that cancellation ends the block
         quietly and leaves `disconnected` set."""
-        return _Watching(self, receive)
+        return _Watching(self)
 
     def unwatch(self) -> None:
         """Stop watching (from here on, a client that leaves cancels nothing)."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
         if self._hooked:
             self._hooked = False
-            assert self.gone is not None
-            self.gone(None)
+            assert self.out is not None
+            self.out.watch(None, None)
 
     def _hung_up(self) -> None:
-        """The server says the client's connection is lost (the hook's callback)."""
+        """The server says the client's connection is lost (ClientOut's `lost`)."""
         self._hooked = False
         if not self.finished and self._task is not None:
             self.disconnected = True
             self._task.cancel()
 
-    async def _watch(self, receive: Receive) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                if not self.finished:
-                    self.disconnected = True
-                    assert self._task is not None
-                    self._task.cancel()
-                return
+    def _flowed(self, paused: bool) -> None:
+        """The client's flow changed (ClientOut's `flow`): the body relayed follows it."""
+        flow = self.flow
+        if flow is not None:
+            flow(paused)
 
 
 class _Watching:
-    __slots__ = ("receive", "reply")
+    __slots__ = ("reply",)
 
-    def __init__(self, reply: Reply, receive: Receive) -> None:
-        self.reply, self.receive = reply, receive
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
 
     async def __aenter__(self) -> Reply:
         reply = self.reply
+        if reply.out is None:
+            raise RuntimeError(
+                "the relay runs under a server that offers its answers' ClientOut "
+                "(the phasewatch.client_out scope extension): phasewatch's own"
+            )
         reply._task = asyncio.current_task()
         assert reply._task is not None
-        if reply.gone is not None:
-            reply._hooked = True
-            reply.gone(reply._hung_up)
-        else:
-            reply._watcher = asyncio.create_task(reply._watch(self.receive))
+        reply._hooked = True
+        reply.out.watch(reply._hung_up, reply._flowed)
         return reply
 
     async def __aexit__(
@@ -169,23 +147,6 @@ class _Watching:
 
 #: Largest non-streamed measured response kept for reading its usage.
 MAX_KEPT_BODY = 16 * 1024 * 1024
-
-
-def raw_body(resp: httpx.Response) -> AsyncIterator[bytes]:
-    """`resp`'s body as its transport hands it over. Why not ``aiter_raw``: it wraps
-    every piece in a context manager and a chunker the relay never asks for, and the
-    relay closes each response itself; a stream already read or not asynchronous goes
-    through ``aiter_raw`` (and its errors)."""
-    stream = resp.stream
-    if resp.is_stream_consumed or not isinstance(stream, httpx.AsyncByteStream):
-        return resp.aiter_raw()
-    resp.is_stream_consumed = True
-    return stream.__aiter__()
-
-
-def _token(tap: Tap) -> Token | None:
-    """The tap's paced-read shortcut for the push path, where it has one."""
-    return tap.token_read if isinstance(tap, SSETap) else None
 
 
 class Responder:
@@ -209,20 +170,20 @@ class Responder:
         source: Tap | Decoded | None = decoded or tap
         # the engine's coded bytes pass as they are: nothing of the proxy's may follow them
         sealed = decoded is not None and decoded.exact
-        send = reply.send
-        push: Push | None = None
+        assert reply.out is not None  # (watched: Reply.watching)
+        pipe = Pipe(resp, reply.out)
         try:
             if tap is None or source is None:
                 # a body phasewatch cannot decode is not kept: nothing in it is readable
                 keep = MAX_KEPT_BODY if not applied or decodable(applied) else 0
-                kept = await self._forward_kept(reply, resp, keep)
+                await relay(reply, pipe, pipe.kept(keep))
+                kept: bytes | None = pipe.body()
                 tail = b""
             else:
-                if decoded is not None:
-                    tail = await self._stream_decoded(send, resp, decoded)
-                else:
-                    push = Push.of(resp, tap.feed, reply.writer, self.limited_log, _token(tap))
-                    tail = await self._stream(send, resp, tap, push)
+                await relay(
+                    reply, pipe, pipe.stream(tap) if decoded is None else pipe.decoded(decoded)
+                )
+                tail = source.end(time.monotonic())
                 if not sealed:
                     tail += self._unterminated(ex, tap)
                 kept = None
@@ -230,8 +191,6 @@ class Responder:
             # a stream's tap ends it on an event boundary; a stream that had reached its
             # end before the connection broke is a whole answer
             tail = source.end(time.monotonic()) if source is not None else b""
-            if push is not None:  # what the sink could not write goes first
-                tail = push.take() + tail
             if tap is None or not (tap.done or tap.error_payload is not None):
                 await self._cut(reply, ex, exc, tap, sealed, tail)
                 return
@@ -389,42 +348,6 @@ class Responder:
             ex.upstream.name,
         )
 
-    async def _stream(
-        self, send: Send, resp: httpx.Response, source: Tap, push: Push | None
-    ) -> bytes:
-        """The per-event loop, the hottest code in the product: feed each chunk to the tap,
-        forward what it lets through (with `push`, what the connection's callback did not
-        take: proxy.core.push); return the rest."""
-        feed, monotonic = source.feed, time.monotonic
-        async for chunk in raw_body(resp):
-            held = push.take() if push is not None else b""  # the callback's output first
-            out = feed(chunk, monotonic())
-            if held:
-                out = held + out
-            if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-            if push is not None:
-                push.busy = False
-        return (push.take() if push is not None else b"") + source.end(monotonic())
-
-    async def _stream_decoded(self, send: Send, resp: httpx.Response, decoded: Decoded) -> bytes:
-        """A coded stream: measured on its decoded copy, the engine's bytes forwarded as
-        they came (exact); or decoded for the client (usage was injected, the engine coded
-        its answer anyway), forwarded a bounded piece at a time and ended at the decoded
-        cap (the client's stream then ends with the proxy's error event)."""
-        monotonic = time.monotonic
-        if decoded.exact:
-            async for chunk in raw_body(resp):
-                await decoded.measure(chunk, monotonic())
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            return decoded.end(monotonic())
-        async for chunk in raw_body(resp):
-            async for out in decoded.pieces(chunk, monotonic()):
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-            if decoded.over:
-                break
-        return decoded.end(monotonic())
-
     def _unterminated(self, ex: Exchange, tap: Tap) -> bytes:
         """The engine closed the stream cleanly but never finished it: say so in the
         stream's own framing so clients do not take a cut answer as whole."""
@@ -436,22 +359,18 @@ class Responder:
             ex.prepared.endpoint,
         )
 
-    async def _forward_kept(self, reply: Reply, resp: httpx.Response, keep: int) -> bytes:
-        """Forward a whole (unstreamed) body, keeping up to `keep` bytes of it to read
-        its usage at the end."""
-        send = reply.send
-        kept: list[bytes] = []
-        size = 0
-        async for chunk in raw_body(resp):
-            if size < keep:
-                kept.append(chunk)
-                size += len(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        return b"".join(kept)
-
     @staticmethod
     def settle(ex: Exchange, body: bytes | None) -> None:
         """Read what the finished answer said (usage, engine timings, errors)."""
         ex.result = result = ex.upstream.dialect.outcome(ex.tap, body, ex.status)
         if result.error_kind is not None:
             ex.fail(result.error_kind, result.error_message or result.error_kind)
+
+
+async def relay(reply: Reply, pipe: Pipe, read: Read) -> None:
+    """Relay `pipe`'s body through `read`, the client's flow routed to it meanwhile."""
+    reply.flow = pipe.flow
+    try:
+        await pipe.run(read)
+    finally:
+        reply.flow = None

@@ -9,8 +9,8 @@ is what the tap strips and what the client gets (without the coding: identity is
 acceptable). A coding it cannot decode (``br``, ``zstd``) passes through unmeasured.
 
 An engine's answer can be a decompression bomb (a few KiB that decode to GiBs), so
-decoding is bounded in time and in size: it yields to the event loop after every
-:data:`SLICE` decoded bytes (a stream's chunk and a kept whole body alike), stops at a
+decoding is bounded in time and in size: it lets the event loop run after every
+:data:`SLICE` decoded bytes (a stream's read and a kept whole body alike), stops at a
 decoded-size cap (``--max-decoded-bytes`` for a stream, the kept size for a whole body),
 and more than :data:`MAX_CODINGS` codings stacked on one body are not decoded at all: no
 engine sends them.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from ..engines import Tap
 
@@ -175,14 +175,15 @@ def _more(dec: Decoder, part: Iterator[bytes]) -> bool:
 
 class Decoded:
     """A tap fed the decoded body. `exact`: the client gets the engine's bytes as they
-    came (:meth:`measure`; the decoded copy is only measured); otherwise it gets what
-    the tap lets through of the decoded stream (:meth:`pieces`). Either way the body is
-    decoded a bounded piece at a time (a small chunk that decodes to a great deal never
-    sits in memory whole), yielding to the loop after every :data:`SLICE`, and no
-    further than `limit` decoded bytes. After the body stops decoding, `broken` says why
-    (`over`: it reached the limit) and nothing more is measured."""
+    came (the decoded copy is only measured); otherwise it gets what the tap lets
+    through of the decoded stream. Either way a read is decoded a bounded piece at a
+    time (a small chunk that decodes to a great deal never sits in memory whole), at
+    most :data:`SLICE` decoded bytes a :meth:`step` (the caller lets the loop run
+    between steps), and no further than `limit` decoded bytes. After the body stops
+    decoding, `broken` says why (`over`: it reached the limit) and nothing more is
+    measured."""
 
-    __slots__ = ("_dec", "_since", "broken", "exact", "limit", "over", "size", "tap")
+    __slots__ = ("_dec", "_pending", "broken", "exact", "limit", "over", "size", "tap")
 
     def __init__(
         self, tap: Tap, applied: list[bytes], exact: bool, limit: int = MAX_DECODED
@@ -191,38 +192,44 @@ class Decoded:
         self.exact = exact
         self.limit = limit
         self._dec = Decoder(applied)
+        self._pending: Iterator[bytes] | None = None
         self.broken: str | None = None
         self.over = False
         self.size = 0  # decoded bytes so far
-        self._since = 0  # decoded since the last yield
 
-    async def measure(self, chunk: bytes, now: float) -> None:
-        """Measure `chunk` (the client gets it as it came) on its decoded copy."""
-        async for _ in self.pieces(chunk, now):
-            pass
+    def take(self, chunk: bytes) -> None:
+        """`chunk` is the body's next read, decoded by the :meth:`step` calls that
+        follow (the one before must have said it was done)."""
+        if self.broken is None:
+            self._pending = self._dec.decode(chunk)
 
-    async def pieces(self, chunk: bytes, now: float) -> AsyncIterator[bytes]:
-        """What the tap lets through of `chunk` decoded, piece by piece."""
-        if self.broken is not None:
-            return
+    def step(self, now: float) -> tuple[list[bytes], bool]:
+        """Decode at most :data:`SLICE` more bytes of the pending read: what the tap lets
+        through of them, and whether more of the read is pending."""
+        pending = self._pending
+        outs: list[bytes] = []
+        if pending is None:
+            return outs, False
         feed = self.tap.feed
+        since = 0
         try:
-            for piece in self._dec.decode(chunk):
+            for piece in pending:
                 if not self._count(len(piece)):
-                    return
+                    break
                 out = feed(piece, now)
                 if out:
-                    yield out
-                if self._since >= SLICE:
-                    self._since = 0
-                    await asyncio.sleep(0)
+                    outs.append(out)
+                since += len(piece)
+                if since >= SLICE:
+                    return outs, True
         except Undecodable as exc:
             self.broken = str(exc)[:200]
+        self._pending = None
+        return outs, False
 
     def _count(self, n: int) -> bool:
         """Count `n` more decoded bytes; False (and nothing more decoded) past the limit."""
         self.size += n
-        self._since += n
         if self.size > self.limit:
             self.over = True
             self.broken = f"decoded past --max-decoded-bytes ({self.limit})"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import httpx
 
 from ..engines import Prepared
-from ..extensions import GONE, WRITE
+from ..extensions import CLIENT_OUT
 from ..fleet.gate import QueueFull, QueueTimeout
 from ..fleet.upstream import Upstream
 from ..fleet.upstreams import Upstreams
@@ -31,7 +31,7 @@ from ..measure.timeline import Marks
 from . import catalog
 from .access import CLIENT_SCOPE, Access, Throttled, peer_of, throttled
 from .admission import Admitted, queue_refusal
-from .answer import Reply, Responder, raw_body
+from .answer import Reply, Responder, relay
 from .asgi import Receive, Scope, Send
 from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
@@ -40,6 +40,7 @@ from .exchange import Exchange
 from .headers import IDENTITY, Headers, content_length, request_id, response_headers
 from .limited import LimitedLog
 from .peek import reduced
+from .pipe import Pipe
 from .refusals import RETRY_AFTER, Refusal, Refusals, Refused
 from .relay_options import RelayOptions
 from .routing import Route, Router
@@ -185,12 +186,12 @@ class Relay:
             else None
         )
         if prepared is None:
-            await self._passthrough(scope, receive, send, route, body)
+            await self._passthrough(scope, send, route, body)
             return
         del body, view  # only the prepared body is kept from here on
         ex = self._exchange_of(scope["headers"], route.upstream, prepared, t_recv, key_client)
         ex.owner = "key:" + key_client if key_client else "address:" + (peer_of(scope) or "")
-        await self._measured(scope, receive, send, ex, route)
+        await self._measured(scope, send, ex, route)
 
     def _exchange_of(
         self,
@@ -220,13 +221,11 @@ class Relay:
 
     # --- unmeasured paths -----------------------------------------------------------
 
-    async def _passthrough(
-        self, scope: Scope, receive: Receive, send: Send, route: Route, body: bytes
-    ) -> None:
+    async def _passthrough(self, scope: Scope, send: Send, route: Route, body: bytes) -> None:
         """Relay an unmeasured request as it is."""
-        reply = Reply(send, gone=(scope.get("extensions") or {}).get(GONE))
+        reply = Reply(send, out=(scope.get("extensions") or {}).get(CLIENT_OUT))
         resp = None
-        async with reply.watching(receive):
+        async with reply.watching():
             try:
                 resp = await self.call.open_route(route, scope, body)
                 await send(
@@ -236,8 +235,9 @@ class Relay:
                         "headers": response_headers(resp.headers.raw),
                     }
                 )
-                async for chunk in raw_body(resp):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                assert reply.out is not None  # (watched)
+                pipe = Pipe(resp, reply.out)
+                await relay(reply, pipe, pipe.kept(0))
                 await reply.end()
                 if resp.status_code < 400:
                     route.upstream.succeeded()
@@ -258,15 +258,12 @@ class Relay:
 
     # --- measured generation ----------------------------------------------------------
 
-    async def _measured(
-        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, route: Route
-    ) -> None:
+    async def _measured(self, scope: Scope, send: Send, ex: Exchange, route: Route) -> None:
         """Admit, send and relay one measured request, then record it."""
-        extensions = scope.get("extensions") or {}
-        reply = Reply(send, self._echo(ex), extensions.get(WRITE), extensions.get(GONE))
+        reply = Reply(send, self._echo(ex), (scope.get("extensions") or {}).get(CLIENT_OUT))
         admitted = Admitted(self.recorder.metrics, ex)
         try:
-            async with reply.watching(receive):
+            async with reply.watching():
                 if self.draining:
                     await self.refusals.refuse(reply, DRAINING, ex)
                     return

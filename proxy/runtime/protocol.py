@@ -60,7 +60,7 @@ from ..core.errors import json_error
 from ..core.headers import content_length
 from ..core.limited import LimitedLog
 from .borrowed import BORROWED  # noqa: F401 - re-exported: what the guards take
-from .direct import hung_up, install
+from .direct import flowed, hung_up, install
 from .ending import ConnectionEnd
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
         the client holding the most is closed (its request ends as a hang-up, the
         engine's work is cancelled)."""
         super().pause_writing()
+        flowed(True, self.running, self.cycle)  # the relay's flow (runtime.direct)
         stalled = self.stalled
         stalled[self] = self._owner()
         if len(stalled) <= self.max_stalled_streams:
@@ -225,6 +226,7 @@ class GuardedProtocol(ConnectionEnd, HttpToolsProtocol):  # type: ignore[misc]
     def resume_writing(self) -> None:
         self.stalled.pop(self, None)
         super().resume_writing()
+        flowed(False, self.running, self.cycle)
 
     def _owner(self) -> str:
         """Who holds this connection, for the stalled-stream cap: the API key's name the

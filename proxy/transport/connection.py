@@ -1,7 +1,9 @@
 """One upstream HTTP/1.1 connection of the lean transport (:mod:`.lean`): an asyncio
 protocol that sends a request and parses its answer with httptools' C parser, one callback
-per read. The answer's head and body chunks wait here for the reader (or go to a sink in
-the callback itself: ``phasewatch.push``); every failure becomes httpx's matching
+per read. The answer's head waits here for the sender; its body either waits here for a
+reader task (``aiter_raw``: probes and anything else reading through httpx) or goes, read
+by read, to the relay's callbacks in the connection's own callback (:meth:`Connection.relay`,
+the ``phasewatch.relay`` response extension). Every failure becomes httpx's matching
 exception. The pool of such connections, and the transport's promises, are :mod:`.lean`'s.
 """
 
@@ -25,9 +27,14 @@ log = logging.getLogger(__name__)
 _HIGH_WATER = 256 * 1024
 
 
-#: A body sink: takes a piece of the body (True: taken) and, when the read was exactly one
-#: chunk, that chunk as it came (its size line, the piece, its CRLF), else None.
-Sink = Callable[[bytes, "bytes | None"], bool]
+#: A relayed body's reader: `read(body, framed)` takes the body bytes of one read, and,
+#: when the read was exactly one chunk, that chunk as it came (its size line, the piece,
+#: its CRLF), else None.
+Read = Callable[[bytes, "bytes | None"], None]
+#: `end(error)`: the body is over, whole (None) or with httpx's exception for why not.
+End = Callable[["Exception | None"], None]
+#: `hold(paused)`: pause (True) or resume (False) reading the body.
+Hold = Callable[[bool], None]
 
 
 def named(method: str, url: httpx.URL, request: httpx.Request | None) -> httpx.Request:
@@ -83,10 +90,11 @@ class Connection(asyncio.Protocol):
         self.method = ""
         self.url: httpx.URL | None = None
         self._request: httpx.Request | None = None
-        #: Takes body bytes as they are parsed (True: taken), instead of the reader task;
-        #: for a read that is exactly one chunk, that chunk's bytes as they came go with
-        #: them (:func:`whole_chunk`).
-        self.sink: Sink | None = None
+        #: The relay's callbacks (:meth:`relay`): the body goes to `reader` as it is
+        #: parsed, its end to `ender`, once (`ended`).
+        self.reader: Read | None = None
+        self.ender: End | None = None
+        self.ended = False
         #: The parser stands between two chunks of a chunked body (nothing of one held).
         self.edge = False
 
@@ -103,12 +111,16 @@ class Connection(asyncio.Protocol):
             return
         self.got_bytes = True
         self.last = self.loop.time()
-        sink = self.sink
-        if sink is not None and self.edge and not self.chunks and self.error is None:
+        read = self.reader
+        if read is not None and self.edge and not self.chunks and self.error is None:
             # a paced stream's read is one whole chunk: it needs no parser (which stays
-            # between chunks), and the sink may pass its framing on as it came
+            # between chunks), and its framing may go on to the client as it came
             body = whole_chunk(data)
-            if body is not None and sink(body, data):
+            if body is not None:
+                try:
+                    read(body, data)
+                except Exception as exc:  # noqa: BLE001 - the relay's, raised where it awaits
+                    self._broken(exc)
                 return
         self.edge = False
         counting = not self.headers_done
@@ -120,6 +132,7 @@ class Connection(asyncio.Protocol):
             self._upgraded()
         except httptools.HttpParserError as exc:
             if not self.complete:
+                self._deliver()  # what was parsed before the fault goes first
                 self._fail(
                     httpx.RemoteProtocolError(
                         f"malformed response from upstream: {exc}", request=self.request
@@ -137,19 +150,14 @@ class Connection(asyncio.Protocol):
             return
         if self.edge and data[-2:] != b"\r\n":
             self.edge = False  # a chunk's size line begun: the parser holds it
-        if sink is not None and self.chunks and self.error is None and not self.complete:
-            # (the body's last read is left to the reader, woken for the end anyway)
-            chunks = self.chunks
-            if sink(chunks[0] if len(chunks) == 1 else b"".join(chunks), None):
-                chunks.clear()
-                self.size = 0
+        if read is not None:
+            self._settle()
+            return
         if self.size > _HIGH_WATER and not self.paused:
             self.paused = True
             self.transport.pause_reading()
         waiter = self.waiter
-        if waiter is not None and (
-            self.chunks or self.complete or (self.headers_done and self.sink is None)
-        ):
+        if waiter is not None and (self.chunks or self.complete or self.headers_done):
             self.waiter = None
             if not waiter.done():
                 waiter.set_result(None)
@@ -166,6 +174,7 @@ class Connection(asyncio.Protocol):
         if exc is None and self.headers_done and self._close_delimited():
             self.complete = True  # the body ends with the connection (a clean close only)
             self._wake()
+            self._settle()
         elif not self.got_bytes:
             self._fail(Stale())
         else:
@@ -271,6 +280,40 @@ class Connection(asyncio.Protocol):
         if self.error is None:
             self.error = exc
         self._wake()
+        self._settle()
+
+    def _broken(self, exc: Exception) -> None:
+        """The relay's reader raised: the body ends with its exception, the connection
+        is closed (what it was answering is half-read)."""
+        self.unexpected = True
+        self._fail(exc)
+        self.transport.close()
+
+    def _deliver(self) -> None:
+        """The body parsed and not yet read, to the relay's reader (one call)."""
+        chunks = self.chunks
+        read = self.reader
+        if not chunks or read is None or self.ended:
+            return
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.size = 0
+        try:
+            read(data, None)
+        except Exception as exc:  # noqa: BLE001 - the relay's, raised where it awaits
+            self._broken(exc)
+
+    def _settle(self) -> None:
+        """With a relay reading: what was parsed to its reader, then, once the body is
+        over (whole, or failed), its end."""
+        if self.reader is None or self.ended:
+            return
+        self._deliver()
+        end = self.ender
+        if self.ended or end is None or not (self.complete or self.error is not None):
+            return
+        self.ended = True
+        end(self.error)
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -285,7 +328,9 @@ class Connection(asyncio.Protocol):
             return  # no answer awaited (the request that armed it is over): dropped
         due = self.last + self.timeout
         now = self.loop.time()
-        if self.waiter is not None and now >= due:
+        # the reader waits on the engine (not on its client, nor on its own decoding)
+        waiting = self.waiter is not None or (self.reader is not None and not self.paused)
+        if waiting and now >= due:
             self._fail(
                 httpx.ReadTimeout(
                     f"upstream sent nothing for {self.timeout:g}s", request=self.request
@@ -363,17 +408,40 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    def push(self, sink: Sink | None) -> None:
-        """Give body bytes to `sink` as they are parsed, in the connection's callback
-        (None: to the reader again). The reader is woken only for bytes the sink
-        refused (returned False for), the end (with the body's last read, never offered
-        to the sink) or an error."""
-        self.sink = sink
+    def relay(self, read: Read, end: End) -> Hold:
+        """The body from now on goes to `read`, each read's bytes in one call from the
+        connection's own callback (what was parsed before, at once), and its end to
+        `end`, once: None when it is whole, httpx's exception when it broke (or the
+        exception `read` raised, after which the connection is closed). Returns
+        :meth:`hold`, the reader's backpressure. Why: a relayed body then costs no task
+        wake-up per read, and its reader decides when reading waits."""
+        self.reader, self.ender = read, end
+        if self.paused:  # paused for the reader that was not there yet
+            self.hold(False)
+        self._settle()
+        return self.hold
+
+    def hold(self, paused: bool) -> None:
+        """Pause or resume reading the relayed body. While paused the read deadline does
+        not run (its reader waits on its client, or on its own work); it counts again
+        from the resume."""
+        if paused == self.paused or self.transport.is_closing():
+            return
+        self.paused = paused
+        if paused:
+            self.transport.pause_reading()
+        else:
+            self.last = self.loop.time()
+            self.transport.resume_reading()
 
     def finish(self) -> None:
-        self.sink = None  # (the read timer stays for the next request: see __init__)
+        self.reader = self.ender = None  # (the read timer stays for the next request)
         self.asked = False
         self._request = None
+        if self.paused:  # a reader that held it to the end: the next request reads
+            self.paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def reusable(self) -> bool:
         return (

@@ -5,9 +5,10 @@ need (httpcore's pool scanning every connection on each release, anyio and h11 p
 chunk), and under many paced streams that work dominated the proxy's CPU. This transport
 keeps httpx's API (the relay sees an ``httpx.Response`` with ``aiter_raw``, ``aclose``
 and httpx's exceptions) and moves bytes with an asyncio protocol and httptools' C parser
-(:mod:`.connection`): one callback and one future wake-up per body chunk, and a LIFO list
-of idle keep-alive connections. A reader may take the body in the connection's own
-callback instead (the ``phasewatch.push`` response extension: no task wake-up per chunk).
+(:mod:`.connection`), and a LIFO list of idle keep-alive connections. The relay takes a
+body in the connection's own callback, read by read, with its own backpressure (the
+``phasewatch.relay`` response extension, :meth:`.Connection.relay`: no task wake-up per
+read); ``aiter_raw`` (one future wake-up per read) serves every other reader.
 
 What it promises, like the library clients it is tested beside:
 
@@ -24,7 +25,8 @@ What it promises, like the library clients it is tested beside:
 - ``1xx`` heads are skipped, ``HEAD``/``204``/``304`` have no body, trailers are dropped,
   a ``101`` comes back as a bodiless response on a connection that is then closed.
 
-Backpressure: reading pauses when a slow client leaves more than 256 KiB unread.
+Backpressure: an ``aiter_raw`` reader that leaves more than 256 KiB unread pauses reading;
+the relay pauses and resumes it itself.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from ..extensions import PUSH
+from ..extensions import RELAY
 from .connection import Connection, Stale, named
 from .options import IDEMPOTENT, ClientOptions
 from .wire import request_wire
@@ -289,7 +291,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             extensions={
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": conn.reason,
-                PUSH: conn.push,
+                RELAY: conn.relay,
             },
         )
 

@@ -191,8 +191,9 @@ def test_the_token_events_around_a_role_event_are_not_looked_at_one_by_one():
 
 
 class Shortcut(SSETap):
-    """The push path's way through the tap: each read offered to ``token_read`` first
-    (forwarded as it came when it says yes), to ``feed`` otherwise."""
+    """The relay pipe's way through the tap: each read (one that came as one chunk)
+    offered to ``token_read`` first (forwarded as it came when it says yes), to ``feed``
+    otherwise."""
 
     __slots__ = ("shortcuts",)
 
@@ -217,7 +218,7 @@ class Shortcut(SSETap):
     st.sampled_from([1 << 20, 120]),
 )
 def test_the_paced_read_shortcut_forwards_and_measures_as_feed(picks, cuts, strip, rewrite, limit):
-    """``SSETap.token_read`` (the push path's one call per paced event) takes only a read
+    """``SSETap.token_read`` (the relay pipe's one call per paced event) takes only a read
     that ``feed`` forwards as it came, and counts it as ``feed`` does: reads one event
     each or cut anywhere, stripping or not, with a rewrite (Ollama's) or not, events
     held or passed through oversized before it."""

@@ -1,9 +1,10 @@
 """The lean transport's one-chunk reads (proxy.transport.wire.whole_chunk): a read that is
-exactly one chunk of a chunked body skips the parser and reaches the push sink with its
-framing, which the server may write as it came. Whatever the reads' boundaries and the
-engine's framing (uppercase or zero-padded sizes, extensions, a size line split across
-reads), the sink must get the body exactly, in order, and only a chunk in the form the
-server writes itself may come framed."""
+exactly one chunk of a chunked body skips the parser and reaches the relay's reader
+(``Connection.relay``) with its framing, which the server may write as it came. Whatever
+the reads' boundaries and the engine's framing (uppercase or zero-padded sizes,
+extensions, a size line split across reads), the reader must get the body exactly, in
+order, then its end, once; and only a chunk in the form the server writes itself may come
+framed."""
 
 from __future__ import annotations
 
@@ -103,16 +104,17 @@ def _feed(reads: list[bytes]) -> tuple[bytes, list[tuple[bytes, bytes | None]], 
         conn.connection_made(_Wire())  # type: ignore[arg-type]
         conn.start("POST", httpx.URL("http://engine/v1/chat/completions"), None, None)
         got: list[tuple[bytes, bytes | None]] = []
+        ended: list[Exception | None] = []
 
-        def sink(body: bytes, framed: bytes | None = None) -> bool:
+        def read(body: bytes, framed: bytes | None) -> None:
+            assert not ended
             got.append((body, framed))
-            return True
 
-        conn.push(sink)
+        conn.relay(read, ended.append)
         for data in reads:
             conn.data_received(data)
-        rest = conn.take() if conn.chunks else b""
-        return rest, got, conn.complete
+        assert ended == ([None] if conn.complete else [])
+        return b"".join(conn.chunks), got, conn.complete
 
     return asyncio.run(run())
 

@@ -22,6 +22,7 @@ import pytest
 
 from proxy.core.coding import (
     PIECE,
+    SLICE,
     Decoded,
     Decoder,
     Undecodable,
@@ -266,17 +267,22 @@ def whole(applied: list[bytes], data: bytes, limit: int) -> tuple[bytes | None, 
     return asyncio.run(decode_whole(applied, data, limit))
 
 
+def steps(d: Decoded, data: bytes, now: float) -> list[list[bytes]]:
+    """`data` decoded through `d` step by step: what the tap let through at each."""
+    d.take(data)
+    out = []
+    while True:
+        got, more = d.step(now)
+        out.append(got)
+        if not more:
+            return out
+
+
 def fed(d: Decoded, data: bytes, now: float) -> bytes:
     """What the client gets of `data` through `d`: the decoded pieces the tap lets
     through, or (exact) `data` itself, measured on the side."""
-
-    async def run() -> bytes:
-        if d.exact:
-            await d.measure(data, now)
-            return data
-        return b"".join([piece async for piece in d.pieces(data, now)])
-
-    return asyncio.run(run())
+    got = b"".join(b"".join(step) for step in steps(d, data, now))
+    return data if d.exact else got
 
 
 @pytest.mark.parametrize(
@@ -349,12 +355,11 @@ def test_a_small_chunk_that_decodes_to_a_great_deal_is_forwarded_a_piece_at_a_ti
     data = gzip.compress(plain, mtime=0)
     assert len(plain) > 100 * len(data)
     d = Decoded(SSETap(Marks(t_recv=0.0), strip=True), [b"gzip"], exact=False)
-
-    async def pieces() -> list[bytes]:
-        return [piece async for piece in d.pieces(data, 1.0)]
-
-    out = asyncio.run(pieces())
+    stepped = steps(d, data, 1.0)
+    out = [piece for step in stepped for piece in step]
     assert b"".join(out) + d.end(2.0) == plain
     assert len(out) > 10 and max(map(len, out)) <= PIECE + len(evs[1])
+    # a step decodes a bounded slice: the loop runs between them
+    assert len(stepped) > 2 and all(sum(map(len, s)) <= SLICE + PIECE for s in stepped)
     exact = Decoded(SSETap(Marks(t_recv=0.0)), [b"gzip"], exact=True)
     assert fed(exact, data, 1.0) == data and exact.end(2.0) == b"" and exact.tap.done
