@@ -131,7 +131,13 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._upgraded()
         except httptools.HttpParserError as exc:
-            if not self.complete:
+            if self.complete:
+                # the parser stops after a 101 it did not take as an upgrade (no
+                # Connection: upgrade): what follows is another protocol, as with one
+                self._upgraded()
+                self._wake()
+                self._settle()
+            else:
                 self._deliver()  # what was parsed before the fault goes first
                 self._fail(
                     httpx.RemoteProtocolError(
