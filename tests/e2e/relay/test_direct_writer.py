@@ -18,7 +18,7 @@ import uvicorn
 
 from proxy.core.answer import Reply
 from proxy.extensions import GONE, WRITE
-from proxy.runtime.protocol import guarded_protocol
+from proxy.runtime.http1 import guarded_protocol
 
 from ...support.servers import free_port
 
