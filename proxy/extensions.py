@@ -2,7 +2,7 @@
 place: each layer that offers one or takes one imports its name from here, so the layer
 test sees every such link (a name spelled as a literal would hide it).
 
-- :data:`WRITE` (ASGI scope, offered by the server, ``proxy.runtime.direct``; taken by the
+- :data:`WRITE` (ASGI scope, offered by the server, ``proxy.runtime.cycle``; taken by the
   relay, ``proxy.core.push``): the server's synchronous writer, a ``Writer``.
 - :data:`GONE` (ASGI scope, offered by the server; taken by ``proxy.core.answer.Reply``):
   the hang-up hook, ``watch(callback)``.

@@ -1,4 +1,4 @@
-"""What the server offers the relay beside ASGI (proxy.runtime.direct), on the real guarded
+"""What the server offers the relay beside ASGI (proxy.runtime.cycle), on the real guarded
 protocol over loopback. The synchronous writer (``phasewatch.write``): ready only while a
 chunked answer is under way to a client that is there, what it puts reaches the client in
 order with what ``send`` sends, and a HEAD answer never takes a write. The hang-up hook

@@ -179,7 +179,7 @@ def test_events_go_out_from_the_callback_in_order():
 
 
 def test_paced_token_events_go_out_in_one_call_through_the_servers_own_write():
-    """With the server's own write of framed chunks (as ``runtime.direct`` offers it),
+    """With the server's own write of framed chunks (as ``runtime.cycle`` offers it),
     each read that is one plain token event goes out through it as it came, counted by
     the tap's shortcut exactly as without it: same bytes, same measurement."""
     plain_done: list = []
