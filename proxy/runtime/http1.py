@@ -212,7 +212,10 @@ class Http1Protocol(asyncio.Protocol):
         self._release_writers()
         if exc is None:
             self.real.close()
-        self.parser = None  # type: ignore[assignment]  # it refers back to this protocol
+        # the parser and the cycles refer back to this protocol: nothing is left for the
+        # garbage collector once the last task is done
+        self.parser = None  # type: ignore[assignment]
+        self.cycle = self.running = None
         for cycle in told:
             cycle.answer.tell_lost()
 
@@ -256,11 +259,12 @@ class Http1Protocol(asyncio.Protocol):
                 self.real.resume_reading()
 
     async def drain(self) -> None:
-        """Wait until the client reads again (or is gone)."""
+        """Wait until the client reads again (or is gone). The waiter is shared and
+        shielded: a cancelled sender does not cancel it for another."""
         waiter = self._drain
-        if waiter is None:
+        if waiter is None or waiter.done():
             waiter = self._drain = self.loop.create_future()
-        await waiter
+        await asyncio.shield(waiter)
 
     def _release_writers(self) -> None:
         self.write_paused = False
@@ -332,7 +336,11 @@ class Http1Protocol(asyncio.Protocol):
         while pos < end:
             if self.stopped or self.lingering or self.real.is_closing():
                 return
-            slots = self.max_pipelined_requests - len(self.pipeline) + (0 if self._busy() else 1)
+            running = self.running
+            busy = bool(self.pipeline) or (
+                running is not None and not running.response_complete and not running.disconnected
+            )  # self._busy(), inline: once per slice
+            slots = self.max_pipelined_requests - len(self.pipeline) + (0 if busy else 1)
             if slots <= 0:
                 self._hold(bytes(view[pos:]))
                 return
