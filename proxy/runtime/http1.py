@@ -419,6 +419,7 @@ class Http1Protocol(asyncio.Protocol):
             # headers (the engine would receive it as one): dropped
             return
         name = name.lower()
+        value = value.rstrip(b" \t")  # the parser keeps trailing whitespace: not the value's
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
         self.headers.append((name, value))
