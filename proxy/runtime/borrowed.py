@@ -1,12 +1,14 @@
 """What phasewatch borrows from uvicorn, and why, in one place.
 
-uvicorn runs the server (sockets, workers' signals, lifespan, graceful shutdown); each
-connection is phasewatch's own protocol (:mod:`proxy.runtime.http1`), which uvicorn
-makes from ``Config.http`` and which parses with httptools' public API. What passes
-between them is what :data:`BORROWED` lists, each with why; nothing private to uvicorn's
-own protocols is used. ``tests/e2e/wire/test_protocol_borrowed.py`` checks every name on
-the installed uvicorn, on a real server, so that a release renaming one fails there, by
-name, rather than unguarding the wire.
+uvicorn runs the server (sockets, signals, lifespan, graceful shutdown); each connection
+is phasewatch's own protocol (:mod:`proxy.runtime.http1`), which uvicorn makes from
+``Config.http`` and which parses with httptools' public API. What passes between them is
+what :data:`BORROWED` lists, each with why; nothing of uvicorn's own protocols is used.
+The server's graceful drain (:mod:`proxy.runtime.server`) hooks a few of ``Server``'s
+methods, listed too. ``tests/e2e/wire/test_protocol_borrowed.py`` checks every name on the
+installed uvicorn, on a real server, so that a release renaming one fails there, by name,
+rather than unguarding the wire. ``pyproject.toml`` bounds uvicorn from the first release
+that has them all (``Config.get_loop_factory``: 0.36).
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ BORROWED: dict[str, dict[str, str]] = {
     "protocol": {
         "shutdown": "called by uvicorn on each connection at shutdown: close when idle, "
         "else after the answer under way",
+    },
+    "Server": {
+        "serve": "runs the server on sockets bound before it starts (sockets=)",
+        "startup": "extended: the heap settles and the start-up line goes out once it listens",
+        "handle_exit": "extended: the first signal starts the drain, the second exits",
+        "on_tick": "extended: the drain ends once nothing is in flight, or at the grace",
+        "capture_signals": "replaced for a server beside the main one (the metrics address)",
+        "should_exit": "set to stop the server",
+        "started": "whether it listens (tests, the demo)",
+        "get_loop_factory": "on Config: the loop uvicorn would pick (uvloop when installed)",
     },
     "logging": {
         "uvicorn.error": "the logger an application's failure and a parser's 400 are told "

@@ -33,6 +33,13 @@ def test_the_borrowed_names_exist():
     assert isinstance(state.connections, set) and isinstance(state.tasks, set)
     assert isinstance(state.total_requests, int) and isinstance(state.default_headers, list)
     assert all(callable(getattr(Http1Protocol, n, None)) for n in BORROWED["protocol"])
+    server = uvicorn.Server(config)
+    missing = [
+        n
+        for n in BORROWED["Server"]
+        if not hasattr(config if n == "get_loop_factory" else server, n)
+    ]
+    assert not missing, f"uvicorn's Server lost {missing}"
 
 
 def _get(port: int, path: bytes = b"/", close: bool = False) -> socket.socket:
