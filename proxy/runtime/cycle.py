@@ -34,6 +34,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..core.client_out import ClientOut
 from ..core.push import Writer
 from ..extensions import CLIENT_OUT, GONE, WRITE
 
@@ -213,8 +214,9 @@ class Cycle:
         self.response_complete = False
         self.on_response: Callable[[], None] | None = conn.on_response_complete
         answer = self.answer = Answer(conn, conn.write_paused)
+        out: ClientOut = answer  # (checked by mypy: the contract the relay relies on)
         scope["extensions"] = {
-            CLIENT_OUT: answer,
+            CLIENT_OUT: out,
             WRITE: writer(answer, conn.real),
             GONE: watcher(answer),
         }

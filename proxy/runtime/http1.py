@@ -30,8 +30,8 @@ before any application code runs:
 - a **header deadline** (``--header-timeout``): from a connection's start, and from the
   first byte of each later request, until its head is complete; past it the client gets
   a 408 (a connection that sent nothing is just closed);
-- a **keep-alive deadline** (``--timeout-keep-alive``), one timer a connection rather than
-  one an answer.
+- a **keep-alive deadline** (uvicorn's ``timeout_keep_alive``, 5 s): an idle connection
+  is closed, with one timer a connection rather than one an answer.
 
 Upgrade requests stay HTTP requests (a websocket one gets a 501 from the application);
 the parser reads nothing after one, so such a connection closes after its answer.
