@@ -183,7 +183,7 @@ class ProxyApp:
                 await self.relay(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-        # no "websocket" scope: the server protocol (proxy.runtime.protocol) never switches
+        # no "websocket" scope: the server protocol (proxy.runtime.http1) never switches
         # protocols, so an upgrade request arrives as an HTTP request, answered above
 
     async def _normalised(self, scope: Scope, send: Send) -> bool:

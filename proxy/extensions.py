@@ -2,19 +2,15 @@
 place: each layer that offers one or takes one imports its name from here, so the layer
 test sees every such link (a name spelled as a literal would hide it).
 
-- :data:`CLIENT_OUT` (ASGI scope, offered by the server, ``proxy.runtime.direct``; taken by
+- :data:`CLIENT_OUT` (ASGI scope, offered by the server, ``proxy.runtime.cycle``; taken by
   the relay, ``proxy.core.answer``): the answer's
   :class:`~proxy.core.client_out.ClientOut`.
 - :data:`RELAY` (httpx response, offered by the lean transport, ``proxy.transport.lean``;
   taken by ``proxy.core.pipe``): ``relay(read, end)`` hands the body to callbacks as it
   is parsed and returns ``hold(paused)`` (:meth:`proxy.transport.connection.Connection.relay`).
-- :data:`WRITE`, :data:`GONE` (ASGI scope, offered by the server): the writer and hang-up
-  hook :data:`CLIENT_OUT` replaces; nothing takes them.
 """
 
 from __future__ import annotations
 
 CLIENT_OUT = "phasewatch.client_out"
 RELAY = "phasewatch.relay"
-WRITE = "phasewatch.write"
-GONE = "phasewatch.gone"

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from ..app import ProxyApp
-from .protocol import guarded_protocol
+from .http1 import guarded_protocol
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def announce(proxy: socket.socket, metrics: socket.socket | None = None) -> None
 
 
 def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
-    """Run `config`'s connections under the guarded protocol (proxy.runtime.protocol):
-    the head limit and header deadline hold before any application code runs."""
+    """Run `config`'s connections under phasewatch's own HTTP/1.1 protocol
+    (proxy.runtime.http1): the wire limits hold before any application code runs."""
     limits = app.settings.server_limits()
     rejected = app.metrics.rejected_total
     config.http = guarded_protocol(

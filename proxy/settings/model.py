@@ -360,7 +360,7 @@ class Settings(BaseSettings):
         "upstream lists or --models names; any other is warned about once the lists are known.",
     )
 
-    # Pipelining (proxy.runtime.protocol)
+    # Pipelining (proxy.runtime.http1)
     max_pipelined_requests: int = Field(
         16,
         ge=1,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
-    """What the server protocol guards every connection with (proxy.runtime.protocol)."""
+    """What the server protocol guards every connection with (proxy.runtime.http1)."""
 
     max_head_bytes: int
     header_timeout: float

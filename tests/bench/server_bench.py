@@ -1,14 +1,16 @@
-"""Server protocols compared: uvicorn's h11, its httptools, and phasewatch's guarded httptools.
+"""Server protocols compared: uvicorn's h11, its httptools, and phasewatch's own.
 
-Why it exists: phasewatch needs a request-head limit and a header deadline before any
-application code runs. uvicorn's h11 protocol has a head limit built in; its httptools
-protocol has neither, so phasewatch runs httptools under a guard
-(proxy/runtime/protocol.py). This measures, in one run on one machine, what each costs
-per request: the same trivial ASGI app under each protocol in its own process, driven by
-keep-alive raw-socket clients, rounds interleaved. It prints requests/s and the server's
-CPU per request (utime+stime from /proc); it asserts nothing.
+Why it exists: phasewatch needs a request-head limit, a header deadline and more before
+any application code runs. uvicorn's h11 protocol has a head limit built in; its
+httptools protocol has none of them, so phasewatch runs its own guarded protocol on
+httptools (proxy/runtime/http1.py). This measures, in one run on one machine, what each
+costs per request: the same trivial ASGI app under each protocol in its own process,
+driven by keep-alive raw-socket clients, rounds interleaved. It prints requests/s and the
+server's CPU per request (utime+stime from /proc); it asserts nothing. ``--compare DIR``
+adds the protocol of another checkout (before a change, say) to the same run.
 
     .venv/bin/python tests/bench/server_bench.py [--seconds 3] [--conns 32] [--rounds 3]
+        [--compare DIR]
 """
 
 from __future__ import annotations
@@ -27,24 +29,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SERVER = r"""
 import sys, uvicorn
-sys.path.insert(0, {root!r})
-from proxy.runtime.protocol import guarded_protocol
+kind = sys.argv[1]
+sys.path.insert(0, sys.argv[3])
+try:
+    from proxy.runtime.http1 import guarded_protocol
+except ImportError:  # a checkout from before proxy.runtime.http1 (--compare)
+    from proxy.runtime.protocol import guarded_protocol
 
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
         while True:
             msg = await receive()
-            await send({{"type": msg["type"] + ".complete"}})
+            await send({"type": msg["type"] + ".complete"})
             if msg["type"] == "lifespan.shutdown":
                 return
-    body = b'{{"ok":true}}'
-    await send({{"type": "http.response.start", "status": 200,
+    body = b'{"ok":true}'
+    await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", b"11")]}})
-    await send({{"type": "http.response.body", "body": body}})
+                            (b"content-length", b"11")]})
+    await send({"type": "http.response.body", "body": body})
 
-kind = sys.argv[1]
-http = guarded_protocol(65536, 10.0, lambda r: None) if kind == "guarded" else kind
+http = kind if kind in ("h11", "httptools") else guarded_protocol(65536, 10.0, lambda r: None)
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), http=http, log_level="warning",
             access_log=False, lifespan="on")
 """
@@ -93,13 +98,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--conns", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compare", type=Path, help="another checkout's protocol, beside this one")
     args = ap.parse_args()
-    kinds = ["h11", "httptools", "guarded"]
+    roots = {"h11": ROOT, "httptools": ROOT, "phasewatch": ROOT}
+    if args.compare is not None:
+        roots["compared"] = args.compare.resolve()
+    kinds = list(roots)
     procs, ports = {}, {}
     for kind in kinds:
         ports[kind] = free_port()
         procs[kind] = subprocess.Popen(
-            [sys.executable, "-c", SERVER.format(root=str(ROOT)), kind, str(ports[kind])]
+            [sys.executable, "-c", SERVER, kind, str(ports[kind]), str(roots[kind])]
         )
     time.sleep(2.0)
     rps: dict[str, list[float]] = {k: [] for k in kinds}

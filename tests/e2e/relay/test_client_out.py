@@ -1,7 +1,7 @@
-"""The answer's ClientOut as today's server offers it (proxy.runtime.direct, the
+"""The answer's ClientOut as the server offers it (proxy.runtime.cycle, the
 ``phasewatch.client_out`` extension), on the real guarded protocol over loopback: a
-write goes out at once, framed as uvicorn frames a chunked answer, or as raw bytes
-counted off a content-length (uvicorn's last ``send`` then finds the length met), never
+write goes out at once, framed as a chunk of a chunked answer, or as raw bytes counted
+off a content-length (the last ``send`` then finds the length met), never
 for HEAD; the client's flow is told (``flow``) as the connection's writing pauses and
 resumes; its hang-up is told once (``lost``), never after the watch is taken back, and a
 reply watching through it needs no task; a finished answer's cycle needs no collector."""
@@ -20,7 +20,7 @@ import uvicorn
 
 from proxy.core.answer import Reply
 from proxy.extensions import CLIENT_OUT
-from proxy.runtime.protocol import guarded_protocol
+from proxy.runtime.http1 import guarded_protocol
 
 from ...support.servers import free_port
 
