@@ -86,7 +86,18 @@ class Answer:
     complete, not HEAD, the client there, the connection not ending), `chunked`, and
     `left` (bytes a content-length answer still owes)."""
 
-    __slots__ = ("chunked", "conn", "flow", "gone", "left", "lost", "open", "paused", "put")
+    __slots__ = (
+        "chunked",
+        "conn",
+        "flow",
+        "gone",
+        "left",
+        "lost",
+        "open",
+        "paused",
+        "put",
+        "started",
+    )
 
     def __init__(self, conn: Connection, paused: bool) -> None:
         self.conn = conn
@@ -94,6 +105,7 @@ class Answer:
         self.gone = False
         self.paused = paused
         self.open = False
+        self.started = False  # the head went out
         self.chunked: bool | None = None
         self.left = 0
         self.lost: Callable[[], None] | None = None
@@ -102,6 +114,8 @@ class Answer:
     def write(self, body: bytes, framed: bytes | None = None) -> None:
         """See :meth:`proxy.core.client_out.ClientOut.write`."""
         if not self.open or not body:
+            if not self.started and not self.gone:
+                raise RuntimeError("ClientOut.write before the answer's head")
             return
         if self.chunked:
             self.put(framed if framed is not None else b"%x\r\n%b\r\n" % (len(body), body))
@@ -269,6 +283,7 @@ class Cycle:
                 content.append(b"transfer-encoding: chunked\r\n")
             content.append(b"\r\n")
             answer.chunked = chunked
+            answer.started = True
             conn.real.write(b"".join(content))
             answer.open = not (self.head or conn.closing())
             return

@@ -108,7 +108,12 @@ def test_a_chunked_answer_takes_writes_framed_in_order_with_send():
     ), get
     assert head.endswith(b"\r\n\r\n") and b"written" not in head
     # a HEAD answer takes no body at all, whenever it is written
-    assert seen == [("GET", "refused before the head"), ("GET", "done"), ("HEAD", "done")]
+    assert seen == [
+        ("GET", "refused before the head"),
+        ("GET", "done"),
+        ("HEAD", "refused before the head"),
+        ("HEAD", "done"),
+    ]
 
 
 def test_a_content_length_answer_takes_raw_bytes_counted_off_its_length():
@@ -313,3 +318,43 @@ def _first_cycle_freed(app, cycles: list) -> bool:
         return asyncio.run(main())
     finally:
         gc.enable()
+
+
+def test_a_hang_up_is_told_once_to_the_answer_being_written():
+    """Two requests in one write: the first is answered (its app watches), the second is
+    read after it. When the client leaves, the first's `lost` is called once, its
+    `receive` gets ``http.disconnect``, `gone` is set, and writes are dropped; watching
+    a gone answer calls `lost` at once; a watch taken back is never called."""
+    calls: list[str] = []
+    seen: dict[str, object] = {}
+    done = asyncio.Event()
+
+    async def app(scope, receive, send):
+        out = scope["extensions"][CLIENT_OUT]
+        path = scope["path"]
+        await receive()
+        out.watch(lambda: calls.append(path), lambda paused: None)
+        if path == "/unwatched":
+            out.watch(None, None)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        out.write(b"before")
+        seen[path] = (await receive())["type"], out.gone  # returns once the client left
+        out.write(b"after")  # dropped, no error
+        if path == "/a":
+            out.watch(lambda: calls.append("late"))  # gone already: called at once
+        done.set()
+
+    async def main() -> None:
+        async with served(app) as port:
+            for first in (b"/a", b"/unwatched"):
+                done.clear()
+                reader, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"GET " + first + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+                w.write(b"GET /b HTTP/1.1\r\nhost: x\r\n\r\n")
+                await reader.readuntil(b"before\r\n")
+                w.close()
+                await asyncio.wait_for(done.wait(), 30)
+
+    asyncio.run(main())
+    assert seen == {p: ("http.disconnect", True) for p in ("/a", "/unwatched")}
+    assert calls == ["/a", "late"]
