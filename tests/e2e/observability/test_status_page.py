@@ -123,10 +123,15 @@ def demo():
         deadline = time.monotonic() + 60
         while True:
             data = httpx.get(url + "/phasewatch/api/summary", timeout=10).json()
+            # every figure the page test reads: decode rate, a TTFT band, decode and idle
+            # power (the power ledger settles after each request, behind the rates)
             ready = [
                 r
                 for r in data["rows"]
-                if r["decode_tok_s"] and set(r["ttft_s"]) - {"0-2k", "unknown"}
+                if r["decode_tok_s"]
+                and set(r["ttft_s"]) - {"0-2k", "unknown"}
+                and r.get("decode_watts")
+                and r.get("idle_watts")
             ]
             if (len(ready) >= 3 and len(data["power_points"]) >= 8) or time.monotonic() > deadline:
                 break
