@@ -366,7 +366,9 @@ class Metrics:
             PREFIX + "gpu_power_sample_watts",
             "Power samples, classified by what the "
             "proxy had in flight on the GPU's upstream: idle, prefill, decode. A sample "
-            "taken while that changed (a request ended during the read) is in no state.",
+            "read before the state had held as long as the reading may describe (the "
+            "sensor's refresh, an exporter's lag, a 1 s mean), or while it changed, is "
+            "in no state.",
             BASE + ("gpu", "state"),
             buckets=WATT_BUCKETS,
             registry=r,

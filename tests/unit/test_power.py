@@ -330,7 +330,10 @@ def test_samples_are_classified_and_phase_power_matches_the_trace(monkeypatch):
         for s in ("idle", "prefill", "decode")
     }
     # a tick whose state changed since the last is in no state (idle->prefill->decode)
-    assert counts == {"idle": 199, "prefill": 19, "decode": 79}
+    # a sample is a state's once the state has held as long as a reading may describe
+    # (the counter's 0.1 s refresh and NVML's power usage, a 1 s mean): the first 1.1 s
+    # of each state (and the first second's learning) are in no state
+    assert counts == {"idle": 177, "prefill": 8, "decode": 68}
     sums = {s: total(metrics, "phasewatch_gpu_power_sample_watts_sum", state=s) for s in counts}
     assert sums["idle"] / counts["idle"] == pytest.approx(50.0)
     assert sums["prefill"] / counts["prefill"] == pytest.approx(400.0)
@@ -382,31 +385,29 @@ def test_a_short_prefill_reads_the_prefill_draw_and_a_shorter_one_is_unresolved(
     assert got == pytest.approx(tr.energy(10.05, 12.05), rel=0.001)
 
 
-def test_a_sample_taken_across_a_state_change_is_in_no_state(monkeypatch):
-    """A request that ends between two ticks: the power read at the next tick may hold
-    the GPU's work, not idle, so that sample joins neither state's histogram."""
+def test_a_sample_is_a_states_only_once_the_reading_can_show_it(monkeypatch):
+    """NVML's power usage is a 1 s mean: a sample read within a second of a change blends
+    the state before, so it joins neither state's histogram (a short phase's samples would
+    otherwise read the power of the phase before it), and the state means are exact."""
     up = fake_upstream()
-    tr = Trace(lambda t: 300.0)
+    sc = Scenario(up, [(10.0, 10.0, 13.0, False)])  # decode 10 s - 13 s, idle around
+
+    def mean_1s(t: float) -> float:
+        return sum(sc.power(t - 1.0 + (i + 0.5) * 0.01) for i in range(100)) / 100
+
+    tr = Trace(mean_1s)
     sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
-    ex = FakeExchange(
-        upstream=up,
-        model_label="m-bf16",
-        marks=Marks(t_recv=0.5, t_sent=0.5, t_first=1.0),
-        prepared=SimpleNamespace(stream=True),
-    )
-    up.active.add(ex)
-    tr.now = 1.0
-    sampler.tick()  # decode: counted as decode
-    up.active.discard(ex)
-    tr.now = 1.2
-    sampler.tick()  # idle now, decode at the last tick: in no state
-    tr.now = 1.4
-    sampler.tick()  # idle at both: counted as idle
-    count = "phasewatch_gpu_power_sample_watts_count"
-    assert total(metrics, count, state="decode") == 1
-    assert total(metrics, count, state="idle") == 1
-    # the energy counter and the current gauge still see every sample
-    assert total(metrics, "phasewatch_gpu_power_current_watts") == 300.0
+    tr.now = 0.05
+    sc.advance(tr.now)
+    sampler.tick()
+    run_ticks(sampler, [tr], 16.0, step=lambda rng: 0.1, each=sc.advance)
+    count, sums = "phasewatch_gpu_power_sample_watts_count", "phasewatch_gpu_power_sample_watts_sum"
+    for state, watts in (("decode", Scenario.DECODE), ("idle", Scenario.IDLE)):
+        n = total(metrics, count, state=state)
+        assert n > 0, state
+        assert total(metrics, sums, state=state) / n == pytest.approx(watts), state
+    # the decode's 30 ticks less the reading's 1.1 s (to a tick)
+    assert total(metrics, count, state="decode") == pytest.approx(19, abs=1)
 
 
 def test_energy_is_shared_among_requests_in_flight(monkeypatch):

@@ -116,6 +116,25 @@ class SensorWatch:
             res += USAGE_MEAN_SECONDS
         return res
 
+    def age(self, name: str, poll: float) -> float | None:
+        """How far back a reading of field `name` may describe (s): a refresh period (a
+        reading holds until the next refresh), a DCGM page's collection lag on top, and a
+        1 s mean field's window; never below two polls. None while no period is known. A
+        sample is classified by a state only once the state has held this long: before,
+        it may show the power of the state before. The period is the fastest field's: a
+        field that changes only when the power does (a noiseless sensor) looks slower
+        than it refreshes."""
+        known = [p for f in self.fields.values() if (p := f.period()) is not None]
+        if name not in self.fields or not known:
+            return None
+        period = min(known)
+        age = max(period, 2.0 * poll)
+        if self.source == "dcgm" and period > 1.5 * poll:
+            age += 2.0 * period
+        if name in ("power_usage", "power_average"):
+            age += USAGE_MEAN_SECONDS
+        return age
+
     def min_phase(self, poll: float, now: float) -> float | None:
         res = self.resolution(poll, now)
         return None if res is None else PHASES_PER_RESOLUTION * res

@@ -240,6 +240,7 @@ class PowerSampler:
         self._since: dict[str, float] = {}  # gpu -> start of the energy not yet spread
         self._unspread: dict[str, float] = {}  # gpu -> joules counted, not yet spread
         self._state: dict[str, str] = {}  # gpu -> state at its last tick
+        self._steady: dict[str, float] = {}  # gpu -> since when its state has held
         self._told: dict[str, tuple[float, float]] = {}  # gpu -> resolution logged, when
         self._warned = False
         self.started: float | None = None
@@ -358,6 +359,8 @@ class PowerSampler:
             ring = self.rings.setdefault(gpu, TickRing())
         ring.append(t_c, counts[0], counts[1], seqs)
         state = classify(*counts)
+        if self._state.get(gpu) != state:  # it began after the last tick, at t_c at the latest
+            self._steady[gpu] = t_c
         use = watch.preferred()
         counter = r.energy_mj if use == "energy_counter" else None
         watts = r.instant if r.instant is not None else r.watts
@@ -387,8 +390,14 @@ class PowerSampler:
             pj, pi = self._pending.get(gpu, (0.0, 0.0))
             self._pending[gpu] = (pj + spread, pi + idle)
         else:
+            # a sample is the state's only when the state held over all the reading may
+            # describe (a lagged or averaged field still shows the state before) and
+            # still holds once the source has answered
+            age = watch.age("power_instant" if r.instant is not None else "power_usage", self.poll)
             same = (
-                self._state.get(gpu, state) == state and classify(*after.get(gpu, counts)) == state
+                age is not None
+                and t_c - self._steady.get(gpu, t_c) >= age
+                and classify(*after.get(gpu, counts)) == state
             )
             self._publish(gpu, watts, spread, idle, state if same else None)
         self._state[gpu] = state

@@ -112,8 +112,10 @@ def browser():
 @pytest.fixture(scope="module")
 def demo():
     port = free_port()
+    # speed 2: a decode lasts long enough (int4's the shortest) for the simulated 100 ms
+    # sensor behind a 100 ms exporter to resolve it; at 10 it is unresolved
     proc, log = _spawn(
-        ["demo", "--port", str(port), "--speed", "10", "--rate", "4", "--seed", "3"],
+        ["demo", "--port", str(port), "--speed", "2", "--rate", "4", "--seed", "3"],
         port,
         "/phasewatch/health",
     )
