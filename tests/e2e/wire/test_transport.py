@@ -316,37 +316,22 @@ async def test_trailers_are_dropped():
             await t.aclose()
 
 
-async def test_101_is_a_bodiless_answer_and_the_connection_is_not_reused():
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\n\r\n\x81\x05hello",
+        # without Connection: upgrade the parser stops with an error after the head: the
+        # answer is still a bodiless 101 at once, not a wait nothing would end
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
+    ],
+    ids=["upgrade", "no-connection-upgrade"],
+)
+async def test_101_is_a_bodiless_answer_and_the_connection_is_not_reused(head):
 
     def answer(req: Request) -> Reply:
         if req.target == "/ws":
-            return Reply(
-                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                b"Connection: Upgrade\r\n\r\n\x81\x05hello",
-                then="hang",
-            )
-        return Reply(response(200, b"plain"))
-
-    with FakeEngine(answer) as engine:
-        t = transport()
-        try:
-            resp, data = await asyncio.wait_for(fetch(t, "GET", engine.url + "/ws"), 10)
-            assert (resp.status_code, data) == (101, b"")
-            resp, data = await fetch(t, "GET", engine.url + "/x")
-            assert data == b"plain"
-            assert engine.connections == 2
-        finally:
-            await t.aclose()
-
-
-async def test_101_without_connection_upgrade_is_answered_not_left_waiting():
-    """The parser stops after a 101 that does not say ``Connection: upgrade`` (an error,
-    not an upgrade): the answer is still a bodiless 101, at once, never a wait for a read
-    timeout that nothing would fire."""
-
-    def answer(req: Request) -> Reply:
-        if req.target == "/ws":
-            return Reply(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", then="hang")
+            return Reply(head, then="hang")
         return Reply(response(200, b"plain"))
 
     with FakeEngine(answer) as engine:
