@@ -297,7 +297,7 @@ class Relay:
         resp = None
         try:
             resp = await self.call.open_route(
-                route, scope, ex.prepared.body, ex.marks, extra, admitted.move
+                route, scope, ex.prepared.body, ex.marks, extra, admitted.move, ex.prepared.tail
             )
             await self.responder.respond(reply, resp, ex)
         except UpstreamFailure as exc:

@@ -40,17 +40,19 @@ class UpstreamCall:
         self,
         route: Route,
         scope: Scope,
-        body: bytes,
+        body: bytes | memoryview,
         marks: Marks | None = None,
         extra: Headers | None = None,
         moving: Moving | None = None,
+        tail: bytes = b"",
     ) -> httpx.Response:
         """Send the request to the route's upstream, then to the next member of its pool
         while it could not be sent; a request that was sent is never sent again. The
-        route's upstream is, when this returns or raises, the last one tried."""
+        route's upstream is, when this returns or raises, the last one tried. The body
+        sent is `body` then `tail` (see ``Prepared``)."""
         while True:
             try:
-                return await self.open(route.upstream, scope, body, marks, extra)
+                return await self.open(route.upstream, scope, body, marks, extra, tail)
             except UpstreamFailure as exc:
                 if not exc.unsent or not route.chain:
                     raise
@@ -70,9 +72,10 @@ class UpstreamCall:
         self,
         upstream: Upstream,
         scope: Scope,
-        body: bytes,
+        body: bytes | memoryview,
         marks: Marks | None = None,
         extra: Headers | None = None,
+        tail: bytes = b"",
     ) -> httpx.Response:
         """Send the request upstream and return the response with its body unread;
         `extra` headers (the trace context, with --otel) replace the client's of the
@@ -91,11 +94,13 @@ class UpstreamCall:
             url = upstream_url(upstream.url, target, qs)
         except httpx.InvalidURL as exc:
             raise UpstreamFailure(400, "bad_request", f"bad request target: {exc}") from None
-        fields = upstream_fields(method, url, headers, body)
+        fields = upstream_fields(method, url, headers, len(body) + len(tail))
         if marks is not None:
             marks.t_sent = time.monotonic()
         try:
-            resp = await upstream.transport.send(method, url, fields, body, upstream.timeouts)
+            resp = await upstream.transport.send(
+                method, url, fields, body, upstream.timeouts, tail=tail
+            )
         except httpx.ConnectTimeout as exc:
             upstream.eject("timeout", failure_reason(exc, ""))
             raise UpstreamFailure(
@@ -136,16 +141,17 @@ class UpstreamCall:
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
-def upstream_fields(method: str, url: httpx.URL, headers: Headers, body: bytes) -> Headers:
+def upstream_fields(method: str, url: httpx.URL, headers: Headers, size: int) -> Headers:
     """The header fields httpx would send for ``httpx.Request(method, url,
-    headers=headers, content=body)``: `headers` in order, Host and Content-Length added
-    as httpx adds them. Why not build that request: the lean transport takes the parts,
-    and httpx normalises the headers twice and looks each added one up by name, work the
-    request path does not need. Tests hold them (and the bytes sent) to httpx's."""
+    headers=headers, content=body)`` with a body of `size` bytes: `headers` in order,
+    Host and Content-Length added as httpx adds them. Why not build that request: the
+    lean transport takes the parts, and httpx normalises the headers twice and looks each
+    added one up by name, work the request path does not need. Tests hold them (and the
+    bytes sent) to httpx's."""
     names = {k.lower() for k, _ in headers}
     raw = list(headers)
-    if body and b"content-length" not in names:
-        raw.append((b"Content-Length", str(len(body)).encode()))
+    if size and b"content-length" not in names:
+        raw.append((b"Content-Length", str(size).encode()))
         names.add(b"content-length")
     auto: Headers = []
     if b"host" not in names and url.host:

@@ -46,8 +46,13 @@ class Prepared:
     endpoint: str  # bounded label: chat, completions, ollama_chat, ...
     model: str | None
     stream: bool
-    body: bytes  # the bytes to send upstream (the client's unless usage was injected)
+    #: What goes upstream is `body` then `tail`: the client's bytes, or, where usage was
+    #: injected, all of them but the closing brace (a view, not a copy) and a tail that
+    #: adds the field and closes the object. Why two pieces: a copy of a body of many
+    #: MiB holds the event loop for tens of milliseconds (every other stream waits).
+    body: bytes | memoryview
     strip_usage: bool = False  # the proxy asked for usage: remove it on the way back
+    tail: bytes = b""
 
 
 @dataclass(slots=True)

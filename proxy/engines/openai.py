@@ -174,10 +174,9 @@ class OpenAIDialect:
                 # (an empty object is short: a large body is never copied to ask)
                 empty = len(body) <= 64 and body[:-1].rstrip() == b"{"
                 sep = b"" if empty else b","
-                # one copy of a body that may be large
-                prepared.body = b"".join(
-                    (memoryview(body)[:-1], sep, b'"stream_options":{"include_usage":true}}')
-                )
+                # the field added after a view of the body, not in a copy of it
+                prepared.body = memoryview(body)[:-1]
+                prepared.tail = sep + b'"stream_options":{"include_usage":true}}'
                 prepared.strip_usage = True
         elif (
             view is None  # the whole object is at hand (a large body's is not rewritten)

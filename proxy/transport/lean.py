@@ -239,9 +239,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         method: str,
         url: httpx.URL,
         fields: Iterable[tuple[bytes, bytes]],
-        body: bytes,
+        body: bytes | memoryview,
         timeouts: dict,
         request: httpx.Request | None = None,
+        tail: bytes = b"",
     ) -> httpx.Response:
         """Send a request given as its parts (`fields` go on the wire as given: Host and
         the framing included) and return its response, body unread. Why: the relay's
@@ -251,9 +252,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         is this, for an ``httpx.Request``; errors name `request` (or one made for them)."""
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
         # a large body is written after its head, not copied behind it (the event loop's
-        # transport keeps a reference to what the socket does not take at once)
+        # transport keeps a reference to what the socket does not take at once); `tail`
+        # follows it
         large = len(body) > LARGE_BODY
-        wire = request_wire(method, url.raw_path, fields, b"" if large else body)
+        wire = request_wire(method, url.raw_path, fields, () if large else (body, tail))
         resend = method in IDEMPOTENT
         while True:
             conn = self._get(key)
@@ -265,6 +267,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 conn.transport.write(wire)
                 if large:
                     conn.transport.write(body)
+                    if tail:
+                        conn.transport.write(tail)
                 await conn.drain(timeouts.get("write"))
                 while not conn.headers_done:
                     if conn.error is not None:

@@ -30,14 +30,19 @@ def chunked_only(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def request_wire(
-    method: str, raw_path: bytes, fields: Iterable[tuple[bytes, bytes]], body: bytes
+    method: str,
+    raw_path: bytes,
+    fields: Iterable[tuple[bytes, bytes]],
+    body: Iterable[bytes | memoryview],
 ) -> bytes:
-    """A request's bytes as they go on the wire: its line, `fields` as given, its body."""
-    head = [method.encode(), b" ", raw_path, b" HTTP/1.1\r\n"]
+    """A request's bytes as they go on the wire: its line, `fields` as given, then the
+    pieces of its body."""
+    wire: list[bytes | memoryview] = [method.encode(), b" ", raw_path, b" HTTP/1.1\r\n"]
     for k, v in fields:
-        head += [k, b": ", v, b"\r\n"]
-    head.append(b"\r\n")
-    return b"".join(head) + body
+        wire += [k, b": ", v, b"\r\n"]
+    wire.append(b"\r\n")
+    wire += body
+    return b"".join(wire)
 
 
 __all__ = ["chunked_only", "request_wire", "whole_chunk"]

@@ -65,7 +65,10 @@ def test_a_reduction_reads_as_the_whole_body(obj, ascii_only):
     assert whole is not None and part is not None
     assert (part.model, part.stream) == (whole.model, whole.stream)
     if part.strip_usage or "stream_options" not in obj:
-        assert (part.body, part.strip_usage) == (whole.body, whole.strip_usage)
+        sent = bytes(part.body) + part.tail
+        assert (sent, part.strip_usage) == (bytes(whole.body) + whole.tail, whole.strip_usage)
+        if part.strip_usage:
+            assert json.loads(sent) == {**obj, "stream_options": {"include_usage": True}}
 
 
 @pytest.mark.parametrize(
@@ -93,3 +96,19 @@ def test_a_reduction_is_bounded_and_yields():
     assert json.loads(r.result())["model"] == "m" and len(r.result()) < 2 * peek.KEEP
     top = b'{"model":"m",' + b",".join(b'"k%d":0' % i for i in range(600_000)) + b"}"
     assert reduce(top) == b""  # a reduction that would be large: unreadable
+
+
+@pytest.mark.parametrize("trailing", [b"", b" \n"])
+def test_usage_is_added_to_a_large_body_without_copying_it(trailing):
+    """A copy of a body of many MiB would hold the event loop: the prepared body is a view
+    of the client's own bytes and the added field is a tail written after it."""
+    obj = {"model": "m", "messages": [{"role": "user", "content": "x" * (8 << 20)}]}
+    body = json.dumps({**obj, "stream": True}).encode() + trailing
+    prepared = OpenAIDialect().prepare("chat", body, True, reduce(body))
+    assert prepared is not None and prepared.strip_usage
+    assert isinstance(prepared.body, memoryview)
+    if not trailing:
+        assert prepared.body.obj is body
+    assert len(prepared.tail) < 64
+    sent = json.loads(bytes(prepared.body) + prepared.tail)
+    assert sent == {**obj, "stream": True, "stream_options": {"include_usage": True}}

@@ -51,7 +51,7 @@ _URLS = st.sampled_from(
 @settings(max_examples=500, deadline=None)
 @given(_METHODS, _URLS, _HEADERS, st.binary(max_size=64))
 def test_the_fields_are_the_headers_of_httpxs_content_form_request(method, url, headers, body):
-    fields = upstream_fields(method, httpx.URL(url), headers, body)
+    fields = upstream_fields(method, httpx.URL(url), headers, len(body))
     theirs = httpx.Request(method, httpx.URL(url), headers=headers, content=body)
     assert fields == theirs.headers.raw
 
@@ -91,7 +91,7 @@ def test_the_parts_put_the_httpx_request_on_the_wire(method, target, headers, bo
 
     async def by_parts(transport, base):
         url = httpx.URL(base + target)
-        fields = upstream_fields(method.upper(), url, headers, body)
+        fields = upstream_fields(method.upper(), url, headers, len(body))
         return await transport.send(method.upper(), url, fields, body, timeouts)
 
     async def by_httpx(transport, base):

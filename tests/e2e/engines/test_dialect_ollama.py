@@ -158,7 +158,10 @@ def test_v1_strip_is_exact_for_any_split(cuts, case):
 def test_v1_inject_only_when_the_client_did_not_ask():
     d = OllamaDialect()
     p = d.prepare("chat", b'{"model":"m","stream":true,"messages":[]}', True)
-    assert p.strip_usage and p.body.endswith(b',"stream_options":{"include_usage":true}}')
+    assert p.strip_usage
+    assert bytes(p.body) + p.tail == (
+        b'{"model":"m","stream":true,"messages":[],"stream_options":{"include_usage":true}}'
+    )
     # {} means include_usage=false on Ollama (unlike vLLM): inject, strip again
     assert (
         d.prepare("chat", b'{"model":"m","stream":true,"stream_options":{}}', True).body

@@ -6,8 +6,10 @@ pool of two engines with ``--affinity prefix``: the route (the model), the affin
 body. Meanwhile a well-behaved client streams and the health check is polled; their worst
 latency and gap are compared with a baseline measured in the same run, and the proxy's
 peak RSS with its RSS before: each party may hold its own body (the budget admitted it)
-and at most 48 MiB beyond it. The proxy on loopback, two byte-level fake engines; the
-measuring client in a process of its own."""
+and at most 48 MiB beyond it. The proxy on loopback, byte-level fake engines; the
+measuring client in a process of its own, and the engine it streams from in another
+than the pool's (an engine reading 44 MiB bodies holds its own interpreter for tens of
+milliseconds: measured beside them, the gaps would be the engine's, not the proxy's)."""
 
 from __future__ import annotations
 
@@ -78,32 +80,41 @@ def body_of(model: str, first: str, size: int = 0) -> bytes:
 
 @pytest.fixture(scope="module")
 def proxy():
-    # the engines in a process of their own: in the test's, they would share its
+    # the engines in processes of their own: in the test's, they would share its
     # interpreter lock with the hostile clients
-    engines = subprocess.Popen(
-        [sys.executable, "-m", __name__],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert engines.stdout is not None and engines.stdin is not None
-    urls = engines.stdout.readline().split()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", __name__, model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for model in (BIG, STEADY)
+    ]
+    urls = []
+    for proc in procs:
+        assert proc.stdout is not None
+        urls += proc.stdout.readline().split()
+    names = [f"e{i}" for i in range(len(urls))]
+    engines = [arg for name in names for arg in ("--engine", f"{name}=openai")]
     p = start_proxy(
-        *(f"e{i}={url}" for i, url in enumerate(urls)),
-        args=["--engine", "e0=openai", "--engine", "e1=openai", "--affinity", "prefix"],
+        *(f"{name}={url}" for name, url in zip(names, urls, strict=True)),
+        args=[*engines, "--affinity", "prefix"],
     )
     yield p
     p.stop()
-    engines.stdin.close()
-    engines.wait(30)
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(30)
 
 
-def serve_engines() -> None:
-    """Two engines serving both models (a pool for each), until stdin closes."""
+def serve_engines(model: str) -> None:
+    """Engines serving `model` (two, a pool, for the big bodies), until stdin closes."""
     engines = [
-        FakeEngine(models=[STEADY, BIG], script=script, keep_bodies_up_to=64 << 20).start()
-        for _ in range(2)
+        FakeEngine(models=[model], script=script, keep_bodies_up_to=64 << 20).start()
+        for _ in range(2 if model == BIG else 1)
     ]
     print(" ".join(e.url for e in engines), flush=True)
     sys.stdin.read()
@@ -159,4 +170,4 @@ def test_three_clients_with_44_mib_bodies_stall_no_one(proxy):
 
 
 if __name__ == "__main__":
-    serve_engines()
+    serve_engines(sys.argv[1])
