@@ -169,13 +169,17 @@ class OpenAIDialect:
         if self.client_wants_usage(options):
             return prepared
         if "stream_options" not in obj:
-            body = raw.rstrip()
-            if body.endswith(b"}"):
+            # where the object closes, trailing whitespace aside (found, not stripped:
+            # stripping would copy a body that may be large)
+            end = len(raw)
+            while end and raw[end - 1] in b" \t\r\n":
+                end -= 1
+            if end and raw[end - 1] == 0x7D:  # }
                 # (an empty object is short: a large body is never copied to ask)
-                empty = len(body) <= 64 and body[:-1].rstrip() == b"{"
+                empty = end <= 64 and raw[: end - 1].strip() == b"{"
                 sep = b"" if empty else b","
                 # the field added after a view of the body, not in a copy of it
-                prepared.body = memoryview(body)[:-1]
+                prepared.body = memoryview(raw)[: end - 1]
                 prepared.tail = sep + b'"stream_options":{"include_usage":true}}'
                 prepared.strip_usage = True
         elif (
