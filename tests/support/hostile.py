@@ -13,6 +13,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 MODEL = "m"
 
@@ -42,6 +44,34 @@ def usage_event(nl: bytes = b"\n") -> bytes:
 
 
 # --- raw-socket clients ----------------------------------------------------------------------
+
+
+@contextmanager
+def full_backlog() -> Iterator[int]:
+    """A port whose accept queue is full: new SYNs are dropped, a connect never completes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            fillers.append(s)
+        yield port
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+
+
+def closed_port() -> int:
+    """A port nothing listens on: a connect is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def connect(url: str, timeout: float = 10.0) -> socket.socket:

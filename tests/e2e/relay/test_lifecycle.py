@@ -15,8 +15,9 @@ import httpx
 from proxy.fleet import Upstream
 
 from ...support.fake_engine import FakeEngine, Reply, Request, json_bytes, response
+from ...support.hostile import closed_port
 from ...support.in_process import InProcessProxy
-from .test_relay_unit import CHAT, EVENTS, closed_port, count, recorded, streaming
+from .test_relay_unit import CHAT, EVENTS, count, recorded, streaming
 
 
 @contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,7 +18,7 @@ import pytest
 from proxy.measure.metrics import Metrics
 
 from ...support.fake_engine import SSE_HEAD, FakeEngine, Reply, Request, chunk, response
-from ...support.hostile import connect
+from ...support.hostile import closed_port, connect, full_backlog
 from ...support.in_process import InProcessProxy
 from ...support.servers import wait_for
 
@@ -171,33 +170,6 @@ def test_a_plain_body_cut_short_is_left_cut():
                 for part in resp.iter_raw():
                     got += part
         assert got == b"x" * 3000
-
-
-@contextmanager
-def full_backlog() -> Iterator[int]:
-    """A port whose accept queue is full: new SYNs are dropped, a connect never completes."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(4):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-            fillers.append(s)
-        yield port
-    finally:
-        for s in fillers:
-            s.close()
-        listener.close()
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import socket
 import ssl
 
 import httpx
@@ -17,6 +16,7 @@ import trustme
 from proxy.transport import ClientOptions, TLSOptions, make_client, make_transport
 
 from ...support.fake_engine import FakeEngine, Reply, Request, response
+from ...support.hostile import closed_port, full_backlog
 
 
 def transport(**options) -> httpx.AsyncBaseTransport:
@@ -461,33 +461,17 @@ async def test_write_timeout():
 
 async def test_connect_timeout():
     """A listener whose accept queue is full drops new SYNs: the connect never completes."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    try:
-        for _ in range(4):
-            s = socket.socket()
-            s.setblocking(False)
-            s.connect_ex(("127.0.0.1", port))
-            fillers.append(s)
+    with full_backlog() as port:
         t = transport()
         try:
             with pytest.raises(httpx.ConnectTimeout):
                 await fetch(t, "GET", f"http://127.0.0.1:{port}/x", connect_timeout=0.5)
         finally:
             await t.aclose()
-    finally:
-        for s in fillers:
-            s.close()
-        listener.close()
 
 
 async def test_connect_refused():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     t = transport()
     try:
         with pytest.raises(httpx.ConnectError):
