@@ -52,7 +52,13 @@ class Server:
     extra: dict = field(default_factory=dict)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """The log's complete lines. A reader polling the file can catch a line half
+        written (a write that crosses a page boundary lands page by page), and a test
+        that parses the last line must not see its first half as the whole."""
+        text = self.log_path.read_text(errors="replace")
+        if self.proc.poll() is not None:
+            return text  # nothing more is coming: an unfinished last line is all there is
+        return text[: text.rfind("\n") + 1]
 
     def truth(self, at_least: int = 0, timeout: float = 30.0) -> list[dict]:
         """The simulator's ground-truth records (one per finished request); with
