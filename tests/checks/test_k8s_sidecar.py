@@ -6,7 +6,6 @@ settings and is valid Kubernetes. tests/containers/test_kube_sidecar.py plays it
 from __future__ import annotations
 
 import copy
-import re
 from urllib.parse import urlsplit
 
 import kubernetes_validate
@@ -15,7 +14,7 @@ import pytest
 from proxy.api import OPEN_PATHS
 from proxy.settings import Settings
 
-from ..support.kustomize import Unsupported, apply_patch, merge, render
+from ..support.kustomize import Unsupported, apply_patch, expand_env, merge, render
 from ..support.servers import ROOT
 from .test_obs_deploy import NOT_KUBERNETES_API, k8s_versions, settings_env
 
@@ -31,21 +30,6 @@ def sidecar_pod() -> tuple[dict, dict, dict]:
     dep = objects()["Deployment", "vllm"]
     containers = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
     return dep, containers["engine"], containers["phasewatch"]
-
-
-def expand(env: list[dict], values: dict[str, str]) -> dict[str, str]:
-    """The container's environment as the kubelet makes it: $(NAME) replaced by a variable
-    defined earlier in the list (VALUES stand for the downward API's fields); a reference
-    to one defined later, or not at all, is left as it is, as Kubernetes leaves it."""
-    out: dict[str, str] = {}
-    for var in env:
-        if "valueFrom" in var:
-            out[var["name"]] = values[var["name"]]
-        else:
-            out[var["name"]] = re.sub(
-                r"\$\((\w+)\)", lambda m: out.get(m[1], m[0]), str(var["value"])
-            )
-    return out
 
 
 def test_renderer_merges_deletes_and_refuses_as_kustomize_does():
@@ -122,7 +106,7 @@ def test_engine_is_reached_only_through_its_pods_phasewatch():
     assert dep["spec"]["replicas"] >= 2
     assert engine["args"][engine["args"].index("--host") + 1] == "127.0.0.1"
     engine_port = int(engine["args"][engine["args"].index("--port") + 1])
-    env = expand(proxy["env"], {"POD_NAME": "vllm-7d9c-x2x7k", "NODE_IP": "10.0.0.7"})
+    env = expand_env(proxy["env"], {"POD_NAME": "vllm-7d9c-x2x7k", "NODE_IP": "10.0.0.7"})
     # one upstream, the engine on the pod's localhost, named after the pod
     name, url = env["PHASEWATCH_UPSTREAM"].split("=", 1)
     assert name == "vllm-7d9c-x2x7k"
@@ -154,16 +138,19 @@ def test_sidecar_settings_are_phasewatch_settings():
     data = objs["ConfigMap", ref["configMapRef"]["name"]]["data"]
     # the pod's own values replace the base's cluster-wide ones
     assert "PHASEWATCH_UPSTREAM" not in data and "PHASEWATCH_POWER_DCGM_URL" not in data
-    env = expand(proxy["env"], {"POD_NAME": "vllm-0", "NODE_IP": "10.0.0.7"})
+    env = expand_env(proxy["env"], {"POD_NAME": "vllm-0", "NODE_IP": "10.0.0.7"})
     assert not [v for v in env.values() if "$(" in v], "a reference to a later variable"
     settings = {k: v for k, v in {**data, **env}.items() if k.startswith("PHASEWATCH_")}
     assert set(settings) <= settings_env()
     s = Settings(**{k.removeprefix("PHASEWATCH_").lower(): v for k, v in settings.items()})
     assert s.power_dcgm_url == "http://10.0.0.7:9400/metrics"
-    # a reference the kubelet could not expand is caught by expand()
+    # a reference the kubelet could not expand is left unexpanded, and seen above
     broken = copy.deepcopy(proxy["env"])
     broken.append(broken.pop(0))  # POD_NAME after its use
-    assert "$(POD_NAME)" in expand(broken, {"POD_NAME": "p", "NODE_IP": "n"})["PHASEWATCH_UPSTREAM"]
+    assert (
+        "$(POD_NAME)"
+        in expand_env(broken, {"POD_NAME": "p", "NODE_IP": "n"})["PHASEWATCH_UPSTREAM"]
+    )
 
 
 def test_overlay_is_valid_kubernetes():

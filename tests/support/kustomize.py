@@ -13,6 +13,7 @@ the object. tests/checks/test_k8s_sidecar.py checks these rules on small cases.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,19 @@ def merge(base: Any, patch: Any) -> Any:
 
 def _named(items: list) -> bool:
     return bool(items) and all(isinstance(x, dict) and "name" in x for x in items)
+
+
+def expand_env(env: list[dict], fields: dict[str, str]) -> dict[str, str]:
+    """A container's ``env`` as the kubelet makes it: ``$(NAME)`` replaced by a variable
+    defined earlier in the list, FIELDS standing for the downward API's values
+    (``valueFrom``); a reference to a variable defined later, or not at all, stays as
+    written, as Kubernetes leaves it."""
+    out: dict[str, str] = {}
+    for var in env:
+        if "valueFrom" in var:
+            out[var["name"]] = fields[var["name"]]
+        else:
+            out[var["name"]] = re.sub(
+                r"\$\((\w+)\)", lambda m: out.get(m[1], m[0]), str(var["value"])
+            )
+    return out
