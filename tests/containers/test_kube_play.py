@@ -103,8 +103,7 @@ def pod_podman(podman: Podman, folder: Path) -> Podman:
     return kube
 
 
-@pytest.fixture
-def kube(podman: Podman, image: str, tmp_path):
+def require_catatonit() -> None:
     if shutil.which("catatonit") is None and not any(
         p.name == "catatonit" for p in Path("/usr/libexec/podman").glob("*")
     ):
@@ -113,6 +112,11 @@ def kube(podman: Podman, image: str, tmp_path):
             "catatonit (bash .ci/run does it)",
             pytrace=False,
         )
+
+
+@pytest.fixture
+def kube(podman: Podman, image: str, tmp_path):
+    require_catatonit()
     host_port = free_port()
     docs, dep = playable(image, host_port)
     path = tmp_path / f"phasewatch-kube-{os.getpid()}.yaml"

@@ -30,7 +30,7 @@ import yaml
 from ..support.kustomize import render
 from ..support.prometheus import PromServer
 from .podman import ROOT, Podman, free_port, poll
-from .test_kube_play import pod_podman
+from .test_kube_play import pod_podman, require_catatonit
 from .test_kube_sidecar import SCRAPE_S, attributed, chat, idle
 
 pytestmark = pytest.mark.container
@@ -143,6 +143,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(podman: Podman, image: str, tmp_path_factory) -> Iterator[Fleet]:
+    require_catatonit()
     tmp: Path = tmp_path_factory.mktemp("replicas")
     pods = pod_podman(podman, tmp)
     engine_ports = [free_port() for _ in range(ENGINES)]

@@ -32,7 +32,7 @@ import yaml
 from ..support.kustomize import expand_env, render
 from ..support.prometheus import PromServer
 from .podman import ROOT, Podman, free_port, poll
-from .test_kube_play import pod_podman
+from .test_kube_play import pod_podman, require_catatonit
 
 pytestmark = pytest.mark.container
 
@@ -128,6 +128,7 @@ class Sidecars:
 
 @pytest.fixture
 def sidecars(podman: Podman, image: str, tmp_path: Path):
+    require_catatonit()
     ports = [(free_port(), free_port()) for _ in range(PODS)]
     docs, _ = playable(image, ports)
     path = tmp_path / f"phasewatch-sidecar-{os.getpid()}.yaml"
