@@ -29,9 +29,10 @@ import yaml
 
 from ..support.kustomize import render
 from ..support.prometheus import PromServer
+from .kubeprom import SCRAPE_S, Prom, attributed, gpu_counters, idle, seen, unattributed
 from .podman import ROOT, Podman, free_port, poll
 from .test_kube_play import pod_podman, require_catatonit
-from .test_kube_sidecar import SCRAPE_S, attributed, chat, idle
+from .test_kube_sidecar import chat
 
 pytestmark = pytest.mark.container
 
@@ -39,12 +40,6 @@ K8S = ROOT / "deploy" / "k8s"
 REPLICAS = 2
 ENGINES = 2
 SIM_PORT = 8000
-
-
-def unattributed(sel: str = "") -> str:
-    """Energy of requests a replica did not relay (counted once the ledger knows the
-    engine's running count; absent before)."""
-    return f"sum(phasewatch_gpu_unattributed_energy_joules_total{sel} or vector(0))"
 
 
 def decode_tokens(labels: str = "") -> str:
@@ -120,22 +115,20 @@ def replicas_playable(image: str, engines: list[str], ports: list[int]) -> list[
     return [cm, *played]
 
 
-class Fleet:
+class Fleet(Prom):
     def __init__(self, prom: PromServer, replicas: list[int], engines: list[int]) -> None:
-        self.prom, self.replicas, self.engines = prom, replicas, engines
+        super().__init__(prom)
+        self.replicas, self.engines = replicas, engines
         self.urls = [f"http://127.0.0.1:{p}" for p in replicas]
         self.t0 = self.t1 = 0.0
 
-    def value(self, expr: str, at: float | None = None) -> float:
-        params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
-        body = httpx.get(self.prom.url + "/api/v1/query", params=params, timeout=30).json()
-        assert body["status"] == "success", (expr, body)
-        (sample,) = body["data"]["result"]
-        return float(sample["value"][1])
-
     def over(self, expr: str) -> float:
-        """EXPR's change from before the traffic to after it (both idle moments)."""
+        """A count's change from before the traffic to after it (both idle moments)."""
         return self.value(expr, self.t1) - self.value(expr, self.t0)
+
+    def energy(self, selector: str) -> float:
+        """A counter's change between the same moments, interpolated (kubeprom)."""
+        return self.counter_over(selector, self.t0, self.t1)
 
     def replica(self, port: int) -> str:
         return f'{{instance="127.0.0.1:{port}"}}'
@@ -222,6 +215,7 @@ def run_traffic(f: Fleet) -> None:
     poll("the requests end", settled, timeout=60)
     time.sleep(3 * SCRAPE_S)
     f.t1 = time.time()
+    time.sleep(2 * SCRAPE_S)  # samples after t1 for every series
     print(f"\nreplicas: traffic and settling took {time.monotonic() - t_start:.1f} s")
 
 
@@ -240,26 +234,23 @@ def test_requests_and_tokens_sum_over_replicas_to_the_engines_counts(fleet: Flee
 
 
 def test_each_replica_reads_every_joule_and_its_ledger_adds_up(fleet: Fleet):
-    truth = fleet.over(
-        f'sum(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{{instance="127.0.0.1:{fleet.engines[0]}"}}) / 1000'
-    )
+    truth = fleet.energy(gpu_counters(f'{{instance="127.0.0.1:{fleet.engines[0]}"}}')) / 1000
     for port in fleet.replicas:
         sel = fleet.replica(port)
-        seen = fleet.over(f"sum(phasewatch_gpu_energy_joules_total{sel})")
-        ledger = (
-            fleet.value(attributed(sel), fleet.t1)
-            + fleet.value(unattributed(sel), fleet.t1)
-            + fleet.value(idle(sel), fleet.t1)
+        read = fleet.energy(seen(sel))
+        split = sum(
+            fleet.value(f"sum({x} or vector(0))", fleet.t1)
+            for x in (attributed(sel), unattributed(sel), idle(sel))
         )
-        counter = fleet.value(f"sum(phasewatch_gpu_energy_joules_total{sel})", fleet.t1)
+        counter = fleet.value(f"sum({seen(sel)})", fleet.t1)
         print(
-            f"replica {port}: read {seen:.0f} J of the GPUs' {truth:.0f} J; ledger {ledger:.1f} J of {counter:.1f} J"
+            f"replica {port}: read {read:.0f} J of the GPUs' {truth:.0f} J; split {split:.1f} J of {counter:.1f} J"
         )
         # every replica reads all of engine 0's GPUs (counted once per GPU, not summed)
-        assert abs(seen / truth - 1) < 0.03, (port, seen, truth)
+        assert abs(read / truth - 1) < 0.03, (port, read, truth)
         # attributed + unattributed + idle = the counter it read
-        assert abs(ledger - counter) < 1.0, (port, ledger, counter)
-    both = fleet.over("sum(phasewatch_gpu_energy_joules_total)")
+        assert abs(split - counter) < 1.0, (port, split, counter)
+    both = fleet.energy(seen())
     assert abs(both / truth - REPLICAS) < 0.06, (both, truth)
 
 
@@ -271,10 +262,10 @@ def test_each_replica_reads_every_joule_and_its_ledger_adds_up(fleet: Fleet):
 def test_replicas_attributed_energy_sums_to_the_gpus_busy_energy(fleet: Fleet):
     """Each replica charges only its own share of what the engine ran: summed over
     replicas, the attributed energy is what the GPUs drew while the engine ran anything
-    (each replica's counter less its idle), not a multiple of it."""
+    (a replica's counter less its idle), not a multiple of it."""
     sel = fleet.replica(fleet.replicas[0])
-    busy = fleet.over(f"sum(phasewatch_gpu_energy_joules_total{sel})") - fleet.over(idle(sel))
-    shares = sum(fleet.over(attributed(fleet.replica(p))) for p in fleet.replicas)
+    busy = fleet.energy(seen(sel)) - fleet.energy(idle(sel))
+    shares = sum(fleet.energy(attributed(fleet.replica(p))) for p in fleet.replicas)
     print(f"replicas' attributed energy {shares:.0f} J, the GPUs' busy energy {busy:.0f} J")
     assert busy > 0
     assert abs(shares / busy - 1) < 0.05, (shares, busy)

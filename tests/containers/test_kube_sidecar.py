@@ -31,6 +31,15 @@ import yaml
 
 from ..support.kustomize import expand_env, render
 from ..support.prometheus import PromServer
+from .kubeprom import (
+    SCRAPE_S,
+    Prom,
+    attributed,
+    gpu_counters,
+    idle,
+    seen,
+    unattributed,
+)
 from .podman import ROOT, Podman, free_port, poll
 from .test_kube_play import pod_podman, require_catatonit
 
@@ -40,7 +49,6 @@ SIDECAR = ROOT / "deploy" / "k8s-sidecar"
 FLEET_RULES = ROOT / "deploy" / "prometheus" / "rules" / "phasewatch-fleet.yml"
 PODS = 2
 SIM_PORT = 8000
-SCRAPE_S = 1  # Prometheus 2.42 leaves some targets unscraped at 500ms
 
 
 def playable(image: str, ports: list[tuple[int, int]]) -> tuple[list[dict], dict]:
@@ -113,17 +121,11 @@ def playable(image: str, ports: list[tuple[int, int]]) -> tuple[list[dict], dict
     return [cm, *played], dep
 
 
-class Sidecars:
+class Sidecars(Prom):
     def __init__(self, podman: Podman, ports: list[tuple[int, int]], prom: PromServer) -> None:
+        super().__init__(prom)
         self.podman, self.ports, self.prom = podman, ports, prom
         self.urls = [f"http://127.0.0.1:{p}" for p, _ in ports]
-
-    def value(self, expr: str, at: float | None = None) -> float:
-        params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
-        body = httpx.get(self.prom.url + "/api/v1/query", params=params, timeout=30).json()
-        assert body["status"] == "success", (expr, body)
-        (sample,) = body["data"]["result"]
-        return float(sample["value"][1])
 
 
 @pytest.fixture
@@ -184,21 +186,6 @@ def chat(url: str, model: str, i: int) -> int:
     return tokens
 
 
-# Energy in the sidecars' own ledgers, summed over the sidecars chosen (and their GPUs);
-# a sidecar's attributed series appear with its first request.
-def attributed(sel: str = "") -> str:
-    return f"sum(phasewatch_request_phase_energy_joules_total{sel} or vector(0))"
-
-
-def idle(sel: str = "") -> str:
-    return f"sum(phasewatch_gpu_idle_energy_joules_total{sel})"
-
-
-SEEN = "sum(phasewatch_gpu_energy_joules_total)"
-GPU_COUNTERS = 'DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{job="engine"}'  # mJ
-TRUTH = f"sum({GPU_COUNTERS}) / 1000"
-
-
 def test_sidecars_attribute_every_joule_of_their_gpus(sidecars: Sidecars):
     t_start = time.monotonic()
     for url in sidecars.urls:  # ready: the engine beside it answers
@@ -213,7 +200,7 @@ def test_sidecars_attribute_every_joule_of_their_gpus(sidecars: Sidecars):
         "Prometheus scrapes 2 sidecars x 3 GPUs and 2 engines x 3 GPUs",
         lambda: (
             sidecars.value("count(phasewatch_gpu_energy_joules_total)") == 6
-            and sidecars.value(f"count({GPU_COUNTERS})") == 6
+            and sidecars.value(f"count({gpu_counters()})") == 6
             and sidecars.value("count(up == 1)") == 4
         ),
         timeout=60,
@@ -231,39 +218,42 @@ def test_sidecars_attribute_every_joule_of_their_gpus(sidecars: Sidecars):
         tokens = list(pool.map(lambda j: chat(*j), jobs))
     assert all(n > 0 for n in tokens), tokens
 
-    # settled: each sidecar's ledger has split all its GPUs' energy (attributed + idle =
-    # the counter it read), and Prometheus has scraped that
+    # settled: each sidecar's ledger has split all its GPUs' energy (attributed +
+    # unattributed + idle = the counter it read), and Prometheus has scraped that
+    def ledger(sel: str = "") -> list[str]:
+        return [attributed(sel), unattributed(sel), idle(sel)]
+
     def settled():
         now = time.time()
-        seen = sidecars.value(SEEN, now)
-        ledger = sidecars.value(attributed(), now) + sidecars.value(idle(), now)
+        split = sum(sidecars.value(f"sum({x} or vector(0))", now) for x in ledger())
         inflight = sidecars.value("sum(phasewatch_in_flight_requests)", now)
-        return inflight == 0 and abs(ledger - seen) < 1.0 and now
+        return inflight == 0 and abs(split - sidecars.value(f"sum({seen()})", now)) < 1.0 and now
 
     poll("the sidecars' ledgers settle", settled, timeout=60, interval=SCRAPE_S)
     time.sleep(3 * SCRAPE_S)
     t1 = time.time()
+    time.sleep(2 * SCRAPE_S)  # samples after t1 for every series
 
-    def over(expr: str) -> float:
-        return sidecars.value(expr, t1) - sidecars.value(expr, t0)
+    def over(selector: str) -> float:
+        return sidecars.counter_over(selector, t0, t1)
 
-    requests_j, idle_j, truth = over(attributed()), over(idle()), over(TRUTH)
+    requests_j, others_j, idle_j = (over(x) for x in ledger())
+    truth = over(gpu_counters()) / 1000
     print(
-        f"over {t1 - t0:.1f} s: attributed {requests_j:.0f} J + idle {idle_j:.0f} J = "
-        f"{requests_j + idle_j:.0f} J; the GPUs' counters {truth:.0f} J "
-        f"(ratio {(requests_j + idle_j) / truth:.4f})"
+        f"over {t1 - t0:.1f} s: attributed {requests_j:.0f} J + unattributed {others_j:.0f} J"
+        f" + idle {idle_j:.0f} J = {requests_j + others_j + idle_j:.0f} J; the GPUs' "
+        f"counters {truth:.0f} J (ratio {(requests_j + others_j + idle_j) / truth:.4f})"
     )
-    # the requests drew most of it: the comparison is about them, not the idle floor
-    assert requests_j > idle_j, (requests_j, idle_j)
-    assert abs((requests_j + idle_j) / truth - 1) < 0.02, (requests_j, idle_j, truth)
-    # and per pod: each sidecar's sum is its own engine's GPUs
+    assert abs((requests_j + others_j + idle_j) / truth - 1) < 0.02, (requests_j, idle_j, truth)
+    # a sidecar sees every request of its engine: nothing is anyone else's
+    assert others_j < 0.02 * truth, others_j
+    # and per pod: each sidecar's sum is its own engine's GPUs, its requests drew energy
     for http_port, engine_port in sidecars.ports:
         own = f'{{instance="127.0.0.1:{http_port}"}}'
-        gpu = f'{{instance="127.0.0.1:{engine_port}"}}'
-        pod = over(attributed(own)) + over(idle(own))
-        gpus = over(f"sum(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{gpu}) / 1000")
-        print(f"  pod at {http_port}: {pod:.0f} J attributed + idle, its GPUs {gpus:.0f} J")
-        assert abs(pod / gpus - 1) < 0.03, (http_port, pod, gpus)
+        pod = [over(x) for x in ledger(own)]
+        gpus = over(gpu_counters(f'{{instance="127.0.0.1:{engine_port}"}}')) / 1000
+        print(f"  pod at {http_port}: {sum(pod):.0f} J attributed + idle, its GPUs {gpus:.0f} J")
+        assert pod[0] > 0 and abs(sum(pod) / gpus - 1) < 0.03, (http_port, pod, gpus)
     # the fleet rule keeps the pods apart (upstream = pod name): two upstreams
     upstreams = poll(
         "the fleet power rule",
