@@ -1,0 +1,146 @@
+"""The energy-per-token fit (proxy.measure.energy_fit) on synthetic GPUs whose truth is
+known: a power step function sampled by a 100 ms energy counter, seen late."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proxy.measure.energy_fit import (
+    Step,
+    Work,
+    best_fit,
+    figures,
+    fit_gpu,
+    solve,
+)
+
+IDLE, PREFILL, DECODE = 60.0, 420.0, 280.0
+KEY = ("sim", "m", "bf16")
+
+
+def synthetic(n: int, seed: int = 1, lag: float = 0.0, period: float = 0.1, key=KEY):
+    """`n` requests one after another: prefills of 0.05-0.3 s (prompt tokens at 5000/s),
+    decodes of 20-60 tokens at 50/s, idle gaps between; the counter's steps every
+    `period` s, timed `lag` s late. Returns (steps, works, true J per prompt token, true
+    J per output token)."""
+    rng = random.Random(seed)
+    t = 1.0
+    spans = []  # (start, stop, watts)
+    works = []
+    for _ in range(n):
+        prompt = rng.randint(250, 1500)
+        pre = prompt / 5000
+        out = rng.randint(20, 60)
+        sent, first = t, t + pre
+        last = first + out / 50.0
+        spans += [(sent, first, PREFILL), (first, last, DECODE)]
+        works.append(Work(key, sent, first, last, last, prompt, out))
+        t = last + rng.uniform(0.05, 0.5)
+    end = t + 1.0
+
+    def energy(a: float, b: float) -> float:
+        busy = sum(max(0.0, min(b, y) - max(a, x)) * w for x, y, w in spans)
+        idle = (b - a) - sum(max(0.0, min(b, y) - max(a, x)) for x, y, _ in spans)
+        return busy + idle * IDLE
+
+    steps = []
+    a = 0.0
+    while a + period <= end:
+        b = a + period
+        steps.append(Step(a + lag, b + lag, energy(a, b)))
+        a = b
+    return steps, works, PREFILL / 5000, DECODE / 50
+
+
+def test_exact_data_gives_the_truth():
+    steps, works, jp, jd = synthetic(40)
+    sol = fit_gpu(steps, works)
+    assert sol is not None
+    got = dict(zip(sol.columns, sol.coef))
+    assert got[("idle", "")] == pytest.approx(IDLE, rel=1e-6)
+    assert got[(KEY, "prefill")] == pytest.approx(jp, rel=1e-6)
+    assert got[(KEY, "decode")] == pytest.approx(jd, rel=1e-6)
+    assert sol.requests[(KEY, "prefill")] == 40
+
+
+def test_a_lagging_counter_is_found_and_undone():
+    steps, works, jp, jd = synthetic(60, lag=0.07)
+    plain = fit_gpu(steps, works)
+    assert plain is not None
+    best = best_fit(steps, works)
+    assert best is not None
+    assert best.shift == pytest.approx(0.07, abs=0.011)
+    f = figures({"0": best}, {"0": {KEY}})[KEY]
+    assert f["prefill"].joules_per_token == pytest.approx(jp, rel=0.03)
+    assert f["decode"].joules_per_token == pytest.approx(jd, rel=0.03)
+    # watts: joules per token x the phase's tokens per second
+    assert f["prefill"].watts == pytest.approx(PREFILL, rel=0.03)
+    assert f["decode"].watts == pytest.approx(DECODE, rel=0.03)
+    # unshifted, the lag moves prefill energy into the decode after it
+    unshifted = dict(zip(plain.columns, plain.coef))[(KEY, "prefill")]
+    assert abs(unshifted / jp - 1) > 0.1
+
+
+def test_noise_widens_the_interval_and_few_requests_are_unresolved():
+    steps, works, jp, _ = synthetic(60)
+    rng = random.Random(3)
+    noisy = [Step(s.a, s.b, s.joules + rng.gauss(0, 8.0)) for s in steps]
+    few = figures({"0": best_fit(noisy, works[:4])}, {"0": {KEY}})[KEY]["prefill"]
+    assert few.unresolved is not None and "4 requests so far" in few.unresolved
+    assert few.joules_per_token is None
+    many = figures({"0": best_fit(noisy, works)}, {"0": {KEY}})[KEY]["prefill"]
+    assert many.unresolved is None, many
+    assert many.low < jp < many.high
+    assert many.high - many.low <= 0.2 * many.joules_per_token
+    assert many.requests == 60
+
+
+def test_two_groups_on_one_gpu_are_told_apart():
+    a_steps, a_works, jp, jd = synthetic(50, seed=1)
+    other = ("sim", "m2", "int4")
+    # the second group on the same GPU, later, drawing the same power for fewer tokens
+    shift = a_steps[-1].b
+    b_steps, b_works, _, _ = synthetic(50, seed=2, key=other)
+    steps = a_steps + [Step(s.a + shift, s.b + shift, s.joules) for s in b_steps]
+    works = a_works + [
+        Work(
+            other,
+            w.sent + shift,
+            w.first + shift,
+            w.last + shift,
+            w.end + shift,
+            w.prompt_tokens // 2,
+            w.output_tokens // 2,
+        )
+        for w in b_works
+    ]
+    f = figures({"0": fit_gpu(steps, works)}, {"0": {KEY, other}})
+    assert f[KEY]["prefill"].joules_per_token == pytest.approx(jp, rel=0.02)
+    assert f[other]["prefill"].joules_per_token == pytest.approx(2 * jp, rel=0.05)
+    assert f[other]["decode"].joules_per_token == pytest.approx(2 * jd, rel=0.05)
+
+
+def test_steps_under_an_unstreamed_request_are_left_out():
+    steps, works, jp, _ = synthetic(40)
+    # a request whose phases are unknown, drawing 900 W: its steps must not count
+    blind = Work(KEY, steps[-1].b + 0.05, None, None, steps[-1].b + 2.0)
+    more = [Step(steps[-1].b + 0.1 * i, steps[-1].b + 0.1 * (i + 1), 90.0) for i in range(20)]
+    sol = fit_gpu(steps + more, works + [blind])
+    assert sol is not None
+    assert dict(zip(sol.columns, sol.coef))[(KEY, "prefill")] == pytest.approx(jp, rel=1e-6)
+
+
+def test_what_the_data_cannot_determine_is_unresolved():
+    assert fit_gpu([], []) is None
+    steps, works, _, _ = synthetic(3)
+    f = figures({"0": fit_gpu(steps[:5], works)}, {"0": {KEY}})[KEY]
+    assert "too few" in (f["prefill"].unresolved or "")
+    # a phase never seen on its own column: no decode tokens at all
+    bare = [Work(KEY, w.sent, w.first, w.first, w.end, w.prompt_tokens, 0) for w in works]
+    g = figures({"0": fit_gpu(steps, bare)}, {"0": {KEY}})[KEY]
+    assert g["decode"].unresolved == "no decode seen yet"
+    assert g["prefill"].as_dict()["requests"] == 3
+    # a singular system (one column twice over) says so
+    assert solve([({0: 1.0, 1: 1.0}, 2.0)] * 10, 2) is None
