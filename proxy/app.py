@@ -133,7 +133,11 @@ class ProxyApp:
             trace_hook=self.tracing.begin if self.tracing and self.tracing.traces else None,
         )
         self.api = build_api(
-            relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
+            relay=self.relay,
+            upstreams=self.upstreams,
+            status=self.status,
+            access=self.access,
+            energy=self.power.energy,
         )
         # rendered on a worker thread: a big registry must not stall the event loop
         self.exposition = exposition_app(self.metrics.exposition)

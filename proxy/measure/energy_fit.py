@@ -76,7 +76,7 @@ class Work:
 
     def windows(self) -> list[tuple[str, float, float, int]]:
         """(phase, start, stop, tokens) of each phase that has tokens and a length."""
-        out = []
+        out: list[tuple[str, float, float, int]] = []
         if self.first is None:
             return out
         if self.prompt_tokens > 0 and self.first > self.sent:
