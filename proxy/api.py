@@ -108,6 +108,19 @@ class SummaryUpstream(BaseModel):
     stall_reason: str | None = None
 
 
+class EnergyRow(BaseModel):
+    """Energy per token by phase for one upstream x model x precision: each phase is
+    ``{joules_per_token, watts, low, high, requests}`` (low/high: the 95 % interval of
+    joules_per_token) or ``{unresolved, requests}``."""
+
+    upstream: str
+    model: str
+    precision: str
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    unattributed_joules: float = 0.0
+
+
 class Summary(BaseModel):
     version: str
     now: float
@@ -122,25 +135,13 @@ class Summary(BaseModel):
     bands: dict[str, str]
     rows: list[SummaryRow]
     advice: list[AdviceRow] = []  # proxy.measure.advice: which phase to tune, per row
+    energy: list[EnergyRow] = []  # energy per token by phase from many requests
     series: list[dict[str, str]]
     points: list[list[Any]]
     power_points: list[list[Any]]
 
 
 # --- the app ----------------------------------------------------------------------------
-
-
-class EnergyRow(BaseModel):
-    """Energy per token by phase for one upstream x model x precision: each phase is
-    ``{joules_per_token, watts, low, high, requests}`` (low/high: the 95 % interval of
-    joules_per_token) or ``{unresolved, requests}``."""
-
-    upstream: str
-    model: str
-    precision: str
-    prefill: dict[str, Any]
-    decode: dict[str, Any]
-    unattributed_joules: float = 0.0
 
 
 def build_api(

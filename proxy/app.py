@@ -99,6 +99,7 @@ class ProxyApp:
         self.recorder.listeners.append(self.power.on_request)
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
+        self.status.energy = self.power.energy
         self.recorder.listeners.append(self.status.on_request)
         # Streams whose output stopped: scanned in the background, rates learnt per request.
         self.stalls = StallWatch(settings.stall_options(), self.metrics, self.upstreams)

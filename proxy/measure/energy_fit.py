@@ -21,8 +21,9 @@ exporter's lag moves them. The fit tries shifts of the steps against the request
 keeps the one that leaves the least residual (the lag is one unknown more, per GPU).
 
 A figure comes with its 95 % interval (ordinary least squares' standard errors) and the
-number of requests behind it; it is given only when the interval is within
-:data:`TIGHT` of it, else it says why not. Pure: no I/O, no clock.
+number of requests behind it; it is given only when it rests on :data:`MIN_REQUESTS`
+or more and the interval is within :data:`TIGHT` of it, else it says why not. Pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from dataclasses import dataclass, field
 
 #: A figure is given once its 95 % interval is within this share of it.
 TIGHT = 0.10
+#: The fewest requests a figure rests on: with fewer, the steps' lag and the residuals'
+#: spread are fitted to a handful of edges and the interval is not to be trusted.
+MIN_REQUESTS = 10
 #: Two-sided 95 % quantile of the normal distribution (there are many more steps than
 #: unknowns, so Student's t is the same to the second decimal).
 Z95 = 1.96
@@ -356,6 +360,11 @@ def _figure(key: GroupKey, phase: str, fits: list[tuple[str, Solution | None]]) 
         i = sol.columns.index(k)
         value += sol.coef[i]
         var += sol.cov[i][i]
+    if requests < MIN_REQUESTS:
+        return Figure(
+            requests=requests,
+            unresolved=f"{requests} requests so far: a figure needs at least {MIN_REQUESTS}",
+        )
     half = Z95 * math.sqrt(max(0.0, var))
     if value <= 0 or half > TIGHT * value:
         width = f"±{100 * half / value:.0f} %" if value > 0 else "not above zero"

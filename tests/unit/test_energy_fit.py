@@ -88,8 +88,12 @@ def test_noise_widens_the_interval_and_few_requests_are_unresolved():
     rng = random.Random(3)
     noisy = [Step(s.a, s.b, s.joules + rng.gauss(0, 8.0)) for s in steps]
     few = figures({"0": best_fit(noisy, works[:4])}, {"0": {KEY}})[KEY]["prefill"]
-    assert few.unresolved is not None and "4 requests so far" in few.unresolved
+    assert few.unresolved == "4 requests so far: a figure needs at least 10"
     assert few.joules_per_token is None
+    wide = figures({"0": best_fit(noisy, works[:14])}, {"0": {KEY}})[KEY]["prefill"]
+    assert wide.unresolved is not None and "14 requests so far: the 95 % interval is ±" in (
+        wide.unresolved
+    )
     many = figures({"0": best_fit(noisy, works)}, {"0": {KEY}})[KEY]["prefill"]
     assert many.unresolved is None, many
     assert many.low < jp < many.high
@@ -141,6 +145,9 @@ def test_what_the_data_cannot_determine_is_unresolved():
     bare = [Work(KEY, w.sent, w.first, w.first, w.end, w.prompt_tokens, 0) for w in works]
     g = figures({"0": fit_gpu(steps, bare)}, {"0": {KEY}})[KEY]
     assert g["decode"].unresolved == "no decode seen yet"
-    assert g["prefill"].as_dict()["requests"] == 3
+    assert g["prefill"].as_dict() == {
+        "unresolved": "3 requests so far: a figure needs at least 10",
+        "requests": 3,
+    }
     # a singular system (one column twice over) says so
     assert solve([({0: 1.0, 1: 1.0}, 2.0)] * 10, 2) is None
