@@ -14,12 +14,15 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import subprocess
+import sys
 
 import httpx
 
 from proxy.sim.physics import DEFAULT_MODELS, RTX_4090, prefill_seconds
 
-from ...support.servers import metric_samples, stream_chat, wait_for
+from ...support.browser import Browser
+from ...support.servers import _spawn, free_port, metric_samples, stream_chat, wait_for
 from .test_power_sensors import REALISTIC, learnt, start, total
 
 MODELS = {m.profile.name: m for m in DEFAULT_MODELS}  # precision -> spec; GPU i = model i
@@ -138,12 +141,61 @@ def test_short_prefills_energy_per_token_from_many_requests():
             assert abs(dec["joules_per_token"] / t["decode"] - 1) <= LIMIT["decode"], got[p]
             assert abs(pre["watts"] / t["prefill_watts"] - 1) <= LIMIT["watts"], got[p]
             assert row["unattributed_joules"] >= 0.0
-            # the gauges carry the same figures
+            # the gauges carry the same figures (refitted every few seconds since)
             for ph, fig in (("prefill", pre), ("decode", dec)):
                 lab = {"precision": p, "phase": ph}
                 g = total(s, "phasewatch_energy_per_token_joules", bound="estimate", **lab)
                 assert g > 0 and abs(g / fig["joules_per_token"] - 1) < 0.3, (p, ph, g, fig)
                 assert total(s, "phasewatch_energy_fit_requests", **lab) == REQUESTS
+        # and `phasewatch report --format json` the same rows, under `energy`
+        out = subprocess.run(
+            [sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        energy = {r["precision"]: r for r in json.loads(out.stdout)["energy"]}
+        assert set(energy) == set(MODELS)
+        for row in rows:
+            rep = energy[row["precision"]]
+            for ph in ("prefill", "decode"):
+                assert rep[ph]["requests"] == REQUESTS, rep
+                assert abs(rep[ph]["joules_per_token"] / row[ph]["joules_per_token"] - 1) < 0.05
     finally:
         proxy.stop()
         sim.stop()
+
+
+def test_the_demo_shows_prefill_watts_per_precision_soon():
+    """``phasewatch demo`` as a new user starts it (the ampere sensor behind a 100 ms
+    exporter, chat-length prompts mostly): within two minutes the status page shows a
+    prefill W figure for every precision, the fit's where single prefills are too short."""
+    port = free_port()
+    proc, log = _spawn(["demo", "--port", str(port)], port, "/phasewatch/health")
+    browser = Browser()
+    try:
+        page = browser.page(f"http://127.0.0.1:{port}/", 1400, 900)
+        shown = page.wait(
+            """(() => {
+              const cells = [...document.querySelectorAll('tr[data-precision] td[data-col="prefillw"]')];
+              const got = cells.map(c => [c.parentElement.dataset.precision, c.textContent,
+                                          c.dataset.source || "single", c.title]);
+              return got.length >= 3 && got.every(g => /^[0-9]+$/.test(g[1])) && got;
+            })()""",
+            timeout=120,
+        )
+        print("DEMO", json.dumps(shown))
+        assert {g[0] for g in shown} == set(MODELS)
+        for _, watts, source, title in shown:
+            assert 22 < float(watts) < 450  # between the simulated GPU's idle draw and TDP
+            if source == "fit":
+                assert title.startswith("fitted from "), title
+    finally:
+        browser.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.unlink(missing_ok=True)
