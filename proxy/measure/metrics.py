@@ -436,8 +436,8 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
         # energy per token by phase, fitted from many requests (proxy.measure.energy_fit)
-        self.energy_per_token_joules = Gauge(
-            PREFIX + "energy_per_token_joules",
+        self.gpu_energy_per_token_joules = Gauge(
+            PREFIX + "gpu_energy_per_token_joules",
             "GPU energy per prompt token (phase=prefill) or per output token (phase=decode) "
             "fitted over the energy counter's steps from many requests, the board's whole "
             "draw while the phase runs; bound=estimate, or low / high of its 95 % interval. "
@@ -446,16 +446,16 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
-        self.energy_phase_watts = Gauge(
-            PREFIX + "energy_phase_watts",
-            "GPU power while the phase runs, from the fit: energy_per_token_joules times "
+        self.gpu_power_fitted_watts = Gauge(
+            PREFIX + "gpu_power_fitted_watts",
+            "GPU power while the phase runs, from the fit: gpu_energy_per_token_joules times "
             "the phase's tokens per second. Absent until the fit is tight.",
             BASE + ("phase",),
             registry=r,
             multiprocess_mode="livemostrecent",
         )
-        self.energy_fit_requests = Gauge(
-            PREFIX + "energy_fit_requests",
+        self.gpu_energy_fit_requests = Gauge(
+            PREFIX + "gpu_energy_fit_requests",
             "Requests the energy-per-token fit of this phase rests on (its window).",
             BASE + ("phase",),
             registry=r,

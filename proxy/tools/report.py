@@ -81,9 +81,9 @@ _SHARED_GAUGES = (
     "engine_kv_cache_capacity_tokens",
     "engine_slots",
     # energy per token by phase, fitted by each proxy over the GPU's counter
-    "energy_per_token_joules",
-    "energy_phase_watts",
-    "energy_fit_requests",
+    "gpu_energy_per_token_joules",
+    "gpu_power_fitted_watts",
+    "gpu_energy_fit_requests",
 )
 
 
@@ -439,7 +439,7 @@ def energy_rows(source: str, samples: Samples, timeout: float = 15.0) -> list[di
     except (httpx.HTTPError, ValueError):
         pass
     rows: dict[tuple[str, str, str], dict] = {}
-    for s in samples.get(PREFIX + "energy_fit_requests"):
+    for s in samples.get(PREFIX + "gpu_energy_fit_requests"):
         key = (
             s.labels.get("upstream", ""),
             s.labels.get("model", ""),
@@ -453,9 +453,9 @@ def energy_rows(source: str, samples: Samples, timeout: float = 15.0) -> list[di
         lab = dict(zip(("upstream", "model", "precision"), key), phase=phase)
         got = {
             b.labels.get("bound"): b.value
-            for b in samples.get(PREFIX + "energy_per_token_joules", **lab)
+            for b in samples.get(PREFIX + "gpu_energy_per_token_joules", **lab)
         }
-        watts = samples.get(PREFIX + "energy_phase_watts", **lab)
+        watts = samples.get(PREFIX + "gpu_power_fitted_watts", **lab)
         if "estimate" in got:
             row[phase] = {
                 "joules_per_token": got["estimate"],

@@ -154,11 +154,11 @@ class EnergyFitter:
             self._published.add(key)
             for phase in PHASES:
                 f: Figure = phases[phase]
-                m.energy_fit_requests.labels(*key, phase).set(f.requests)
+                m.gpu_energy_fit_requests.labels(*key, phase).set(f.requests)
                 if f.unresolved is not None:  # absent, not zero
                     for bound in ("estimate", "low", "high"):
-                        _remove(m.energy_per_token_joules, key + (phase, bound))
-                    _remove(m.energy_phase_watts, key + (phase,))
+                        _remove(m.gpu_energy_per_token_joules, key + (phase, bound))
+                    _remove(m.gpu_power_fitted_watts, key + (phase,))
                     continue
                 for bound, v in (
                     ("estimate", f.joules_per_token),
@@ -166,9 +166,9 @@ class EnergyFitter:
                     ("high", f.high),
                 ):
                     if v is not None:
-                        m.energy_per_token_joules.labels(*key, phase, bound).set(v)
+                        m.gpu_energy_per_token_joules.labels(*key, phase, bound).set(v)
                 if f.watts is not None:
-                    m.energy_phase_watts.labels(*key, phase).set(f.watts)
+                    m.gpu_power_fitted_watts.labels(*key, phase).set(f.watts)
 
     def rows(self) -> list[dict]:
         """``GET /phasewatch/api/energy``: one row per upstream x model x precision."""

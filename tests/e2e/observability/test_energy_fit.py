@@ -144,9 +144,9 @@ def test_short_prefills_energy_per_token_from_many_requests():
             # the gauges carry the same figures (refitted every few seconds since)
             for ph, fig in (("prefill", pre), ("decode", dec)):
                 lab = {"precision": p, "phase": ph}
-                g = total(s, "phasewatch_energy_per_token_joules", bound="estimate", **lab)
+                g = total(s, "phasewatch_gpu_energy_per_token_joules", bound="estimate", **lab)
                 assert g > 0 and abs(g / fig["joules_per_token"] - 1) < 0.3, (p, ph, g, fig)
-                assert total(s, "phasewatch_energy_fit_requests", **lab) == REQUESTS
+                assert total(s, "phasewatch_gpu_energy_fit_requests", **lab) == REQUESTS
         # and `phasewatch report --format json` the same rows, under `energy`
         out = subprocess.run(
             [sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--format", "json"],
