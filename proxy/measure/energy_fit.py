@@ -20,7 +20,7 @@ A step's times are the sampler's estimate of when the counter stepped; a sensor'
 exporter's lag moves them. The fit tries shifts of the steps against the requests and
 keeps the one that leaves the least residual (the lag is one unknown more, per GPU).
 
-A figure comes with its 95 % interval (ordinary least squares' standard errors) and the
+A figure comes with its 95 % interval (least squares' standard errors) and the
 number of requests behind it; it is given only when it rests on :data:`MIN_REQUESTS`
 or more and the interval is within :data:`TIGHT` of it, else it says why not. Pure: no
 I/O, no clock.
@@ -233,32 +233,36 @@ def _cholesky_inverse(a: list[list[float]]) -> list[list[float]] | None:
 
 
 def solve(
-    rows: Sequence[tuple[dict[int, float], float]], p: int
+    rows: Sequence[tuple[dict[int, float], float]],
+    p: int,
+    weights: Sequence[float] | None = None,
 ) -> tuple[list[float], list[list[float]], float] | None:
-    """Ordinary least squares over sparse rows: (coefficients, covariance, residual sum
-    of squares), None when the columns do not determine them. Columns are scaled to unit
-    size first, so seconds and token counts sit in one well-conditioned system."""
+    """(Weighted) least squares over sparse rows: (coefficients, covariance, weighted
+    residual sum of squares), None when the columns do not determine them. Columns are
+    scaled to unit size first, so seconds and token counts sit in one well-conditioned
+    system."""
     n = len(rows)
     if n <= p:
         return None
+    ws = weights if weights is not None else [1.0] * n
     norm = [0.0] * p
-    for row, _ in rows:
+    for (row, _), w in zip(rows, ws):
         for c, v in row.items():
-            norm[c] += v * v
+            norm[c] += w * v * v
     if any(x <= 0 for x in norm):
         return None
     scale = [1.0 / math.sqrt(x) for x in norm]
     xtx = [[0.0] * p for _ in range(p)]
     xty = [0.0] * p
     yy = 0.0
-    for row, y in rows:
+    for (row, y), w in zip(rows, ws):
         items = [(c, v * scale[c]) for c, v in row.items()]
         for c, v in items:
-            xty[c] += v * y
+            xty[c] += w * v * y
             r = xtx[c]
             for d, u in items:
-                r[d] += v * u
-        yy += y * y
+                r[d] += w * v * u
+        yy += w * y * y
     inv = _cholesky_inverse(xtx)
     if inv is None:
         return None
@@ -271,15 +275,27 @@ def solve(
     return coef, cov, rss
 
 
-def fit_gpu(steps: Sequence[Step], works: Sequence[Work], shift: float = 0.0) -> Solution | None:
+def fit_gpu(
+    steps: Sequence[Step], works: Sequence[Work], shift: float = 0.0, weighted: bool = True
+) -> Solution | None:
     """One GPU's fit with the steps moved `shift` s earlier; None when it is not
-    determined (too few steps, or a phase that never ran apart from another)."""
+    determined (too few steps, or a phase that never ran apart from another).
+
+    Weighted (the default), each step counts in inverse proportion to the energy the
+    plain fit predicts for it (a step's error grows with its energy): a phase's joules
+    per token is then a ratio of sums, as the truth is, rather than dominated by the
+    steps that held the most tokens (a big batch, cheaper per token)."""
     steps = sorted(steps, key=lambda s: s.a)
     cols, rows = _rows(steps, works, shift)
     p = len(cols)
     if p < 2 or len(rows) < STEPS_PER_UNKNOWN * p:
         return None
     got = solve(rows, p)
+    if got is not None and weighted:
+        coef = got[0]
+        fitted = [sum(coef[c] * v for c, v in row.items()) for row, _ in rows]
+        floor = 0.1 * max(1e-9, sorted(fitted)[len(fitted) // 2])
+        got = solve(rows, p, [1.0 / max(floor, f) for f in fitted]) or got
     if got is None:
         return None
     coef, cov, rss = got
@@ -310,17 +326,18 @@ def best_fit(steps: Sequence[Step], works: Sequence[Work]) -> Solution | None:
         if shift in tried:
             return
         tried.add(shift)
-        sol = fit_gpu(steps, works, shift)
+        sol = fit_gpu(steps, works, shift, weighted=False)
         if sol is not None and (best is None or sol.rss < best.rss):
             best = sol
 
     for s in COARSE_SHIFTS:
         at(s)
-    if best is not None:
-        centre = best.shift
-        for k in (-3, -2, -1, 1, 2, 3):
-            at(centre + k * FINE_SHIFT)
-    return best
+    if best is None:
+        return None
+    centre = best.shift
+    for k in (-3, -2, -1, 1, 2, 3):
+        at(centre + k * FINE_SHIFT)
+    return fit_gpu(steps, works, best.shift)
 
 
 # --- the figures ------------------------------------------------------------------------------

@@ -151,3 +151,35 @@ def test_what_the_data_cannot_determine_is_unresolved():
     }
     # a singular system (one column twice over) says so
     assert solve([({0: 1.0, 1: 1.0}, 2.0)] * 10, 2) is None
+
+
+def test_a_batch_cheaper_per_token_gives_the_ratio_of_sums():
+    """Decode alone (280 W, 50 tok/s) and four at once (300 W, 4 x 45 tok/s): the truth is
+    all decode energy over all decode tokens. Plain least squares leans to the batched
+    steps, which hold the most tokens; the weighted fit gives the ratio of sums."""
+    spans, works = [], []
+    t = 1.0
+    for i in range(60):
+        batch = 1 if i % 2 else 4
+        first, last = t + 0.1 * batch, t + 0.1 * batch + 1.0
+        spans += [(t, first, PREFILL), (first, last, DECODE if batch == 1 else 300.0)]
+        works += [
+            Work(KEY, t, first, last, last, 500, 50 if batch == 1 else 45) for _ in range(batch)
+        ]
+        t = last + 0.3
+    steps = []
+    for k in range(int(t / 0.1) + 2):
+        a, b = 0.1 * k, 0.1 * (k + 1)
+        busy = [(max(0.0, min(b, y) - max(a, x)), w) for x, y, w in spans]
+        steps.append(
+            Step(a, b, sum(d * w for d, w in busy) + IDLE * (0.1 - sum(d for d, _ in busy)))
+        )
+    # 1 s of decode each round: 30 rounds alone, 30 rounds of four
+    truth = (30 * DECODE + 30 * 300.0) / (30 * 50 + 30 * 4 * 45)
+
+    def decode(sol):
+        assert sol is not None
+        return sol.coef[sol.columns.index((KEY, "decode"))]
+
+    assert abs(decode(fit_gpu(steps, works, weighted=False)) / truth - 1) > 0.08
+    assert decode(fit_gpu(steps, works)) == pytest.approx(truth, rel=0.03)
