@@ -314,9 +314,13 @@ def fit_gpu(
     return sol
 
 
-def best_fit(steps: Sequence[Step], works: Sequence[Work]) -> Solution | None:
+def best_fit(
+    steps: Sequence[Step], works: Sequence[Work], around: float | None = None
+) -> Solution | None:
     """:func:`fit_gpu` at the shift that leaves the least residual: a coarse pass over
-    :data:`COARSE_SHIFTS`, then steps of :data:`FINE_SHIFT` round the best."""
+    :data:`COARSE_SHIFTS`, then steps of :data:`FINE_SHIFT` round the best. Given the
+    shift found last time (`around`), only its neighbours are tried (the lag of a sensor
+    path hardly changes; a sixth of the work)."""
     best: Solution | None = None
     tried: set[float] = set()
 
@@ -330,13 +334,18 @@ def best_fit(steps: Sequence[Step], works: Sequence[Work]) -> Solution | None:
         if sol is not None and (best is None or sol.rss < best.rss):
             best = sol
 
-    for s in COARSE_SHIFTS:
-        at(s)
+    if around is not None:
+        for k in (-1, 0, 1):
+            at(around + k * FINE_SHIFT)
+    else:
+        for s in COARSE_SHIFTS:
+            at(s)
+        if best is not None:
+            centre = best.shift
+            for k in (-3, -2, -1, 1, 2, 3):
+                at(centre + k * FINE_SHIFT)
     if best is None:
         return None
-    centre = best.shift
-    for k in (-3, -2, -1, 1, 2, 3):
-        at(centre + k * FINE_SHIFT)
     return fit_gpu(steps, works, best.shift)
 
 

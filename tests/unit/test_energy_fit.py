@@ -72,6 +72,9 @@ def test_a_lagging_counter_is_found_and_undone():
     best = best_fit(steps, works)
     assert best is not None
     assert best.shift == pytest.approx(0.07, abs=0.011)
+    # from a neighbouring lag found before, only its neighbours are tried
+    again = best_fit(steps, works, around=0.06)
+    assert again is not None and again.shift == pytest.approx(0.07, abs=0.001)
     f = figures({"0": best}, {"0": {KEY}})[KEY]
     assert f["prefill"].joules_per_token == pytest.approx(jp, rel=0.03)
     assert f["decode"].joules_per_token == pytest.approx(jd, rel=0.03)

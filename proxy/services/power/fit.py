@@ -29,6 +29,8 @@ FIT_EVERY = 5.0
 #: The most steps and requests kept per GPU (a bound on memory and on the fit's cost).
 MAX_STEPS = 30000
 MAX_WORKS = 20000
+#: Every this many fits the steps' lag is searched afresh; between, only round the last.
+FULL_SEARCH_EVERY = 12
 _UNATTRIBUTED = "phasewatch_gpu_unattributed_energy_joules_total"
 
 
@@ -47,8 +49,11 @@ class EnergyFitter:
         self.steps: dict[str, collections.deque[Step]] = {}
         self.works: dict[str, collections.deque[Work]] = {}
         self.figures: dict[tuple[str, str, str], dict[str, Figure]] = {}
-        self._published: set[tuple[str, str, str]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._added = 0  # requests added (a fit runs only when some were)
+        self._fitted = 0  # ... as of the last fit
+        self._fits = 0
+        self._shifts: dict[str, float] = {}  # gpu -> the lag found last
 
     # --- in ------------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class EnergyFitter:
                     if q is None:
                         q = self.works[gpu] = collections.deque(maxlen=MAX_WORKS)
                     q.append(work)
+                    self._added += 1
 
     # --- the fit ---------------------------------------------------------------------------
 
@@ -114,20 +120,28 @@ class EnergyFitter:
                 out[gpu] = ([s for s in q if s.b <= cut], list(works))
         return out
 
-    def compute(self, now: float | None = None) -> dict:
-        """Fit every GPU now (blocking: call it off the loop); the figures by group."""
-        snap = self._snapshot(self.clock() if now is None else now)
-        return self.fit(snap)
-
-    @staticmethod
-    def fit(snap: dict[str, tuple[list[Step], list[Work]]]) -> dict:
-        solutions = {gpu: best_fit(steps, works) for gpu, (steps, works) in snap.items()}
+    def fit(self, snap: dict[str, tuple[list[Step], list[Work]]]) -> dict:
+        """Fit every GPU of `snap` (blocking: run it off the loop); the figures by group."""
+        # the first fits rest on few requests: their lag is searched in full each time
+        full = self._fits < FULL_SEARCH_EVERY or self._fits % FULL_SEARCH_EVERY == 0
+        self._fits += 1
+        solutions = {}
+        for gpu, (steps, works) in snap.items():
+            sol = best_fit(steps, works, None if full else self._shifts.get(gpu))
+            if sol is not None:
+                self._shifts[gpu] = sol.shift
+            solutions[gpu] = sol
         serving = {gpu: {w.key for w in works} for gpu, (_, works) in snap.items()}
         return figures(solutions, serving)
 
     async def refresh(self) -> None:
+        """Refit, when requests finished since the last fit."""
+        added = self._added
+        if added == self._fitted:
+            return
         snap = self._snapshot(self.clock())
         got = await asyncio.to_thread(self.fit, snap)
+        self._fitted = added
         self.figures = got
         self._publish(got)
 
@@ -151,7 +165,6 @@ class EnergyFitter:
     def _publish(self, got: dict) -> None:
         m = self.metrics
         for key, phases in got.items():
-            self._published.add(key)
             for phase in PHASES:
                 f: Figure = phases[phase]
                 m.gpu_energy_fit_requests.labels(*key, phase).set(f.requests)
