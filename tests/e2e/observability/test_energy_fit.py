@@ -147,6 +147,24 @@ def test_short_prefills_energy_per_token_from_many_requests():
                 g = total(s, "phasewatch_gpu_energy_per_token_joules", bound="estimate", **lab)
                 assert g > 0 and abs(g / fig["joules_per_token"] - 1) < 0.3, (p, ph, g, fig)
                 assert total(s, "phasewatch_gpu_energy_fit_requests", **lab) == REQUESTS
+        # the status page shows each precision's prefill watts from the fit
+        browser = Browser()
+        try:
+            page = browser.page(proxy.url + "/phasewatch/", 1400, 900)
+            cells = page.wait(
+                """(() => {
+                  const got = [...document.querySelectorAll('tr[data-precision] td[data-col="prefillw"]')]
+                    .map(c => [c.parentElement.dataset.precision, c.textContent, c.dataset.source || ""]);
+                  return got.length >= 3 && got.every(g => g[2] === "fit") && got;
+                })()""",
+                timeout=30,
+            )
+        finally:
+            browser.close()
+        print("PAGE", json.dumps(cells))
+        for p, text, _ in cells:
+            t = truth[p]["prefill_watts"]
+            assert abs(float(text) / t - 1) <= LIMIT["watts"], (p, text, t)
         # and `phasewatch report --format json` the same rows, under `energy`
         out = subprocess.run(
             [sys.executable, "-m", "proxy", "report", "--from", proxy.url, "--format", "json"],
