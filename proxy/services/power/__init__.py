@@ -71,6 +71,10 @@ class PowerService:
     own requests' power from the shared samples.
     """
 
+    #: energy per token by phase from many requests (one process only: it needs every
+    #: request on the GPU beside the sampler's steps)
+    fitter: EnergyFitter | None = None
+
     def __init__(
         self,
         options: PowerOptions,
@@ -88,9 +92,6 @@ class PowerService:
         self._publisher: asyncio.Task[None] | None = None
         self._settler: asyncio.Task[None] | None = None
         self.book: InFlightBook | None = None
-        #: energy per token by phase from many requests (one process only: it needs
-        #: every request on the GPU beside the sampler's steps)
-        self.fitter: EnergyFitter | None = None
         source = choose_source(options.power_source, options.power_dcgm_url, options.power_interval)
         if source is None:
             metrics.power_sampling_up.labels("none").set(0)
