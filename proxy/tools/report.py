@@ -438,6 +438,12 @@ def energy_rows(source: str, samples: Samples, timeout: float = 15.0) -> list[di
             return resp.json()
     except (httpx.HTTPError, ValueError):
         pass
+    return energy_from_gauges(samples)
+
+
+def energy_from_gauges(samples: Samples) -> list[dict]:
+    """The energy rows from the ``gpu_energy_*`` gauges: the figures that are resolved;
+    the others say only that they are not (the reason is the proxy's to give)."""
     rows: dict[tuple[str, str, str], dict] = {}
     for s in samples.get(PREFIX + "gpu_energy_fit_requests"):
         key = (

@@ -186,3 +186,83 @@ def test_a_batch_cheaper_per_token_gives_the_ratio_of_sums():
 
     assert abs(decode(fit_gpu(steps, works, weighted=False)) / truth - 1) > 0.08
     assert decode(fit_gpu(steps, works)) == pytest.approx(truth, rel=0.03)
+
+
+# --- the feeding (proxy.services.power.fit) and the report's reading of its gauges ---------
+
+
+class _Gpus:
+    """GPU "0" serves every request; nothing in flight."""
+
+    def serves(self, gpu, ex):
+        return gpu == "0"
+
+    def in_flight(self, gpu):
+        return []
+
+
+def _exchange(w: Work, stream: bool = True):
+    from types import SimpleNamespace
+
+    marks = SimpleNamespace(t_sent=w.sent, t_first=w.first, t_last=w.last, t_end=w.end)
+    ex = SimpleNamespace(
+        marks=marks,
+        prepared=SimpleNamespace(stream=stream),
+        upstream_name=w.key[0],
+        model_label=w.key[1],
+        precision=w.key[2],
+    )
+    f = SimpleNamespace(
+        prompt_tokens=w.prompt_tokens,
+        processed_prompt_tokens=None,
+        completion_tokens=w.output_tokens + 1,
+    )
+    return ex, f
+
+
+def fed(n: int):
+    from proxy.measure.metrics import Metrics
+    from proxy.services.power.fit import EnergyFitter
+
+    steps, works, jp, jd = synthetic(n)
+    fitter = EnergyFitter(Metrics(), _Gpus(), clock=lambda: steps[-1].b)
+    for s in steps:
+        fitter.on_step("0", s.a, s.b, s.joules)
+    for w in works:
+        fitter.on_request(*_exchange(w))
+    return fitter, steps, jp, jd
+
+
+def test_the_fitter_serves_rows_and_gauges_and_the_report_reads_them_back():
+    from proxy.measure.summary import Samples
+    from proxy.tools.report import energy_from_gauges
+
+    fitter, steps, jp, jd = fed(40)
+    fitter.figures = fitter.fit(fitter._snapshot(steps[-1].b))
+    fitter._publish(fitter.figures)
+    (row,) = fitter.rows()
+    assert (row["upstream"], row["model"], row["precision"]) == KEY
+    assert row["prefill"]["joules_per_token"] == pytest.approx(jp, rel=1e-3)
+    assert row["decode"]["joules_per_token"] == pytest.approx(jd, rel=1e-3)
+    assert row["prefill"]["watts"] == pytest.approx(PREFILL, rel=1e-3)
+    assert row["prefill"]["requests"] == 40 and row["unattributed_joules"] == 0.0
+    (back,) = energy_from_gauges(Samples.from_registry(fitter.metrics.registry))
+    assert back["prefill"] == pytest.approx(row["prefill"])
+    assert back["decode"] == pytest.approx(row["decode"])
+
+
+def test_an_unstreamed_request_and_a_full_book_leave_their_steps_out(monkeypatch):
+    import proxy.services.power.fit as fit
+
+    monkeypatch.setattr(fit, "MAX_WORKS", 30)
+    fitter, steps, jp, _ = fed(40)
+    snap_steps, snap_works = fitter._snapshot(steps[-1].b)["0"]
+    assert len(snap_works) == 30
+    # the steps of the 10 requests dropped are left out with them
+    assert snap_steps[0].a >= snap_works[0].sent - 0.5
+    figs = fitter.fit({"0": (snap_steps, snap_works)})
+    assert figs[KEY]["prefill"].joules_per_token == pytest.approx(jp, rel=1e-3)
+    # a request not streamed: its phases are unknown, it blocks its steps
+    ex, f = _exchange(Work(KEY, 1.0, 1.1, 1.5, 1.5, 100, 10), stream=False)
+    fitter.on_request(ex, f)
+    assert fitter.works["0"][-1].first is None

@@ -54,6 +54,10 @@ class EnergyFitter:
         self._fitted = 0  # ... as of the last fit
         self._fits = 0
         self._shifts: dict[str, float] = {}  # gpu -> the lag found last
+        #: gpu -> end of the newest request dropped for MAX_WORKS: steps before it are
+        #: not all known any more
+        self._horizon: dict[str, float] = {}
+        self._capped = False
 
     # --- in ------------------------------------------------------------------------------
 
@@ -96,6 +100,18 @@ class EnergyFitter:
                     q = self.works.get(gpu)
                     if q is None:
                         q = self.works[gpu] = collections.deque(maxlen=MAX_WORKS)
+                    if len(q) == q.maxlen:  # the oldest goes: so do the steps it was in
+                        self._horizon[gpu] = max(self._horizon.get(gpu, 0.0), q[0].end)
+                        if not self._capped:
+                            self._capped = True
+                            log.info(
+                                "energy per token: more than %d requests on GPU %s in %gs; "
+                                "the fit keeps the latest %d",
+                                MAX_WORKS,
+                                gpu,
+                                FIT_WINDOW,
+                                MAX_WORKS,
+                            )
                     q.append(work)
                     self._added += 1
 
@@ -117,7 +133,8 @@ class EnergyFitter:
                 while works and works[0].end < now - FIT_WINDOW:
                     works.popleft()
                 cut = cutoffs.get(gpu, now)
-                out[gpu] = ([s for s in q if s.b <= cut], list(works))
+                start = self._horizon.get(gpu, float("-inf"))
+                out[gpu] = ([s for s in q if start <= s.a and s.b <= cut], list(works))
         return out
 
     def fit(self, snap: dict[str, tuple[list[Step], list[Work]]]) -> dict:
