@@ -246,6 +246,19 @@ def test_the_fitter_serves_rows_and_gauges_and_the_report_reads_them_back():
     assert row["decode"]["joules_per_token"] == pytest.approx(jd, rel=1e-3)
     assert row["prefill"]["watts"] == pytest.approx(PREFILL, rel=1e-3)
     assert row["prefill"]["requests"] == 40 and row["unattributed_joules"] == 0.0
+    # energy of requests phasewatch did not relay, where the ledger counts it: by GPU
+    # (the group alone on it) or by upstream
+    from prometheus_client import Counter
+
+    other = Counter(
+        "phasewatch_gpu_unattributed_energy_joules",
+        "test",
+        ("gpu", "reason"),
+        registry=fitter.metrics.registry,
+    )
+    other.labels("0", "not_relayed").inc(12.5)
+    other.labels("7", "not_relayed").inc(99.0)  # a GPU this group is not on
+    assert fitter.rows()[0]["unattributed_joules"] == 12.5
     (back,) = energy_from_gauges(Samples.from_registry(fitter.metrics.registry))
     assert back["prefill"] == pytest.approx(row["prefill"])
     assert back["decode"] == pytest.approx(row["decode"])

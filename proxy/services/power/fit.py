@@ -58,6 +58,7 @@ class EnergyFitter:
         #: not all known any more
         self._horizon: dict[str, float] = {}
         self._capped = False
+        self.serving: dict[str, set[tuple[str, str, str]]] = {}  # gpu -> groups, last fit
 
     # --- in ------------------------------------------------------------------------------
 
@@ -149,6 +150,7 @@ class EnergyFitter:
                 self._shifts[gpu] = sol.shift
             solutions[gpu] = sol
         serving = {gpu: {w.key for w in works} for gpu, (_, works) in snap.items()}
+        self.serving = serving
         return figures(solutions, serving)
 
     async def refresh(self) -> None:
@@ -209,7 +211,7 @@ class EnergyFitter:
             for phase in PHASES:
                 row[phase] = phases[phase].as_dict()
             row["unattributed_joules"] = sum(
-                v for labels, v in unattributed if _matches(labels, key)
+                v for labels, v in unattributed if _matches(labels, key, self.serving)
             )
             out.append(row)
         return out
@@ -226,10 +228,14 @@ def _unattributed(metrics: Metrics) -> list[tuple[dict, float]]:
     return out
 
 
-def _matches(labels: dict, key: tuple[str, str, str]) -> bool:
-    """A sample of the group's: its upstream's, and its model's and precision's where it
-    names them."""
-    return "upstream" in labels and all(
+def _matches(labels: dict, key: tuple[str, str, str], serving: dict[str, set]) -> bool:
+    """A sample of the group's: its upstream's (and its model's and precision's where it
+    names them), or, where it names only a GPU, that GPU's when the group runs there
+    alone."""
+    if "upstream" not in labels:
+        groups = serving.get(labels.get("gpu", ""), set())
+        return groups == {key}
+    return all(
         labels.get(name) in (None, value)
         for name, value in zip(("upstream", "model", "precision"), key)
     )
