@@ -108,6 +108,19 @@ class SummaryUpstream(BaseModel):
     stall_reason: str | None = None
 
 
+class EnergyRow(BaseModel):
+    """Energy per token by phase for one upstream x model x precision: each phase is
+    ``{joules_per_token, watts, low, high, requests}`` (low/high: the 95 % interval of
+    joules_per_token) or ``{unresolved, requests}``."""
+
+    upstream: str
+    model: str
+    precision: str
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    unattributed_joules: float = 0.0
+
+
 class Summary(BaseModel):
     version: str
     now: float
@@ -122,6 +135,7 @@ class Summary(BaseModel):
     bands: dict[str, str]
     rows: list[SummaryRow]
     advice: list[AdviceRow] = []  # proxy.measure.advice: which phase to tune, per row
+    energy: list[EnergyRow] = []  # energy per token by phase from many requests
     series: list[dict[str, str]]
     points: list[list[Any]]
     power_points: list[list[Any]]
@@ -130,7 +144,14 @@ class Summary(BaseModel):
 # --- the app ----------------------------------------------------------------------------
 
 
-def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access: Access) -> OwnApi:
+def build_api(
+    *,
+    relay: Relay,
+    upstreams: Upstreams,
+    status: StatusPage,
+    access: Access,
+    energy: typing.Callable[[], list[dict[str, Any]]] | None = None,
+) -> OwnApi:
     """The own-API app, wired to the proxy's parts."""
     api = FastAPI(
         title="phasewatch",
@@ -207,6 +228,19 @@ def build_api(*, relay: Relay, upstreams: Upstreams, status: StatusPage, access:
         wall time and energy go, the formula checked, and the levers ordered by what
         they would save (the rows of ``phasewatch advise``)."""
         return status.advice()
+
+    @api.get(
+        PREFIX + "/api/energy",
+        response_model=list[EnergyRow],
+        dependencies=[Depends(key)],
+        tags=["status"],
+    )
+    async def energy_rows() -> list[dict[str, Any]]:
+        """GPU energy per prompt token (prefill) and per output token (decode), and each
+        phase's watts, fitted over the energy counter's steps from many requests, per
+        upstream x model x precision; a figure only once its 95 % interval is within
+        ±10 %, else why not (empty where GPU power is not sampled, or under --workers N)."""
+        return energy() if energy is not None else []
 
     @api.get(
         PREFIX + "/upstreams/{name}/metrics",

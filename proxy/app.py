@@ -99,6 +99,7 @@ class ProxyApp:
         self.recorder.listeners.append(self.power.on_request)
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
+        self.status.energy = self.power.energy
         self.recorder.listeners.append(self.status.on_request)
         # Streams whose output stopped: scanned in the background, rates learnt per request.
         self.stalls = StallWatch(settings.stall_options(), self.metrics, self.upstreams)
@@ -133,7 +134,11 @@ class ProxyApp:
             trace_hook=self.tracing.begin if self.tracing and self.tracing.traces else None,
         )
         self.api = build_api(
-            relay=self.relay, upstreams=self.upstreams, status=self.status, access=self.access
+            relay=self.relay,
+            upstreams=self.upstreams,
+            status=self.status,
+            access=self.access,
+            energy=self.power.energy,
         )
         # rendered on a worker thread: a big registry must not stall the event loop
         self.exposition = exposition_app(self.metrics.exposition)

@@ -220,6 +220,27 @@ def build() -> dict:
     )
     d.add(
         timeseries_panel(
+            "Energy per token by phase, fitted from many requests",
+            "GPU energy per prompt token (prefill) and per output token (decode), fitted over "
+            "the energy counter's steps from the last 10 minutes' requests (short prefills "
+            "too); the board's whole draw in the phase. Shown once its 95 % interval is within "
+            "±10 % (GET /phasewatch/api/energy says why not); watts: "
+            "phasewatch_gpu_power_fitted_watts.",
+            [
+                target(
+                    "max by (upstream, model, precision, phase) "
+                    f'(phasewatch_gpu_energy_per_token_joules{{{SEL}, bound="estimate"}})',
+                    "{{model}} ({{precision}}) {{phase}}",
+                )
+            ],
+            "joule",
+            steps(GREEN, (1, YELLOW), (3, RED)),
+            fill=0,
+            decimals=3,
+        )
+    )
+    d.add(
+        timeseries_panel(
             "Average power per GPU (from energy)",
             "rate of the energy counter per GPU (recording rule, deduplicated over replicas): the "
             "GPU's average draw.",

@@ -435,6 +435,32 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        # energy per token by phase, fitted from many requests (proxy.measure.energy_fit)
+        self.gpu_energy_per_token_joules = Gauge(
+            PREFIX + "gpu_energy_per_token_joules",
+            "GPU energy per prompt token (phase=prefill) or per output token (phase=decode) "
+            "fitted over the energy counter's steps from many requests, the board's whole "
+            "draw while the phase runs; bound=estimate, or low / high of its 95 % interval. "
+            "Absent until the interval is within 10 %.",
+            BASE + ("phase", "bound"),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.gpu_power_fitted_watts = Gauge(
+            PREFIX + "gpu_power_fitted_watts",
+            "GPU power while the phase runs, from the fit: gpu_energy_per_token_joules times "
+            "the phase's tokens per second. Absent until the fit is tight.",
+            BASE + ("phase",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.gpu_energy_fit_requests = Gauge(
+            PREFIX + "gpu_energy_fit_requests",
+            "Requests the energy-per-token fit of this phase rests on (its window).",
+            BASE + ("phase",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         # phasewatch demo's own traffic generator, so a benchmark of the demo can tell
         self.demo_traffic_requests_per_second = Gauge(
             PREFIX + "demo_traffic_requests_per_second",

@@ -15,7 +15,7 @@ import collections
 import json
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,9 @@ class StatusPage:
         self._power_t = 0.0
         self._power_last: dict[str, tuple[float, float]] = {}  # GPU -> (sum, count) seen
         self._summary: tuple[float, int, dict] | None = None
+        #: energy per token by phase fitted over many requests (the power service's
+        #: rows of ``GET /phasewatch/api/energy``), set by the app where power is sampled
+        self.energy: Callable[[], list[dict]] | None = None
         self._finished = 0  # requests seen by on_request
         for u in upstreams.all:  # the cached summary must not outlive an up/down change
             u.on_change.append(self._upstream_changed)
@@ -213,6 +216,9 @@ class StatusPage:
             "bands": as_dict["bands"],
             "rows": rows,
             "advice": advice,  # proxy.measure.advice's rows: the page's advice panel
+            # energy per token by phase from many requests (prefill W where single
+            # prefills are too short for the sensor)
+            "energy": self.energy() if self.energy is not None else [],
             "series": [{"upstream": k[0], "model": k[1], "precision": k[2]} for k in keys],
             "points": [
                 [round(t - now, 3), idx, _r(ttft, 5), _r(dec, 2), pt, ct]

@@ -76,7 +76,15 @@ _GAUGES = (
     "gpu_power_refresh_seconds",
 )
 #: Gauges every replica reports the same value of (a model's figure, an engine's size).
-_SHARED_GAUGES = ("model_kv_bytes_per_token", "engine_kv_cache_capacity_tokens", "engine_slots")
+_SHARED_GAUGES = (
+    "model_kv_bytes_per_token",
+    "engine_kv_cache_capacity_tokens",
+    "engine_slots",
+    # energy per token by phase, fitted by each proxy over the GPU's counter
+    "gpu_energy_per_token_joules",
+    "gpu_power_fitted_watts",
+    "gpu_energy_fit_requests",
+)
 
 
 def load(url: str, window: str | None = None, timeout: float = 15.0) -> Samples:
@@ -406,11 +414,65 @@ def kv_section(rep: Report) -> list[str]:
     return out
 
 
-def to_json(rep: Report, advice: list[AdviceRow] | None = None) -> str:
+def to_json(
+    rep: Report, advice: list[AdviceRow] | None = None, energy: list[dict] | None = None
+) -> str:
     out = rep.as_dict()
     if advice is not None:
         out["advice"] = [a.as_dict() for a in advice]
+    if energy is not None:
+        out["energy"] = energy
     return json.dumps(out, indent=2, sort_keys=False)
+
+
+def energy_rows(source: str, samples: Samples, timeout: float = 15.0) -> list[dict]:
+    """Energy per token by phase, the rows of ``GET /phasewatch/api/energy``: asked of
+    a phasewatch URL (with the reasons of what is unresolved), else (a Prometheus
+    server, or a proxy that does not answer it) read back from the ``energy_*`` gauges."""
+    import httpx
+
+    base = source.rstrip("/").removesuffix("/metrics")
+    try:
+        resp = httpx.get(base + "/phasewatch/api/energy", timeout=timeout)
+        if resp.status_code == 200 and isinstance(resp.json(), list):
+            return resp.json()
+    except (httpx.HTTPError, ValueError):
+        pass
+    return energy_from_gauges(samples)
+
+
+def energy_from_gauges(samples: Samples) -> list[dict]:
+    """The energy rows from the ``gpu_energy_*`` gauges: the figures that are resolved;
+    the others say only that they are not (the reason is the proxy's to give)."""
+    rows: dict[tuple[str, str, str], dict] = {}
+    for s in samples.get(PREFIX + "gpu_energy_fit_requests"):
+        key = (
+            s.labels.get("upstream", ""),
+            s.labels.get("model", ""),
+            s.labels.get("precision", ""),
+        )
+        row = rows.setdefault(
+            key,
+            {"upstream": key[0], "model": key[1], "precision": key[2], "unattributed_joules": 0.0},
+        )
+        phase = s.labels.get("phase", "")
+        lab = dict(zip(("upstream", "model", "precision"), key), phase=phase)
+        got = {
+            b.labels.get("bound"): b.value
+            for b in samples.get(PREFIX + "gpu_energy_per_token_joules", **lab)
+        }
+        watts = samples.get(PREFIX + "gpu_power_fitted_watts", **lab)
+        if "estimate" in got:
+            row[phase] = {
+                "joules_per_token": got["estimate"],
+                "watts": watts[0].value if watts else None,
+                "low": got.get("low"),
+                "high": got.get("high"),
+                "requests": int(s.value),
+            }
+        else:
+            row[phase] = {"unresolved": "not within ±10 % yet", "requests": int(s.value)}
+    return [rows[k] for k in sorted(rows)]
 
 
 def clients_markdown(rows: list[ClientRow], source: str) -> str:
@@ -477,7 +539,9 @@ def run(args) -> int:
     advice = advise(samples, rep)
     sensor = sensor_view(samples).lines()
     sys.stdout.write(
-        to_json(rep, advice) + "\n" if args.format == "json" else markdown(rep, advice, sensor)
+        to_json(rep, advice, energy_rows(args.source, samples)) + "\n"
+        if args.format == "json"
+        else markdown(rep, advice, sensor)
     )
     if args.plot:
         from .plots import report_charts

@@ -16,6 +16,7 @@ import httpx
 
 from ...measure.metrics import Metrics
 from .energy import EnergyMeter
+from .fit import EnergyFitter
 from .ledger import Entry, InFlightBook, TickRing
 from .sampler import GpuMap, Owner, PowerSampler, classify
 from .shared import SharedInFlight, SharedRings
@@ -70,6 +71,10 @@ class PowerService:
     own requests' power from the shared samples.
     """
 
+    #: energy per token by phase from many requests (one process only: it needs every
+    #: request on the GPU beside the sampler's steps)
+    fitter: EnergyFitter | None = None
+
     def __init__(
         self,
         options: PowerOptions,
@@ -119,6 +124,14 @@ class PowerService:
             )
             if self.book is None:
                 self.book = self.sampler.book
+            if host is None:
+                self.fitter = EnergyFitter(metrics, self.gpus, self.sampler.clock)
+                self.sampler.on_step = self.fitter.on_step
+        if host is not None and host.primary:
+            log.info(
+                "energy per token by phase (GET /phasewatch/api/energy) is fitted with "
+                "--workers 1 only: each worker sees only its own requests"
+            )
 
     def _host_membership(self, gpus: list[str], now: float):
         """Every worker's snapshot number and (prefill, decode) per GPU, from their rows."""
@@ -153,11 +166,15 @@ class PowerService:
             self._publisher = asyncio.create_task(self._publish_forever())
         if self.book is not None:
             self._settler = asyncio.create_task(self._settle_forever())
+        if self.fitter is not None:
+            self.fitter.start()
 
     def stop(self) -> None:
         for task in (self._publisher, self._settler):
             if task is not None:
                 task.cancel()
+        if self.fitter is not None:
+            self.fitter.stop()
         if self.sampler is not None:
             self.sampler.stop()
 
@@ -186,12 +203,20 @@ class PowerService:
         """Recorder listener: the request is finished; its power is settled once the
         sensor has covered its end (:meth:`settle`). A request no tick saw in flight was
         shorter than the sampling could resolve."""
+        if self.fitter is not None:
+            self.fitter.on_request(ex, f)
         book = self.book
         if book is None or not self.rings:  # no power read (yet): no power figures
             return None
         if book.recorded(ex, f.completion_tokens) is None and ex.marks.t_sent is not None:
             self._unresolved(ex, ("prefill", "decode") if ex.marks.t_first else ("decode",))
         return None
+
+    def energy(self) -> list[dict]:
+        """``GET /phasewatch/api/energy``: energy per token by phase, per upstream x model
+        x precision (:mod:`.fit`); empty where power is not sampled or the fit cannot run
+        (``--workers N``)."""
+        return self.fitter.rows() if self.fitter is not None else []
 
     def _unresolved(self, ex: Any, phases) -> None:
         base = (ex.upstream_name, ex.model_label, ex.precision)
@@ -280,6 +305,7 @@ class PowerService:
 
 __all__ = [
     "DcgmSource",
+    "EnergyFitter",
     "EnergyMeter",
     "Entry",
     "GpuMap",

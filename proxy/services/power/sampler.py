@@ -257,6 +257,9 @@ class PowerSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._up_gauge = metrics.power_sampling_up.labels(source.name)
+        #: told each spread step of a GPU's energy (gpu, start, stop, joules): the
+        #: energy-per-token fit (:mod:`.fit`)
+        self.on_step: Callable[[str, float, float, float], None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -372,6 +375,7 @@ class PowerSampler:
         if use != "energy_counter":  # a power reading: held over the last poll
             if prev_t is not None:
                 spread, idle = joules, ring.distribute(prev_t, t, joules)
+                self._told_step(gpu, prev_t, t, joules)
         elif "energy_counter" in changed:  # the counter stepped: the energy since its last step
             period = watch.refresh(use) or 0.0
             at = t  # a counter that steps at every poll is read as it is
@@ -382,6 +386,7 @@ class PowerSampler:
             since = self._since.get(gpu)
             if since is not None and at > since:
                 spread, idle = joules, ring.distribute(since, at, joules)
+                self._told_step(gpu, since, at, joules)
             self._since[gpu] = at
         self._unspread[gpu] = joules - spread if self._since.get(gpu) is not None else 0.0
         if not self.gpus.settled(gpu):
@@ -401,6 +406,13 @@ class PowerSampler:
             )
             self._publish(gpu, watts, spread, idle, state if same else None)
         self._state[gpu] = state
+
+    def _told_step(self, gpu: str, a: float, b: float, joules: float) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(gpu, a, b, joules)
+            except Exception:  # a listener's bug must not stop the sampling
+                log.exception("energy step listener failed")
 
     def _publish(
         self, gpu: str, watts: float, joules: float, idle: float, state: str | None
