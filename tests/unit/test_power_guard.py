@@ -13,6 +13,7 @@ from proxy.measure.metrics import Metrics
 from proxy.services.power import DcgmSource, Reading, parse_dcgm
 from proxy.services.power.guard import BURST_SECONDS, CounterGuard, SensorGuard, bad_watts
 from proxy.services.power.sources import PageTooLarge
+from proxy.settings import Settings
 
 from .test_power import Trace, make_sampler, run_ticks, total
 
@@ -197,3 +198,16 @@ def test_a_lying_nvml_never_reaches_the_energy(monkeypatch):
     # may be followed, the other's readings refused; never a step across them
     counter = ("counter_jump", "counter_backwards")
     assert sum(rejected(metrics, gpu="0", reason=r) for r in counter) > 10
+
+
+def test_settings_for_the_guard(monkeypatch):
+    s = Settings(upstream=["a=http://h:1"])
+    assert (s.power_max_watts, s.power_dcgm_max_bytes) == (3000.0, 4 << 20)
+    monkeypatch.setenv("PHASEWATCH_POWER_MAX_WATTS", "1500")
+    monkeypatch.setenv("PHASEWATCH_POWER_DCGM_MAX_BYTES", "65536")
+    opts = Settings(upstream=["a=http://h:1"]).power_options()
+    assert (opts.power_max_watts, opts.power_dcgm_max_bytes) == (1500.0, 65536)
+    with pytest.raises(ValueError):
+        Settings(power_max_watts=0)
+    with pytest.raises(ValueError):
+        Settings(power_dcgm_max_bytes=100)

@@ -43,6 +43,8 @@ MODEL = DEFAULT_MODELS[0].id
 TRUE_WATTS = 100.0
 #: --power-max-watts given to the proxy: what no GPU here can draw above
 MAX_WATTS = 1000.0
+#: The NVML stand-in's power limit: readings above twice it are refused there
+LIMIT_WATTS = 300.0
 LABELS = 'gpu="0",UUID="GPU-fake-0",device="nvidia0",modelName="Fake GPU",Hostname="h"'
 
 
@@ -94,6 +96,7 @@ class LyingSensor:
                 "energy_mj": f["energy_mj"],
                 "power_instant_mw": None,
                 "power_average_mw": None,
+                "power_limit_mw": LIMIT_WATTS * 1000.0,
             }
             return json.dumps({"gpus": [gpu]}).encode()
         page = f"DCGM_FI_DEV_POWER_USAGE{{{LABELS}}} {f['watts']}\n"
@@ -265,8 +268,9 @@ def test_a_jittering_counter_is_not_counted_again(rig):
 
 
 def test_nvml_values_are_checked_too(rig):
-    """The NVML path: negative and absurd milliwatts, a counter jump (by 100 ms slots:
-    the stand-in pynvml asks once per call, not once per reading)."""
+    """The NVML path: negative milliwatts, 700 W on a GPU limited to 300 W (below
+    --power-max-watts, above twice the limit), a counter jump (by 100 ms slots: the
+    stand-in pynvml asks once per call, not once per reading)."""
     sensor, start = rig
 
     def lie(n: int, f: dict) -> dict:
@@ -274,7 +278,7 @@ def test_nvml_values_are_checked_too(rig):
         if k == 1:
             f["watts"] = -7.0
         elif k == 2:
-            f["watts"] = 1e30
+            f["watts"] = 2 * LIMIT_WATTS + 100
         elif k == 3:
             f["energy_mj"] += 1e15
         return f
@@ -285,7 +289,9 @@ def test_nvml_values_are_checked_too(rig):
     wait_rejected(proxy, "too_high")
     chat(proxy.url)
     wait_for(lambda: sensor.reads > 200, what="200 reads")
-    assert_sane(proxy, sensor)
+    s = assert_sane(proxy, sensor)
+    shown = [v for k, v in s.items() if k[0] == "phasewatch_gpu_power_current_watts"]
+    assert all(v <= 2 * LIMIT_WATTS for v in shown)
     logged_once(proxy, "reason=negative")
     logged_once(proxy, "reason=too_high")
 
