@@ -344,8 +344,9 @@ class PowerSampler:
                 continue
             seen += 1
             r = self.guard.check(gpu, raw, t)
-            if r is None:  # an impossible reading: this tick is not this GPU's
-                old = self._current.pop(gpu, None)
+            if r is None:  # an impossible reading: this tick is not this GPU's, and its
+                # current power is absent until a good one (its labels are kept)
+                old = self._current.get(gpu)
                 if old is not None:
                     _remove(self.metrics.gpu_power_current_watts, old)
                 continue
