@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import httpx
 import pytest
@@ -161,6 +162,21 @@ def test_a_dcgm_page_is_read_up_to_its_bound():
     assert src.read()["0"].watts == 100.0
 
 
+def test_a_dcgm_page_is_asked_for_uncompressed_and_refused_compressed():
+    asked = []
+
+    def page(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers.get("accept-encoding"))
+        gzip = {"Content-Encoding": "gzip"}
+        return httpx.Response(200, content=iter([b"\x1f\x8b..."]), headers=gzip)
+
+    src = DcgmSource("http://gpu-host/metrics", timeout=1.0)
+    src.client = httpx.Client(transport=httpx.MockTransport(page), headers=src.client.headers)
+    with pytest.raises(RuntimeError, match="'gzip' page, not asked for"):
+        src.read()
+    assert asked == ["identity"]
+
+
 def test_a_lying_nvml_never_reaches_the_energy(monkeypatch):
     """Through the sampler: every fifth reading lies (Inf is impossible through NVML's
     integers, so: negative, absurd, a counter jump and a counter going back); the energy
@@ -211,3 +227,17 @@ def test_settings_for_the_guard(monkeypatch):
         Settings(power_max_watts=0)
     with pytest.raises(ValueError):
         Settings(power_dcgm_max_bytes=100)
+
+
+def test_a_dripped_dcgm_page_is_not_waited_for_past_the_timeout():
+    def drip():
+        for _ in range(1000):  # 50 s at this pace, each chunk well within a read timeout
+            time.sleep(0.05)
+            yield b"# x\n"
+
+    src = DcgmSource("http://gpu-host/metrics", timeout=0.2)
+    src.client = httpx.Client(
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, content=drip()))
+    )
+    with pytest.raises(RuntimeError, match=r"took over 0\.2s"):
+        src.read()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -201,25 +202,37 @@ class DcgmSource:
     def __init__(self, url: str, timeout: float, max_bytes: int = 4 << 20) -> None:
         self.url = url
         self.max_bytes = max_bytes
-        self.client = httpx.Client(timeout=timeout, trust_env=False)
+        self.timeout = timeout
+        # the page as sent: a compressed one could expand past the bound in one chunk
+        self.client = httpx.Client(
+            timeout=timeout, trust_env=False, headers={"Accept-Encoding": "identity"}
+        )
 
     def open(self) -> None:
         pass  # the endpoint may be down at start: each read tries again
 
     def read(self) -> dict[str, Reading]:
         """The page's readings, read on the sampler's caller thread (never the event
-        loop's) and at most `max_bytes` of it (decoded): a longer page is not read on."""
+        loop's), uncompressed, at most `max_bytes` of it and within the timeout as a
+        whole (a page dripped slowly is not waited for chunk after chunk): a longer page
+        is not read on."""
+        deadline = time.monotonic() + self.timeout
         with self.client.stream("GET", self.url) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"{self.url} answered {resp.status_code}")
+            coding = resp.headers.get("content-encoding", "identity").strip().lower()
+            if coding != "identity":
+                raise RuntimeError(f"{self.url} sent a {coding!r} page, not asked for")
             told = resp.headers.get("content-length", "")
             if told.isdigit() and int(told) > self.max_bytes:
                 raise PageTooLarge(f"a page of {told} bytes")
             body = bytearray()
-            for chunk in resp.iter_bytes():
+            for chunk in resp.iter_bytes():  # identity: as sent
                 body += chunk
                 if len(body) > self.max_bytes:
                     raise PageTooLarge(f"a page of more than {len(body)} bytes")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.url}: the page took over {self.timeout:g}s")
         readings = parse_dcgm(body.decode("utf-8", "replace"))
         if not readings:
             raise RuntimeError(f"no DCGM_FI_DEV_POWER_USAGE with a gpu label at {self.url}")
