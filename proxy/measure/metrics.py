@@ -380,6 +380,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        self.gpu_sensor_rejected_total = Counter(
+            PREFIX + "gpu_sensor_rejected",
+            "GPU power sensor readings refused, by reason: not_finite, negative, too_high "
+            "(above twice the power limit or --power-max-watts), counter_backwards, "
+            "counter_jump (a step implying more), page_too_large (gpu 'all').",
+            ("gpu", "reason"),
+            registry=r,
+        )
         self.power_sampling_up = Gauge(
             PREFIX + "power_sampling_up",
             "1 while GPU power is being sampled, 0 when "

@@ -352,6 +352,19 @@ class Settings(BaseSettings):
     power_interval: float = Field(
         0.2, ge=0.02, le=10.0, description="Seconds between GPU power samples."
     )
+    power_max_watts: float = Field(
+        3000.0,
+        gt=0,
+        description="A GPU power reading above this (W), or above twice the GPU's power "
+        "limit where the source reports it, is refused (counted in "
+        "phasewatch_gpu_sensor_rejected_total), and so is an energy-counter step implying it.",
+    )
+    power_dcgm_max_bytes: int = Field(
+        4 << 20,
+        ge=4096,
+        description="Longest DCGM-exporter page read (bytes); a longer one is refused "
+        "(counted in phasewatch_gpu_sensor_rejected_total), not read on.",
+    )
     power_gpu: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Which upstream or model a GPU serves: GPU=UPSTREAM or GPU=MODEL, GPU "

@@ -104,6 +104,8 @@ def power_options(s: Settings) -> PowerOptions:
         power_dcgm_url=s.power_dcgm_url,
         power_interval=s.power_interval,
         power_gpu=dict(s._power_gpu),
+        power_max_watts=s.power_max_watts,
+        power_dcgm_max_bytes=s.power_dcgm_max_bytes,
     )
 
 

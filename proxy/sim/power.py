@@ -38,7 +38,8 @@ def _labels(me: ModelEngine) -> str:
 
 def dcgm_metrics(engine: SimEngine) -> str:
     """DCGM_FI_DEV_POWER_USAGE and DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION for every GPU (and
-    DCGM_FI_DEV_POWER_USAGE_INSTANT when the exporter's counters file has it), as the
+    DCGM_FI_DEV_POWER_USAGE_INSTANT and _POWER_MGMT_LIMIT when the exporter's counters
+    file is phasewatch's), as the
     exporter last collected them from each GPU's sensor; then the simulator's truth, the
     true energy of each GPU now (``phasewatch_sim_gpu_true_energy_joules_total``)."""
     gpus = sorted(engine.models.values(), key=lambda me: me.gpu_index)
@@ -67,6 +68,13 @@ def dcgm_metrics(engine: SimEngine) -> str:
             f"DCGM_FI_DEV_POWER_USAGE_INSTANT{{{_labels(me)}}} {seen[me.gpu_index].instant:f}"
             for me in gpus
         ]
+        lines += [
+            "# HELP DCGM_FI_DEV_POWER_MGMT_LIMIT Power management limit (in W).",
+            "# TYPE DCGM_FI_DEV_POWER_MGMT_LIMIT gauge",
+        ]
+        lines += [
+            f"DCGM_FI_DEV_POWER_MGMT_LIMIT{{{_labels(me)}}} {me.gpu.tdp_watts:f}" for me in gpus
+        ]
     lines += [
         "# HELP phasewatch_sim_gpu_true_energy_joules_total The simulated GPU's true energy.",
         "# TYPE phasewatch_sim_gpu_true_energy_joules_total counter",
@@ -94,6 +102,7 @@ def nvml_view(engine: SimEngine) -> bytes:
                 "power_instant_mw": int(f.instant * 1000),
                 "power_average_mw": None if f.mean is None else int(f.mean * 1000),
                 "energy_mj": f.energy_mj,
+                "power_limit_mw": int(me.gpu.tdp_watts * 1000),
             }
         )
     return json.dumps({"profile": sensor_name(engine), "gpus": out}).encode()

@@ -52,6 +52,8 @@ class PowerOptions:
     power_dcgm_url: str | None = None
     power_interval: float = 0.2
     power_gpu: dict[str, str] = field(default_factory=dict)  # GPU -> upstream or model
+    power_max_watts: float = 3000.0  # above it (or 2x a GPU's limit) a reading is refused
+    power_dcgm_max_bytes: int = 4 << 20  # a longer DCGM page is refused
 
 
 def _where(url: str | None) -> str:
@@ -92,7 +94,12 @@ class PowerService:
         self._publisher: asyncio.Task[None] | None = None
         self._settler: asyncio.Task[None] | None = None
         self.book: InFlightBook | None = None
-        source = choose_source(options.power_source, options.power_dcgm_url, options.power_interval)
+        source = choose_source(
+            options.power_source,
+            options.power_dcgm_url,
+            options.power_interval,
+            options.power_dcgm_max_bytes,
+        )
         if source is None:
             metrics.power_sampling_up.labels("none").set(0)
             if host is None or host.primary:
@@ -121,6 +128,7 @@ class PowerService:
                 rings=self.rings,
                 membership=membership,
                 describe=_where(options.power_dcgm_url) if source.name == "dcgm" else "",
+                max_watts=options.power_max_watts,
             )
             if self.book is None:
                 self.book = self.sampler.book

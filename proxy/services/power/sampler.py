@@ -21,9 +21,10 @@ from typing import Any
 
 from ...measure.metrics import Metrics
 from .energy import EnergyMeter
+from .guard import SensorGuard
 from .learn import FASTEST_POLL, PROBE_SECONDS, SensorWatch
 from .ledger import InFlightBook, TickRing
-from .sources import PowerUnavailable, Reading, Source
+from .sources import PageTooLarge, PowerUnavailable, Reading, Source
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,9 @@ class _Caller:
             raise TimeoutError(f"no answer within {timeout:g}s") from None
 
 
+#: How often a DCGM page refused as too large is asked for again (s).
+PAGE_RETRY_SECONDS = 5.0
+
 #: A resolution above this (s) is too coarse for per-request figures: warned about once.
 COARSE_RESOLUTION = 2.0
 
@@ -213,6 +217,7 @@ class PowerSampler:
         rings: RingStore = None,
         membership: Callable[[list[str], float], Membership] | None = None,
         describe: str = "",
+        max_watts: float = 3000.0,
     ) -> None:
         self.source = source
         self.metrics = metrics
@@ -222,6 +227,8 @@ class PowerSampler:
         self.timeout = timeout
         self.clock = clock
         self.describe = describe or source.name
+        #: refuses what no GPU reports, before any figure uses it
+        self.guard = SensorGuard(max_watts, metrics)
         #: gpu -> its ticks: this process's, or (--workers N) the shared file's
         self.rings: RingStore = rings if rings is not None else {}
         if membership is None:
@@ -317,6 +324,13 @@ class PowerSampler:
         except TimeoutError as exc:
             self._set_down(f"a call to {self.source.name} hung ({exc})")
             return
+        except PageTooLarge as exc:
+            what = f"{exc} at {self.describe}, over --power-dcgm-max-bytes"
+            self.guard.refuse("all", "page_too_large", what)
+            self._set_down(f"reading {self.source.name} failed: {what}")
+            # such a page is not fixed in a moment: asked for again only now and then
+            self.poll = max(self.interval, PAGE_RETRY_SECONDS)
+            return
         except Exception as exc:  # noqa: BLE001 - driver or HTTP error: said once
             self._set_down(f"reading {self.source.name} failed: {exc}")
             return
@@ -328,10 +342,17 @@ class PowerSampler:
         # changed (a request began or ended) belongs to neither state's histogram
         after = self.membership(sorted(readings), t_read)[1]
         seen = 0
-        for gpu, r in sorted(readings.items()):
+        for gpu, raw in sorted(readings.items()):
             if not self.gpus.owners(gpu):
                 continue
             seen += 1
+            r = self.guard.check(gpu, raw, t)
+            if r is None:  # an impossible reading: this tick is not this GPU's, and its
+                # current power is absent until a good one (its labels are kept)
+                old = self._current.get(gpu)
+                if old is not None:
+                    _remove(self.metrics.gpu_power_current_watts, old)
+                continue
             self._sample(gpu, r, t_c, t, counts.get(gpu, (0, 0)), seqs, after)
         if seen:
             self._set_up(len(readings), seen)
@@ -365,17 +386,25 @@ class PowerSampler:
         if self._state.get(gpu) != state:  # it began after the last tick, at t_c at the latest
             self._steady[gpu] = t_c
         use = watch.preferred()
-        counter = r.energy_mj if use == "energy_counter" else None
+        counter = None
+        if use == "energy_counter" and r.energy_mj is not None:
+            counter = int(r.energy_mj)
         watts = r.instant if r.instant is not None else r.watts
         # energy the meter counted and no tick has been given yet (a counter that has not
-        # stepped since, or a counter read that failed and was integrated instead)
+        # stepped since)
         joules = self._unspread.get(gpu, 0.0)
         joules += self.meters.setdefault(gpu, EnergyMeter()).step(t, watts, counter)
         spread = idle = 0.0
-        if use != "energy_counter":  # a power reading: held over the last poll
+        if counter is None:  # a power reading: held over the last poll
             if prev_t is not None:
-                spread, idle = joules, ring.distribute(prev_t, t, joules)
-                self._told_step(gpu, prev_t, t, joules)
+                # a counter that failed or was refused this tick: the energy since its
+                # last step is spread with this tick's integrated power
+                since = self._since.get(gpu)
+                start = prev_t if since is None else min(since, prev_t)
+                spread, idle = joules, ring.distribute(start, t, joules)
+                self._told_step(gpu, start, t, joules)
+                if use == "energy_counter":
+                    self._since[gpu] = t
         elif "energy_counter" in changed:  # the counter stepped: the energy since its last step
             period = watch.refresh(use) or 0.0
             at = t  # a counter that steps at every poll is read as it is

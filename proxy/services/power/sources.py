@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,15 +16,22 @@ class PowerUnavailable(Exception):
     """Power cannot be read from this source at all (no library, no GPU)."""
 
 
+class PageTooLarge(RuntimeError):
+    """A DCGM page longer than ``--power-dcgm-max-bytes``: not read on (no exporter's page
+    is that long; reading it whole every tick costs memory and the relay's CPU)."""
+
+
 @dataclass(slots=True)
 class Reading:
     """One GPU at one moment: its power usage field (W), and the other fields its source
-    has (None where it has not)."""
+    has (None where it has not). As read, unchecked: :mod:`.guard` refuses what no GPU
+    can report before any figure uses it."""
 
     watts: float
-    energy_mj: int | None = None  # the device's cumulative energy counter, if it has one
+    energy_mj: float | None = None  # the device's cumulative energy counter, if it has one
     instant: float | None = None  # the instant power field (W)
     average: float | None = None  # the 1 s mean power field (W), where separate
+    limit: float | None = None  # the GPU's power limit (W), where the source reports it
 
     def fields(self) -> dict[str, float]:
         """Each field present by its name in phasewatch_gpu_power_*{field}."""
@@ -67,6 +75,7 @@ class NvmlSource:
         self.handles: dict[str, object] = {}
         self.has_counter: dict[str, bool] = {}
         self.field_ids: dict[str, list[int]] = {}  # gpu -> power fields it supports
+        self.limits: dict[str, float] = {}  # gpu -> its enforced power limit (W)
 
     def open(self) -> None:
         nvml = _import_pynvml()
@@ -86,6 +95,10 @@ class NvmlSource:
             except nvml.NVMLError:  # pre-Volta or not exposed: integrate power instead
                 self.has_counter[gpu] = False
             self.field_ids[gpu] = [f for f in self._fields() if self._field(h, f) is not None]
+            try:  # read once: a limit changed later (nvidia-smi -pl) moves the cap at restart
+                self.limits[gpu] = nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0
+            except (nvml.NVMLError, AttributeError):
+                pass
 
     def _fields(self) -> list[int]:
         """NVML_FI_DEV_POWER_INSTANT and _AVERAGE where these bindings know them."""
@@ -130,6 +143,7 @@ class NvmlSource:
                 energy,
                 vals.get(getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", -1)),
                 vals.get(getattr(nvml, "NVML_FI_DEV_POWER_AVERAGE", -1)),
+                self.limits.get(gpu),
             )
         return out
 
@@ -142,22 +156,22 @@ class NvmlSource:
 
 
 _DCGM_LINE = re.compile(
-    r"^(DCGM_FI_DEV_POWER_USAGE_INSTANT|DCGM_FI_DEV_POWER_USAGE|"
-    r"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)\{([^}]*)\}\s+(\S+)",
+    r"^(DCGM_FI_DEV_POWER_USAGE_INSTANT|DCGM_FI_DEV_POWER_USAGE|DCGM_FI_DEV_POWER_MGMT_LIMIT|"
+    r"DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)\{([^}\n]*)\}[ \t]+(\S+)",
     re.MULTILINE,
 )
 _GPU_LABEL = re.compile(r'(?:^|,)\s*gpu="([^"]*)"')
 
 
 def parse_dcgm(text: str) -> dict[str, Reading]:
-    """Power (W) and energy (mJ) per `gpu` label from a DCGM-exporter /metrics page.
+    """Power (W), energy (mJ) and power limit (W) per `gpu` label from a DCGM-exporter
+    /metrics page, as the page says them (NaN, Inf and absurd values included: the
+    sampler's guard refuses them, counted).
 
     Other families (vLLM's, the exporter's other fields) are skipped without parsing. MIG
     instances repeat a GPU's device-level values; the first line per GPU wins.
     """
-    power: dict[str, float] = {}
-    energy: dict[str, int] = {}
-    instant: dict[str, float] = {}
+    fields: dict[str, dict[str, float]] = {}
     for m in _DCGM_LINE.finditer(text):
         g = _GPU_LABEL.search(m.group(2))
         if g is None:
@@ -166,15 +180,14 @@ def parse_dcgm(text: str) -> dict[str, Reading]:
             value = float(m.group(3))
         except ValueError:
             continue
-        if value != value or value < 0:  # NaN or nonsense
-            continue
-        if m.group(1) == "DCGM_FI_DEV_POWER_USAGE":
-            power.setdefault(g.group(1), value)
-        elif m.group(1) == "DCGM_FI_DEV_POWER_USAGE_INSTANT":
-            instant.setdefault(g.group(1), value)
-        else:
-            energy.setdefault(g.group(1), int(value))
-    return {gpu: Reading(w, energy.get(gpu), instant.get(gpu)) for gpu, w in power.items()}
+        fields.setdefault(m.group(1), {}).setdefault(g.group(1), value)
+    energy = fields.get("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", {})
+    instant = fields.get("DCGM_FI_DEV_POWER_USAGE_INSTANT", {})
+    limit = fields.get("DCGM_FI_DEV_POWER_MGMT_LIMIT", {})
+    return {
+        gpu: Reading(w, energy.get(gpu), instant.get(gpu), None, limit.get(gpu))
+        for gpu, w in fields.get("DCGM_FI_DEV_POWER_USAGE", {}).items()
+    }
 
 
 class DcgmSource:
@@ -186,18 +199,41 @@ class DcgmSource:
 
     name = "dcgm"
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, max_bytes: int = 4 << 20) -> None:
         self.url = url
-        self.client = httpx.Client(timeout=timeout, trust_env=False)
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        # the page as sent: a compressed one could expand past the bound in one chunk
+        self.client = httpx.Client(
+            timeout=timeout, trust_env=False, headers={"Accept-Encoding": "identity"}
+        )
 
     def open(self) -> None:
         pass  # the endpoint may be down at start: each read tries again
 
     def read(self) -> dict[str, Reading]:
-        resp = self.client.get(self.url)
-        if resp.status_code != 200:
-            raise RuntimeError(f"{self.url} answered {resp.status_code}")
-        readings = parse_dcgm(resp.text)
+        """The page's readings, read on the sampler's caller thread (never the event
+        loop's), uncompressed, at most `max_bytes` of it and within the timeout as a
+        whole (a page dripped slowly is not waited for chunk after chunk): a longer page
+        is not read on."""
+        deadline = time.monotonic() + self.timeout
+        with self.client.stream("GET", self.url) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"{self.url} answered {resp.status_code}")
+            coding = resp.headers.get("content-encoding", "identity").strip().lower()
+            if coding != "identity":
+                raise RuntimeError(f"{self.url} sent a {coding!r} page, not asked for")
+            told = resp.headers.get("content-length", "")
+            if told.isdigit() and int(told) > self.max_bytes:
+                raise PageTooLarge(f"a page of {told} bytes")
+            body = bytearray()
+            for chunk in resp.iter_bytes():  # identity: as sent
+                body += chunk
+                if len(body) > self.max_bytes:
+                    raise PageTooLarge(f"a page of more than {len(body)} bytes")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.url}: the page took over {self.timeout:g}s")
+        readings = parse_dcgm(body.decode("utf-8", "replace"))
         if not readings:
             raise RuntimeError(f"no DCGM_FI_DEV_POWER_USAGE with a gpu label at {self.url}")
         return readings
@@ -206,7 +242,9 @@ class DcgmSource:
         self.client.close()
 
 
-def choose_source(kind: str, dcgm_url: str | None, interval: float) -> Source | None:
+def choose_source(
+    kind: str, dcgm_url: str | None, interval: float, max_bytes: int = 4 << 20
+) -> Source | None:
     """auto: DCGM when a URL is given, else NVML (which says once if it is not there)."""
     if kind == "auto":
         kind = "dcgm" if dcgm_url else "nvml"
@@ -217,5 +255,5 @@ def choose_source(kind: str, dcgm_url: str | None, interval: float) -> Source | 
             raise ValueError(
                 "--power-source dcgm needs --power-dcgm-url (e.g. http://gpu-host:9400/metrics)"
             )
-        return DcgmSource(dcgm_url, timeout=max(1.0, 4 * interval))
+        return DcgmSource(dcgm_url, timeout=max(1.0, 4 * interval), max_bytes=max_bytes)
     return NvmlSource()

@@ -69,6 +69,13 @@ def nvmlDeviceGetTotalEnergyConsumption(handle: int) -> int:
     return int(_gpu(handle)["energy_mj"])
 
 
+def nvmlDeviceGetEnforcedPowerLimit(handle: int) -> int:
+    mw = _gpu(handle).get("power_limit_mw")
+    if mw is None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return int(mw)
+
+
 def nvmlDeviceGetFieldValues(handle: int, field_ids: list[int]) -> list:
     g = _gpu(handle)
     out = []
