@@ -45,9 +45,9 @@ def feed(guard: CounterGuard, values, dt: float = 0.1, cap: float = 1000.0):
     return [guard.see(v, i * dt, cap) for i, v in enumerate(values)]
 
 
-def test_the_first_step_confirms_and_later_steps_count():
+def test_the_first_value_is_the_base_and_later_steps_count():
     got = feed(CounterGuard(), [5_000, 5_000, 15_000, 25_000])  # 100 W
-    assert got == [(None, None), (None, None), (15_000, None), (25_000, None)]
+    assert got == [(5_000, None), (5_000, None), (15_000, None), (25_000, None)]
 
 
 def test_a_jump_is_refused_once_and_the_counter_goes_on_from_it():
@@ -56,7 +56,7 @@ def test_a_jump_is_refused_once_and_the_counter_goes_on_from_it():
     got = feed(g, [0, 10_000, jump + 20_000, jump + 20_000, jump + 30_000, jump + 40_000])
     assert [why for _, why in got] == [None, None, "counter_jump", None, "rebased", None]
     # passed on: never across the jump (None between), so no step ever spans it
-    assert [v for v, _ in got] == [None, 10_000, None, None, jump + 30_000, jump + 40_000]
+    assert [v for v, _ in got] == [0, 10_000, None, None, jump + 30_000, jump + 40_000]
 
 
 def test_a_jittering_counter_counts_neither_the_jump_nor_the_jump_back():
@@ -121,7 +121,7 @@ def test_the_guard_counts_and_logs_once_per_reason(caplog):
         assert g.check("0", Reading(math.inf), float(t)) is None
         assert g.check("0", Reading(100.0, instant=1e30), float(t)) is None
     assert g.check("0", Reading(100.0, average=-1.0), 9.0) is None
-    assert g.check("0", Reading(100.0, 5_000.0), 10.0) == Reading(100.0, None)
+    assert g.check("0", Reading(100.0, 5_000.0), 10.0) == Reading(100.0, 5_000)  # the base
     assert rejected(metrics, reason="not_finite") == 3
     assert rejected(metrics, reason="too_high") == 3
     assert rejected(metrics, reason="negative") == 1

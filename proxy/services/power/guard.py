@@ -15,9 +15,9 @@ counter is trusted again either when it comes back to where it was (a jitter: ne
 jump nor the jump back counts) or when it goes on from the candidate by a plausible step (a
 genuine reset such as a driver reload, or a counter that really moved: counted from the new
 level, the jump itself never). Readings the counter is not trusted for are passed on
-without it, so that stretch is integrated from power instead. The first step after start
-only confirms the counter (a page's first value may be a whole collection period old, so
-its first step's time is unknown): its energy is integrated too.
+without it, so that stretch is integrated from power instead. The first value after start
+is passed on as the counter's base (it adds no energy; the sampler counts from its first
+step).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class CounterGuard:
     base: int | None = None  # the last accepted value (mJ)
     at: float = 0.0  # when it was first seen
     level: float = 0.0  # joules run ahead of cap x time (the bucket)
-    trusted: bool = False  # a plausible step has been seen since start or a refusal
+    trusted: bool = False  # counted from: the first value, or a plausible step since a refusal
     candidate: int | None = None  # the last refused value
     candidate_at: float = 0.0
 
@@ -100,9 +100,9 @@ class CounterGuard:
         if why is not None:
             return None, why
         c = int(value)
-        if self.base is None:
-            self.base, self.at = c, t
-            return None, None
+        if self.base is None:  # the base: a step from it is judged next
+            self.base, self.at, self.trusted = c, t, True
+            return c, None
         if c == self.base:
             self.candidate = None  # back where it was: a jitter
             return (c if self.trusted else None), None
