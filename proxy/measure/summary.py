@@ -64,7 +64,7 @@ PRECISION_ORDER = (
 #: every surface (page, ``report``, ``advise``, ``bench``'s reading of the proxy).
 MIN_FIGURE_REQUESTS = 10
 #: Band preference when comparing prefill between two rows.
-_PREFILL_COMPARE = ("2k-6k", "6k-12k", "12k-24k", "24k-64k", "64k+", "0-2k", "unknown")
+PREFILL_COMPARE = ("2k-6k", "6k-12k", "12k-24k", "24k-64k", "64k+", "0-2k", "unknown")
 
 # --- samples ------------------------------------------------------------------------------
 
@@ -538,7 +538,7 @@ def _compare(r: Row, base: Row) -> None:
             r.unresolved["decode_speedup"] = _too_few(n, "decode")
             r.counts["decode_speedup"] = n
     short = None
-    for band in _PREFILL_COMPARE:
+    for band in PREFILL_COMPARE:
         mine, theirs = r.prefill_ms_per_token.get(band), base.prefill_ms_per_token.get(band)
         if mine and theirs:
             n = min(r.prefill_samples.get(band, 0), base.prefill_samples.get(band, 0))

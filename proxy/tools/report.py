@@ -373,7 +373,7 @@ def advice_markdown(rows: list[AdviceRow]) -> str:
             out.append(
                 f"- wall time queue / prefill / decode: {_shares(a.shares)} "
                 f"(mean {s['queue']:.2f} / {s['prefill']:.2f} / {s['decode']:.2f} s per request); "
-                f"dominant phase: {a.dominant_phase}"
+                f"dominant phase: {a.dominant_phase or '— (too few requests to say)'}"
             )
         f = a.formula
         if f:
@@ -387,10 +387,12 @@ def advice_markdown(rows: list[AdviceRow]) -> str:
             )
         e = a.energy
         if e.get("shares"):
-            out.append(
-                f"- energy idle / prefill / decode: {_shares(e['shares'])} "
-                f"({e.get('samples', 0):.0f} power samples)"
+            basis = (
+                f"from the GPUs' energy counters, over {e.get('requests', 0):.0f} requests"
+                if e.get("basis") == "energy counters"
+                else f"{e.get('samples', 0):.0f} power samples"
             )
+            out.append(f"- energy idle / prefill / decode: {_shares(e['shares'])} ({basis})")
         else:
             out.append(f"- energy: {e.get('note', 'unavailable')}")
         if a.note:
