@@ -423,7 +423,13 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
         if r.decode_watts and s.decode_watts and watts_n >= MIN_FIGURE_REQUESTS:
             ev += (
                 f"; decode power {s.decode_watts:.0f} W against {r.decode_watts:.0f} W "
-                f"({1 - s.decode_watts / r.decode_watts:.0%} less, n={watts_n:.0f})"
+                f"({1 - s.decode_watts / r.decode_watts:.0%} less, n={watts_n:.0f}"
+                + (
+                    f", at batch {s.decode_batch} against {r.decode_batch}"
+                    if s.decode_batch and r.decode_batch
+                    else ""
+                )
+                + ")"
             )
         summary = f"{_s(saved)} less wall time per request ({speed:.2f}× decode)"
         if joules is not None:
