@@ -530,6 +530,12 @@ def _compare(r: Row, base: Row) -> None:
     least MIN_FIGURE_REQUESTS requests (else ``r.unresolved`` says how many they had),
     with the count beside it in ``r.counts``."""
     enough = MIN_FIGURE_REQUESTS
+    if r is base:  # the baseline against itself: 1x and 0 % by definition, no count
+        r.decode_speedup = 1.0 if r.decode_tok_s else None
+        r.prefill_speedup = 1.0 if r.prefill_ms_per_token else None
+        r.power_saving = 0.0 if r.decode_watts else None
+        r.energy_saving = 0.0 if r.joules_per_token_at_decode else None
+        return
     if r.decode_tok_s and base.decode_tok_s:
         n = min(r.decode_samples, base.decode_samples)
         if n >= enough:
