@@ -129,6 +129,10 @@ class Summary(BaseModel):
     window_s: float
     recent_s: float
     power_sampled: bool
+    #: What the GPU power sensor resolves, or why power is not sampled (the page's line).
+    power_sensor: list[str] = []
+    #: Requests each side a derived figure (speed-up, power saved, J/token) needs.
+    min_figure_requests: int = 10
     gpus: list[dict[str, Any]]
     upstreams: list[SummaryUpstream]
     pools: list[dict[str, Any]] = []  # upstreams listing one model, their shares

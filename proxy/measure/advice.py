@@ -21,8 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 from .metrics import BATCH_BANDS
 from .summary import (
+    BAND_TITLES,
     BASELINES,
+    MIN_FIGURE_REQUESTS,
     PRECISION_ORDER,
+    PREFILL_COMPARE,
     Report,
     Row,
     Samples,
@@ -46,8 +49,11 @@ PHASES = ("queue", "prefill", "decode")
 #: A batch band's typical batch (its bounds' middle): per-stream rate x this = in all.
 BATCH_SIZE = {"1": 1, "2": 2, "3-4": 3.5, "5-8": 6.5, "9-16": 12.5, "17-32": 24.5, "33-64": 48.5}
 BATCH_SIZE["65+"] = 65
-#: Requests a batch band needs before its rate counts as evidence.
-MIN_BATCH_REQUESTS = 10
+#: Requests a batch band needs before its rate counts as evidence (the figures' minimum).
+MIN_BATCH_REQUESTS = MIN_FIGURE_REQUESTS
+#: One stream's decode rate at a larger batch, as a share of its rate at a smaller one, at
+#: or above which decode is memory-bound here: each added stream adds nearly its own rate.
+MEMORY_BOUND = 0.8
 
 
 @dataclass
@@ -232,24 +238,48 @@ def _row(
 
     levers: list[Lever] = []
     share = out.shares
+    silent: dict[str, str] = {}  # phase -> why it has no lever
     if share["queue"] >= MIN_SHARE and queue.count + up_queue.count:
         levers.append(_queueing(out, r, queue.count or up_queue.count, queue_note))
-    if share["prefill"] >= MIN_SHARE and prefill_rate and pre_rate_h.count >= min_requests:
-        levers += _prefill_levers(
-            out, prefill_rate, pre_rate_h.count, prefill_tokens, cached_tokens
-        )
-    if share["decode"] >= MIN_SHARE and decode_rate and (r.decode_samples or 0) >= min_requests:
-        levers += _precision_levers(out, r, report, min_requests)
-        batching = _batching_lever(out, r)
-        if batching is not None:
-            levers.append(batching)
+    if share["prefill"] >= MIN_SHARE:
+        if prefill_rate and pre_rate_h.count >= min_requests:
+            levers += _prefill_levers(
+                out, prefill_rate, pre_rate_h.count, prefill_tokens, cached_tokens
+            )
+        else:
+            silent["prefill"] = (
+                f"prefill rates measured on {pre_rate_h.count:.0f} streamed requests "
+                f"({min_requests} needed)"
+            )
+    if share["decode"] >= MIN_SHARE:
+        if decode_rate and (r.decode_samples or 0) >= min_requests:
+            levers += _precision_levers(out, r, report, min_requests)
+            batching = _batching_lever(out, r)
+            if batching is not None:
+                levers.append(batching)
+            elif not any(lv.phase == "decode" for lv in levers):
+                silent["decode"] = _batching_silence(out)
+        else:
+            silent["decode"] = (
+                f"decode rates measured on {r.decode_samples or 0:.0f} streamed requests "
+                f"({min_requests} needed)"
+            )
     kv = _kv_lever(samples, lab, r)
     if kv is not None:
         levers.append(kv)
-    levers.sort(key=lambda lv: -(lv.expected_effect.seconds or 0.0))
+    # the dominant phase's levers first, then by the seconds per request they would save
+    dominant = out.dominant_phase
+    levers.sort(key=lambda lv: (lv.phase != dominant, -(lv.expected_effect.seconds or 0.0)))
     out.levers = levers
     if not levers:
-        out.note = "no lever has evidence on this traffic"
+        out.note = "no lever has evidence on this traffic" + (
+            ": " + "; ".join(silent.values()) if silent else ""
+        )
+    elif dominant in silent:
+        out.note = (
+            f"{dominant}, the dominant phase ({share[dominant]:.0%} of wall time), has no "
+            f"lever: {silent[dominant]}"
+        )
     return out
 
 
@@ -326,6 +356,7 @@ def _prefill_levers(
     total = processed + cached
     cached_share = cached / total if total else 0.0
     saves = mean_prefill / 4
+    quarter_median = median / 4 / rate
     levers.append(
         Lever(
             "prefix_caching",
@@ -333,15 +364,15 @@ def _prefill_levers(
             "a stable, cacheable prompt prefix (system prompt and instructions first, "
             "prefix caching on)",
             f"{cached_share:.0%} of prompt tokens came from the engine's prefix cache; "
-            f"each 1,000 cached tokens saves {1000 / rate:.2f} s at the measured "
-            f"{_fmt_n(rate)} tok/s; over {n:.0f} requests",
+            f"mean prefill {_s(mean_prefill)}; each 1,000 cached tokens saves "
+            f"{1000 / rate:.2f} s at the measured {_fmt_n(rate)} tok/s; over {n:.0f} requests",
             n,
             Effect(
                 seconds=saves,
                 ttft=True,
-                summary=f"a stable prefix of a quarter of each prompt (median "
-                f"{_fmt_n(median / 4)} tokens) served from cache saves {_s(saves)} of TTFT "
-                "per request",
+                summary=f"a quarter of each prompt served from cache saves a quarter of the "
+                f"prefill time, {_s(saves)} of TTFT per request on this traffic (a quarter of "
+                f"the median prompt, {_fmt_n(median / 4)} tokens, saves {_s(quarter_median)})",
             ),
             measured=cached > 0,
             caveat="how much of your prompts is really shared is not something phasewatch "
@@ -360,7 +391,7 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
     upstream, else the typical ranges (from a 16-bit row only)."""
     levers = []
     decode_s, prefill_s = out.seconds["decode"], out.seconds["prefill"]
-    siblings = [
+    served = [
         s
         for s in report.rows
         if s.upstream == r.upstream
@@ -368,13 +399,14 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
         and s.key != r.key
         and _rank(s.precision) > _rank(r.precision)
         and s.precision != "unknown"
-        and s.decode_tok_s
-        and (s.decode_samples or 0) >= min_requests
     ]
+    siblings = [s for s in served if s.decode_tok_s and (s.decode_samples or 0) >= min_requests]
+    # served beside it, but with too few streamed requests to measure against yet
+    short = {s.precision: s for s in served if s not in siblings}
     for s in siblings:
         assert s.decode_tok_s and r.decode_tok_s
         speed = s.decode_tok_s / r.decode_tok_s
-        pre_x = _prefill_ratio(r, s)
+        pre_x, pre_band, pre_n = _prefill_ratio(r, s)
         saved = decode_s * (1 - 1 / speed) + (prefill_s * (1 - 1 / pre_x) if pre_x else 0.0)
         joules = None
         if r.joules_per_token_at_decode and s.joules_per_token_at_decode:
@@ -385,11 +417,19 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
             f"{s.decode_samples:.0f} and {r.decode_samples:.0f} requests"
         )
         if pre_x:
-            ev += f"; prefill {pre_x:.2f}×"
-        if r.decode_watts and s.decode_watts:
+            band = BAND_TITLES.get(pre_band, pre_band)
+            ev += f"; prefill {pre_x:.2f}× ({band} prompts, n={pre_n:.0f})"
+        watts_n = min(r.decode_watts_samples, s.decode_watts_samples)
+        if r.decode_watts and s.decode_watts and watts_n >= MIN_FIGURE_REQUESTS:
             ev += (
                 f"; decode power {s.decode_watts:.0f} W against {r.decode_watts:.0f} W "
-                f"({1 - s.decode_watts / r.decode_watts:.0%} less)"
+                f"({1 - s.decode_watts / r.decode_watts:.0%} less, n={watts_n:.0f}"
+                + (
+                    f", at batch {s.decode_batch} against {r.decode_batch}"
+                    if s.decode_batch and r.decode_batch
+                    else ""
+                )
+                + ")"
             )
         summary = f"{_s(saved)} less wall time per request ({speed:.2f}× decode)"
         if joules is not None:
@@ -407,10 +447,10 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
                 caveat=QUALITY,
             )
         )
-    served = {s.precision for s in siblings}
+    measured = {s.precision for s in siblings}
     if r.precision in BASELINES:
-        typical = [(p, rng) for p, rng in TYPICAL_DECODE.items() if p not in served]
-    elif r.precision in ("fp8", "int8") and "int4" not in served:
+        typical = [(p, rng) for p, rng in TYPICAL_DECODE.items() if p not in measured]
+    elif r.precision in ("fp8", "int8") and "int4" not in measured:
         lo = TYPICAL_DECODE["int4"][0] / TYPICAL_DECODE["fp8"][1]
         hi = TYPICAL_DECODE["int4"][1] / TYPICAL_DECODE["fp8"][0]
         typical = [("int4", (lo, hi))]
@@ -428,13 +468,19 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
             saved += prefill_s * (1 - 1 / TYPICAL_PREFILL_INT4[0])
             extra = f", prefill {TYPICAL_PREFILL_INT4[0]}–{TYPICAL_PREFILL_INT4[1]}×"
         more = f"; energy: {line}" if line and target == "fp8" else ""
+        there = short.get(target)
+        why = (
+            f"{there.model} ({target}) is served here, but with {there.decode_samples:.0f} "
+            f"streamed requests: measuring against it needs {min_requests}"
+            if there is not None
+            else f"no {target} of this family is served here to measure"
+        )
         levers.append(
             Lever(
                 "lower_precision",
                 "decode",
-                f"serve {target}",
-                f"no {target} of this family is served here to measure; "
-                f"decode {r.decode_tok_s:.1f} tok/s measured here over "
+                f"serve {target}" + (f": {there.model}" if there is not None else ""),
+                f"{why}; decode {r.decode_tok_s:.1f} tok/s measured here over "
                 f"{r.decode_samples:.0f} requests, {out.shares['decode'] if out.shares else 0:.0%} "
                 f"of wall time; typical {r.precision} → {target}: {lo:.2f}–{hi:.2f}× decode{extra}"
                 + more,
@@ -451,12 +497,15 @@ def _precision_levers(out: AdviceRow, r: Row, report: Report, min_requests: int)
     return levers
 
 
-def _prefill_ratio(base: Row, other: Row) -> float | None:
-    for band, ms in base.prefill_ms_per_token.items():
-        theirs = other.prefill_ms_per_token.get(band)
-        if ms and theirs:
-            return ms / theirs
-    return None
+def _prefill_ratio(base: Row, other: Row) -> tuple[float | None, str, float]:
+    """Prefill ms/token of `base` over `other`'s in the first prompt band both measured on
+    at least MIN_FIGURE_REQUESTS requests: (ratio, band, the fewer requests), or None."""
+    for band in PREFILL_COMPARE:
+        ms, theirs = base.prefill_ms_per_token.get(band), other.prefill_ms_per_token.get(band)
+        n = min(base.prefill_samples.get(band, 0), other.prefill_samples.get(band, 0))
+        if ms and theirs and n >= MIN_FIGURE_REQUESTS:
+            return ms / theirs, band, n
+    return None, "", 0.0
 
 
 def _kv_lever(samples: Samples, lab: dict, r: Row) -> Lever | None:
@@ -516,6 +565,8 @@ def _energy(samples: Samples, r: Row, rows_per_upstream: dict[str, int]) -> dict
         total = sum(joules.values())
         out: dict = {
             "shares": {k: v / total for k, v in joules.items()},
+            "basis": "energy counters",
+            "requests": samples.total(_n("requests_total"), **lab, outcome="ok"),
             "joules": joules,
             "note": "per-phase energy from the GPUs' energy counters"
             + ("" if idle else "; idle energy not attributable to this row (counted as 0)"),
@@ -546,6 +597,7 @@ def _energy(samples: Samples, r: Row, rows_per_upstream: dict[str, int]) -> dict
         return {"shares": None, "note": "unavailable: no power samples yet"}
     return {
         "shares": {k: v / total for k, v in by_state.items()},
+        "basis": "power samples",
         "samples": n,
         "note": "share of the GPUs' sampled power by what was in flight (idle, prefill, "
         "decode); samples at a steady interval, so shares of energy",
@@ -590,8 +642,12 @@ def _batching(samples: Samples, lab: dict) -> dict:
 
 
 def _batching_lever(out: AdviceRow, r: Row) -> Lever | None:
-    """More requests at once, where a larger batch was measured to generate more tokens
-    per second in all than the batch this traffic mostly runs at."""
+    """More concurrent streams per GPU, from the decode rates measured by batch (bands of
+    MIN_BATCH_REQUESTS requests or more): where a larger batch than the one this traffic
+    mostly runs at was measured to generate at least 1.2x the tokens per second in all;
+    or, where this traffic already runs at its largest measured batch, where one stream's
+    rate barely dropped from a smaller batch to it (MEMORY_BOUND): decode is memory-bound,
+    so each stream added brings nearly its own rate."""
     b = out.batching
     if not b:
         return None
@@ -601,30 +657,80 @@ def _batching_lever(out: AdviceRow, r: Row) -> Lever | None:
         return None
     now = bands[typical]
     bigger = [k for k in bands if BATCH_SIZE[k] > BATCH_SIZE[typical]]
-    if not bigger:
+    smaller = [k for k in bands if BATCH_SIZE[k] < BATCH_SIZE[typical]]
+    if bigger:
+        best = max(bigger, key=lambda k: bands[k]["tok_s_in_all"])
+        lo, hi, lo_band, hi_band = now, bands[best], typical, best
+        if hi["tok_s_in_all"] / lo["tok_s_in_all"] < 1.2:
+            return None
+    elif smaller:
+        lo_band = min(smaller, key=lambda k: BATCH_SIZE[k])
+        lo, hi, hi_band = bands[lo_band], now, typical
+        if hi["tok_s_per_stream"] / lo["tok_s_per_stream"] < MEMORY_BOUND:
+            return None  # compute-bound already: more streams slow each one down
+    else:
         return None
-    best = max(bigger, key=lambda k: bands[k]["tok_s_in_all"])
-    then = bands[best]
-    gain = then["tok_s_in_all"] / now["tok_s_in_all"]
-    if gain < 1.2:
-        return None
+    gain = hi["tok_s_in_all"] / lo["tok_s_in_all"]
+    kept = hi["tok_s_per_stream"] / lo["tok_s_per_stream"]
     joules = None
-    if r.decode_watts:
-        joules = r.decode_watts / now["tok_s_in_all"] - r.decode_watts / then["tok_s_in_all"]
-    summary = f"about {gain:.1f}× the generated tokens per second from the same GPU"
+    if r.decode_watts and r.decode_watts_samples >= MIN_FIGURE_REQUESTS:
+        joules = r.decode_watts / lo["tok_s_in_all"] - r.decode_watts / hi["tok_s_in_all"]
+    ev = (
+        f"one stream decodes {lo['tok_s_per_stream']:.1f} tok/s at batch {lo_band} "
+        f"({lo['requests']:.0f} requests) and {hi['tok_s_per_stream']:.1f} tok/s at batch "
+        f"{hi_band} ({hi['requests']:.0f} requests): {1 - kept:.0%} slower per stream, "
+        f"about {lo['tok_s_in_all']:.0f} → {hi['tok_s_in_all']:.0f} tok/s in all"
+    )
+    if hi_band == typical:
+        summary = (
+            f"decode is memory-bound here (one stream kept {kept:.0%} of its rate from batch "
+            f"{lo_band} to {hi_band}, {gain:.1f}× the tokens per second in all): more "
+            "concurrent streams per GPU should raise throughput further at little cost to "
+            "each stream"
+        )
+        caveat = (
+            f"measured up to batch {hi_band}, the batch this traffic mostly runs at; beyond "
+            "it this holds while decode stays memory-bound, and the KV cache and the engine's "
+            "slots bound it"
+        )
+    else:
+        summary = f"about {gain:.1f}× the generated tokens per second from the same GPU"
+        caveat = "each request's own decode gets somewhat slower"
     if joules is not None:
         summary += f", about {joules:.2f} J less per token"
+    ev += f"; {b['fp8_energy_line']}"
     return Lever(
         "batching",
         "decode",
-        "batching: more requests at once (parallel clients; the engine's --max-num-seqs or -np)",
-        f"one stream decodes {now['tok_s_per_stream']:.1f} tok/s at batch {typical} "
-        f"({now['requests']:.0f} requests) and {then['tok_s_per_stream']:.1f} tok/s at batch "
-        f"{best} ({then['requests']:.0f} requests): about {now['tok_s_in_all']:.0f} → "
-        f"{then['tok_s_in_all']:.0f} tok/s in all; {b['fp8_energy_line']}",
-        now["requests"] + then["requests"],
+        "more concurrent streams per GPU (more parallel clients; the engine's --max-num-seqs "
+        "or -np)",
+        ev,
+        lo["requests"] + hi["requests"],
         Effect(joules_per_token=joules, summary=summary),
         measured=True,
-        caveat="each request's own decode gets somewhat slower; power at the larger batch "
-        "is taken as the decode power measured overall (it rises a little with the batch)",
+        caveat=caveat
+        + (
+            "; power at the larger batch is taken as the decode power measured overall (it "
+            "rises a little with the batch)"
+            if joules is not None
+            else ""
+        ),
+    )
+
+
+def _batching_silence(out: AdviceRow) -> str:
+    """Why decode has no batching lever: which batch bands were measured on how many."""
+    bands = (out.batching or {}).get("bands") or {}
+    if not bands:
+        return "no decode rates by batch measured"
+    seen = ", ".join(f"batch {k}: {v['requests']:.0f}" for k, v in bands.items())
+    enough = [k for k, v in bands.items() if v["requests"] >= MIN_BATCH_REQUESTS]
+    if len(enough) < 2:
+        return (
+            f"how decode scales with the batch needs two batch bands of {MIN_BATCH_REQUESTS} "
+            f"requests each ({seen} requests)"
+        )
+    return (
+        f"decode rates by batch ({seen} requests) show no larger batch generating more "
+        "in all, and one stream slowing as the batch grows"
     )

@@ -43,6 +43,8 @@ class SensorView:
     gpus: list[GpuSensor] = field(default_factory=list)
     unresolved: dict[str, float] = field(default_factory=dict)  # phase -> count
     observed: dict[str, float] = field(default_factory=dict)  # phase -> count
+    #: what the counts cover, where not the proxy's whole life ("in this bench's runs")
+    scope: str = ""
 
     def lines(self) -> list[str]:
         """One line per GPU, then the unresolved phases; the fix when too coarse."""
@@ -65,7 +67,11 @@ class SensorView:
                 for ph in ("prefill", "decode")
             )
             out.append(
-                "Phases too short for the sensor (unresolved, no power figure): " + counts + "."
+                "Phases too short for the sensor (unresolved, no power figure)"
+                + (f" {self.scope}" if self.scope else "")
+                + ": "
+                + counts
+                + "."
             )
         coarse = [g for g in self.gpus if (g.min_phase or 0) > COARSE_SECONDS]
         if coarse:
@@ -107,10 +113,18 @@ def view(samples: Samples) -> SensorView:
         if gpu in gpus and s.labels.get("field") == gpus[gpu].field:
             gpus[gpu].refresh = s.value
     v = SensorView(True, gpus=[gpus[k] for k in sorted(gpus)])
-    for s in samples.get(PREFIX + "gpu_power_unresolved_total"):
-        ph = s.labels.get("phase", "?")
-        v.unresolved[ph] = v.unresolved.get(ph, 0.0) + s.value
-    for s in samples.get(PREFIX + "gpu_power_watts_count"):
-        ph = s.labels.get("phase", "?")
-        v.observed[ph] = v.observed.get(ph, 0.0) + s.value
+    v.unresolved, v.observed = phase_counts(samples)
     return v
+
+
+def phase_counts(
+    samples: Samples, models: set[str] | None = None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Request phases unresolved and observed, by phase (of `models` only, where given)."""
+    out: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    for i, name in enumerate(("gpu_power_unresolved_total", "gpu_power_watts_count")):
+        for s in samples.get(PREFIX + name):
+            if models is None or s.labels.get("model") in models:
+                ph = s.labels.get("phase", "?")
+                out[i][ph] = out[i].get(ph, 0.0) + s.value
+    return out

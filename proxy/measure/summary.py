@@ -58,8 +58,13 @@ PRECISION_ORDER = (
     "int1",
     "unknown",
 )
+#: Requests (each side) a derived figure needs before it is shown: a speed-up, a power
+#: saving, J/token. Below it the figure is None and ``Row.unresolved`` says why; where it
+#: is shown, its count (``Row.counts``) and band are shown beside it. One constant for
+#: every surface (page, ``report``, ``advise``, ``bench``'s reading of the proxy).
+MIN_FIGURE_REQUESTS = 10
 #: Band preference when comparing prefill between two rows.
-_PREFILL_COMPARE = ("2k-6k", "6k-12k", "12k-24k", "24k-64k", "64k+", "0-2k", "unknown")
+PREFILL_COMPARE = ("2k-6k", "6k-12k", "12k-24k", "24k-64k", "64k+", "0-2k", "unknown")
 
 # --- samples ------------------------------------------------------------------------------
 
@@ -221,6 +226,14 @@ class Row:
     prefill_speedup_band: str | None = None
     power_saving: float | None = None  # 1 - decode W / baseline decode W
     energy_saving: float | None = None  # 1 - J/token at decode / the baseline's
+    prefill_samples: dict = field(default_factory=dict)  # band -> requests behind its rate
+    decode_watts_samples: float = 0  # requests whose decode window the sensor resolved
+    decode_batch: str | None = None  # the batch band most decode time was spent at
+    # derived figure -> the requests it rests on (the fewer of the two rows compared),
+    # also where too few to show it
+    counts: dict = field(default_factory=dict)
+    # derived figure -> why it is not shown (too few requests, the sensor, no baseline)
+    unresolved: dict = field(default_factory=dict)
     tpot_ms: float | None = None  # median time per output token
     kv_bytes_per_token: float | None = None  # None: the model's KV shape is unknown
     kv_dtype: str = "unknown"  # the element type the engine keeps the cache in
@@ -352,6 +365,7 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
                     if rate:
                         r.prefill_tok_s[band] = rate
                         r.prefill_ms_per_token[band] = 1000.0 / rate
+                        r.prefill_samples[band] = hb.count
                 break
         for band in PROMPT_BANDS:
             hb = hist(samples, _n("ttft_seconds"), **lab, prompt_band=band)
@@ -365,13 +379,22 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
             r.share_prefill, r.share_decode = pre / (pre + dec), dec / (pre + dec)
 
         # power
-        r.decode_watts = hist(samples, _n("gpu_power_watts"), **lab, phase="decode").mean()
-        r.prefill_watts = hist(samples, _n("gpu_power_watts"), **lab, phase="prefill").mean()
+        decode_w = hist(samples, _n("gpu_power_watts"), **lab, phase="decode")
+        r.decode_watts, r.decode_watts_samples = decode_w.mean(), decode_w.count
+        prefill_w = hist(samples, _n("gpu_power_watts"), **lab, phase="prefill")
+        r.prefill_watts = prefill_w.mean()
+        if r.prefill_watts is not None:
+            r.counts["prefill_watts"] = prefill_w.count
         gpus, own = _gpus_of(samples, up, model)
         attributable = own or rows_per_upstream.get(up) == 1
         if attributable:
             if r.decode_watts is None:
+                # the sampled power in the decode state: counted in samples, not requests
                 r.decode_watts = _state_watts(samples, gpus, "decode")
+                r.decode_watts_samples = sum(
+                    samples.total(_n("gpu_power_sample_watts_count"), **g, state="decode")
+                    for g in gpus
+                )
             if r.prefill_watts is None:
                 r.prefill_watts = _state_watts(samples, gpus, "prefill")
             energy = sum(samples.total(_n("gpu_energy_joules_total"), **g) for g in gpus)
@@ -381,8 +404,15 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         if attributed and r.decode_tokens:
             r.joules_per_token_attributed = attributed / r.decode_tokens
         r.idle_watts = _state_watts(samples, gpus, "idle")
+        r.decode_batch = decode_batch(samples, lab)
+        jtok_n = min(r.decode_watts_samples, r.decode_samples)
         if r.decode_watts is not None and r.decode_tok_s:
-            r.joules_per_token_at_decode = r.decode_watts / r.decode_tok_s
+            if jtok_n >= MIN_FIGURE_REQUESTS:
+                r.joules_per_token_at_decode = r.decode_watts / r.decode_tok_s
+                r.counts["joules_per_token_at_decode"] = jtok_n
+            else:
+                r.unresolved["joules_per_token_at_decode"] = _too_few(jtok_n, "decode power")
+            r.counts["joules_per_token_at_decode"] = jtok_n
         kv_memory(samples, lab, r)
         rows.append(r)
 
@@ -395,6 +425,21 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
         for s in samples.get(_n("gpu_power_current_watts"))
     ]
     return Report(rows, power, source, gpus_now)
+
+
+def _too_few(n: float, what: str) -> str:
+    return f"{what} measured on {n:.0f} requests; {MIN_FIGURE_REQUESTS} needed"
+
+
+def decode_batch(samples: Samples, lab: dict) -> str | None:
+    """The batch band (requests in flight when a request was admitted) most of this
+    row's decode time was spent at, from ``decode_batch_seconds_total``."""
+    seconds: dict[str, float] = {}
+    for s in samples.get(_n("decode_batch_seconds_total"), **lab):
+        b = s.labels.get("batch", "")
+        seconds[b] = seconds.get(b, 0.0) + s.value
+    seconds = {b: v for b, v in seconds.items() if v > 0}
+    return max(seconds, key=seconds.__getitem__) if seconds else None
 
 
 def kv_memory(samples: Samples, lab: dict, r: Row) -> None:
@@ -480,14 +525,52 @@ def compare(rows: list[Row]) -> None:
         if base is None:
             continue
         r.baseline = f"{base.model} ({base.precision})"
-        if r.decode_tok_s and base.decode_tok_s:
-            r.decode_speedup = r.decode_tok_s / base.decode_tok_s
-        for band in _PREFILL_COMPARE:
-            mine, theirs = r.prefill_ms_per_token.get(band), base.prefill_ms_per_token.get(band)
-            if mine and theirs:
+        _compare(r, base)
+
+
+def _compare(r: Row, base: Row) -> None:
+    """The derived figures of `r` against `base`, each only where both rows rest on at
+    least MIN_FIGURE_REQUESTS requests (else ``r.unresolved`` says how many they had),
+    with the count beside it in ``r.counts``."""
+    enough = MIN_FIGURE_REQUESTS
+    if r is base:  # the baseline against itself: 1x and 0 % by definition, no count
+        r.decode_speedup = 1.0 if r.decode_tok_s else None
+        r.prefill_speedup = 1.0 if r.prefill_ms_per_token else None
+        r.power_saving = 0.0 if r.decode_watts else None
+        r.energy_saving = 0.0 if r.joules_per_token_at_decode else None
+        return
+    if r.decode_tok_s and base.decode_tok_s:
+        n = min(r.decode_samples, base.decode_samples)
+        if n >= enough:
+            r.decode_speedup, r.counts["decode_speedup"] = r.decode_tok_s / base.decode_tok_s, n
+        else:
+            r.unresolved["decode_speedup"] = _too_few(n, "decode")
+            r.counts["decode_speedup"] = n
+    short = None
+    for band in PREFILL_COMPARE:
+        mine, theirs = r.prefill_ms_per_token.get(band), base.prefill_ms_per_token.get(band)
+        if mine and theirs:
+            n = min(r.prefill_samples.get(band, 0), base.prefill_samples.get(band, 0))
+            if n >= enough:
                 r.prefill_speedup, r.prefill_speedup_band = theirs / mine, band
+                r.counts["prefill_speedup"] = n
                 break
-        if r.decode_watts and base.decode_watts:
+            short = short or (band, n)
+    if r.prefill_speedup is None and short:
+        r.counts["prefill_speedup"] = short[1]
+        r.unresolved["prefill_speedup"] = _too_few(
+            short[1], f"prefill in one prompt band ({BAND_TITLES.get(short[0], short[0])})"
+        )
+    if r.decode_watts and base.decode_watts:
+        n = min(r.decode_watts_samples, base.decode_watts_samples)
+        if n >= enough:
             r.power_saving = 1.0 - r.decode_watts / base.decode_watts
-        if r.joules_per_token_at_decode and base.joules_per_token_at_decode:
-            r.energy_saving = 1.0 - r.joules_per_token_at_decode / base.joules_per_token_at_decode
+            r.counts["power_saving"] = n
+        else:
+            r.unresolved["power_saving"] = _too_few(n, "decode power")
+            r.counts["power_saving"] = n
+    if r.joules_per_token_at_decode and base.joules_per_token_at_decode:
+        r.energy_saving = 1.0 - r.joules_per_token_at_decode / base.joules_per_token_at_decode
+        r.counts["energy_saving"] = min(
+            r.counts["joules_per_token_at_decode"], base.counts["joules_per_token_at_decode"]
+        )

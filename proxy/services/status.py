@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..measure.advice import advise
 from ..measure.sensor import view as sensor_view
-from ..measure.summary import Samples, build
+from ..measure.summary import MIN_FIGURE_REQUESTS, Samples, build
 
 if TYPE_CHECKING:
     from ..core.exchange import Exchange
@@ -208,6 +208,8 @@ class StatusPage:
             "window_s": WINDOW_SECONDS,
             "recent_s": RECENT_SECONDS,
             "power_sampled": rep.power,
+            # requests a derived figure (speed-up, power saved, J/token) needs to be shown
+            "min_figure_requests": MIN_FIGURE_REQUESTS,
             # what the GPU power sensor resolves, or why power is not sampled
             "power_sensor": sensor_view(reg).lines(),
             "gpus": rep.gpus,

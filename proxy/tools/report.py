@@ -20,6 +20,7 @@ from ..measure.summary import (
     BAND_8K,
     BAND_16K,
     BAND_TITLES,
+    MIN_FIGURE_REQUESTS,
     Report,
     Row,
     Sample,
@@ -159,6 +160,15 @@ def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
+def _n(r: Row, key: str, text: str, extra: str = "") -> str:
+    """A derived figure with the requests it rests on (and its band) beside it; "—" with
+    the count where too few requests stand behind it (the note says why)."""
+    n = r.counts.get(key)
+    if n is None:
+        return text
+    return f"{text} (n={n:.0f}{', ' + extra if extra and text != '—' else ''})"
+
+
 def _row_name(r: Row) -> str:
     return f"{r.upstream} / {r.model} ({r.precision})"
 
@@ -233,12 +243,26 @@ def markdown(
                     _f(r.ttft_s.get(BAND_8K), "{:.2f} s"),
                     _f(r.decode_watts, "{:.0f}", na),
                     _f(r.idle_watts, "{:.0f}", na),
-                    _f(r.joules_per_token_at_decode, "{:.2f}", na),
+                    _n(
+                        r,
+                        "joules_per_token_at_decode",
+                        _f(r.joules_per_token_at_decode, "{:.2f}", na),
+                    ),
                     _f(r.joules_per_token_all_in, "{:.2f}", na),
                     share,
-                    _x(r.decode_speedup),
-                    _x(r.prefill_speedup),
-                    _pct(r.power_saving) if rep.power else "n/a",
+                    _n(r, "decode_speedup", _x(r.decode_speedup)),
+                    _n(
+                        r,
+                        "prefill_speedup",
+                        _x(r.prefill_speedup),
+                        BAND_TITLES.get(r.prefill_speedup_band or "", ""),
+                    ),
+                    _n(
+                        r,
+                        "power_saving",
+                        _pct(r.power_saving) if rep.power else "n/a",
+                        f"batch {r.decode_batch}" if r.decode_batch else "",
+                    ),
                     _f(r.tpot_ms, "{:.2f}"),
                     _kv(r.kv_bytes_per_token, r.kv_dtype),
                     "",
@@ -286,18 +310,30 @@ def markdown(
             "decode W: the GPU's energy over each request's decode window (the sensor's "
             "energy counter, at its resolution) / the window's length, for the phases the "
             "sensor resolves; idle W: GPU samples with "
-            "nothing in flight; J/tok at decode = decode W / decode tok/s (one stream at "
-            "decode load: the figure that compares precisions); J/tok all-in = the GPUs' "
+            "nothing in flight; J/tok at decode = decode W / one stream's median decode "
+            "tok/s (at batch 1 the energy per token, at larger batches an upper bound: the "
+            "figure that compares precisions); J/tok all-in = the GPUs' "
             "whole energy (idle and prefill included) / generated tokens (the cost of "
             "owning the GPU at this utilisation: a faster precision idles more and reads "
-            "higher here); power saving compares decode W."
+            "higher here); power saving compares the mean decode W over this traffic's "
+            "decode windows with the baseline's over its own, at whatever batch each ran "
+            "(the batch most decode time was spent at is beside it)."
         )
         notes += sensor or []
     else:
         notes += sensor or ["Power: n/a (phasewatch is not sampling GPU power here)."]
     notes.append(
-        "Speed-ups and savings are against the bf16/fp16 row of the same upstream and model family."
+        "Speed-ups and savings are against the bf16/fp16 row of the same upstream and model "
+        f"family, shown once both rows have {MIN_FIGURE_REQUESTS} requests behind them; n: "
+        "the fewer of the two, with the prompt band of a prefill speed-up."
     )
+    unresolved = [
+        f"{_row_name(r)} {k.replace('_', ' ')}: {why}"
+        for r in rows
+        for k, why in r.unresolved.items()
+    ]
+    if unresolved:
+        notes.append("Not shown: " + "; ".join(unresolved) + ".")
     left = [r for r in rep.rows if not r.measured and r.requests]
     if left:
         notes.append(
@@ -345,7 +381,7 @@ def advice_markdown(rows: list[AdviceRow]) -> str:
             out.append(
                 f"- wall time queue / prefill / decode: {_shares(a.shares)} "
                 f"(mean {s['queue']:.2f} / {s['prefill']:.2f} / {s['decode']:.2f} s per request); "
-                f"dominant phase: {a.dominant_phase}"
+                f"dominant phase: {a.dominant_phase or '— (too few requests to say)'}"
             )
         f = a.formula
         if f:
@@ -359,10 +395,12 @@ def advice_markdown(rows: list[AdviceRow]) -> str:
             )
         e = a.energy
         if e.get("shares"):
-            out.append(
-                f"- energy idle / prefill / decode: {_shares(e['shares'])} "
-                f"({e.get('samples', 0):.0f} power samples)"
+            basis = (
+                f"from the GPUs' energy counters, over {e.get('requests', 0):.0f} requests"
+                if e.get("basis") == "energy counters"
+                else f"{e.get('samples', 0):.0f} power samples"
             )
+            out.append(f"- energy idle / prefill / decode: {_shares(e['shares'])} ({basis})")
         else:
             out.append(f"- energy: {e.get('note', 'unavailable')}")
         if a.note:

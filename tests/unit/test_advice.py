@@ -8,11 +8,13 @@ import math
 
 from prometheus_client import generate_latest
 
-from proxy.measure.advice import MIN_REQUESTS, advise
+from proxy.measure.advice import MIN_BATCH_REQUESTS, MIN_REQUESTS, advise
 from proxy.measure.metrics import Metrics, prompt_band
 from proxy.measure.summary import Sample, Samples, build
+from proxy.tools.report import advice_markdown
 
 BF16 = ("gpu", "meta-llama/Llama-3.1-8B-Instruct", "bf16")
+FP8 = ("gpu", "RedHatAI/Llama-3.1-8B-Instruct-FP8", "fp8")
 INT4 = ("gpu", "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4", "int4")
 
 
@@ -55,17 +57,20 @@ def test_the_issues_rag_example_prefill_dominates_and_shorter_prompts_come_first
     assert math.isclose(a.shares["prefill"], 8.0 / total)
     assert math.isclose(a.formula["predicted_s"], 12000 / 1500 + 23 / 40, rel_tol=0.01)
     assert math.isclose(a.formula["ratio"], 1.0, rel_tol=0.01)
-    # by what they would save: the 7.5 s queue, then halving the prompt (4 s of TTFT)
-    queue, first = a.levers[:2]
-    assert queue.lever == "queueing" and math.isclose(queue.expected_effect.seconds, 7.5)
+    # the dominant phase's levers first (halving the prompt: 4 s of TTFT), then the others
+    # by what they would save (the 7.5 s queue)
+    first, cache, queue = a.levers[:3]
     assert (first.lever, first.phase, first.measured) == ("shorter_prompts", "prefill", True)
+    assert cache.lever == "prefix_caching"
+    assert queue.lever == "queueing" and math.isclose(queue.expected_effect.seconds, 7.5)
     assert math.isclose(first.expected_effect.seconds, 4.0, rel_tol=0.01)
     assert "halving the median prompt saves 4.00 s of TTFT" in first.expected_effect.summary
     assert "over 40 requests" in first.evidence and "1,500 tok/s" in first.evidence
-    assert "prefix_caching" in [lv.lever for lv in a.levers]
-    assert [lv.expected_effect.seconds for lv in a.levers] == sorted(
-        (lv.expected_effect.seconds for lv in a.levers), reverse=True
-    )
+    # a quarter of each prompt from cache: a quarter of the mean prefill time, and the
+    # median prompt's quarter (3,000 tokens at 1,500 tok/s) beside it
+    assert math.isclose(cache.expected_effect.seconds, 8.0 / 4)
+    assert "saves a quarter of the prefill time, 2.00 s of TTFT" in cache.expected_effect.summary
+    assert "the median prompt, 3,000 tokens, saves 2.00 s" in cache.expected_effect.summary
     assert a.energy["shares"] is None and "unavailable" in a.energy["note"]
 
 
@@ -89,7 +94,7 @@ def test_a_served_lower_precision_is_measured_not_typical():
     first = a.levers[0]
     assert (first.lever, first.measured) == ("lower_precision", True)
     assert INT4[1] in first.title and "3.00× measured" in first.evidence
-    assert "240 W against 360 W (33% less)" in first.evidence
+    assert "240 W against 360 W (33% less, n=40)" in first.evidence
     assert math.isclose(first.expected_effect.seconds, (399 / 50) * (1 - 1 / 3), rel_tol=0.02)
     # J/token at decode load: 360 / 50 against 240 / 150
     assert math.isclose(first.expected_effect.joules_per_token, 360 / 50 - 240 / 150, rel_tol=0.02)
@@ -174,8 +179,14 @@ def test_energy_shares_from_per_phase_energy_counters_where_exported():
         Sample("phasewatch_gpu_idle_energy_joules_total", {**lab, "gpu": "0"}, 100.0),
         Sample("phasewatch_gpu_energy_joules_total", {**lab, "gpu": "0"}, 1000.0),
     ]
-    e = rows(m, extra)["bf16"].energy
+    a = rows(m, extra)["bf16"]
+    e = a.energy
     assert e["shares"] == {"idle": 0.1, "prefill": 0.1, "decode": 0.8}
+    # the text names the counters, not "0 power samples"
+    assert e["basis"] == "energy counters" and e["requests"] == 40
+    text = advice_markdown([a])
+    assert "10% / 10% / 80% (from the GPUs' energy counters, over 40 requests)" in text
+    assert "power samples" not in text
     assert math.isclose(e["joules_per_token_decode"], 800 / (40 * 400))
 
 
@@ -193,3 +204,71 @@ def test_mixed_prompts_are_carried_by_the_long_ones():
     assert math.isclose(first.expected_effect.seconds, mean_prefill / 2, rel_tol=1e-6)
     assert "halving the prompts saves 1.00 s of TTFT" in first.expected_effect.summary
     assert "halving the median prompt saves 0.0" in first.expected_effect.summary
+
+
+def test_a_sibling_with_too_few_requests_is_named_not_denied():
+    # fp8 with 35 streamed requests, int4 of the same family beside it with 15
+    m = Metrics()
+    traffic(m, FP8, 35, 150, 400, 0.05, 399 / 90)
+    traffic(m, INT4, 15, 150, 400, 0.04, 399 / 150)
+    a = rows(m)["fp8"]
+    (lever,) = [lv for lv in a.levers if lv.lever == "lower_precision"]
+    assert lever.measured is False and lever.title == f"serve int4: {INT4[1]}"
+    assert f"{INT4[1]} (int4) is served here, but with 15 streamed requests" in lever.evidence
+    assert f"needs {MIN_REQUESTS}" in lever.evidence
+    assert "no int4 of this family is served here" not in lever.evidence
+
+
+def test_enough_requests_but_too_few_streamed_says_so():
+    m = Metrics()
+    traffic(m, BF16, 35, 3000, 200, 1.0, 4.0, stream=False)
+    traffic(m, BF16, 5, 3000, 200, 1.0, 4.0)
+    a = rows(m)["bf16"]
+    assert a.enough and a.levers == []
+    assert "no lever has evidence on this traffic" in a.note
+    assert f"prefill rates measured on 5 streamed requests ({MIN_REQUESTS} needed)" in a.note
+    assert f"decode rates measured on 5 streamed requests ({MIN_REQUESTS} needed)" in a.note
+
+
+def _batches(m, key, bands):
+    for batch, n, rate in bands:
+        m.decode_batch_requests_total.labels(*key, batch).inc(n)
+        m.decode_batch_seconds_total.labels(*key, batch).inc(n * 2.0)
+        m.decode_batch_tokens_total.labels(*key, batch).inc(n * 2.0 * rate)
+
+
+def test_memory_bound_decode_gets_more_concurrent_streams_first():
+    # int4 (nothing lower to serve), decode ~99 % of wall time, mostly 3-4 streams at once;
+    # one stream keeps 45.9 of its 48.9 tok/s from batch 1 to 3-4: memory-bound
+    m = Metrics()
+    traffic(m, INT4, 40, 150, 400, 0.02, 399 / 46, watts=250.0)
+    _batches(m, INT4, (("1", 10, 48.9), ("3-4", 30, 45.9)))
+    a = rows(m)["int4"]
+    assert a.dominant_phase == "decode" and a.shares["decode"] > 0.99
+    first = a.levers[0]
+    assert (first.lever, first.phase, first.measured) == ("batching", "decode", True)
+    assert "more concurrent streams per GPU" in first.title
+    assert "48.9 tok/s at batch 1 (10 requests)" in first.evidence
+    assert "45.9 tok/s at batch 3-4 (30 requests): 6% slower per stream" in first.evidence
+    assert "decode is memory-bound here" in first.expected_effect.summary
+    assert f"{45.9 * 3.5 / 48.9:.1f}× the tokens per second in all" in (
+        first.expected_effect.summary
+    )
+    # a compute-bound decode (one stream halves its rate) gets no such lever, and says why
+    m = Metrics()
+    traffic(m, INT4, 40, 150, 400, 0.02, 399 / 46)
+    _batches(m, INT4, (("1", 10, 48.9), ("3-4", 30, 24.0)))
+    a = rows(m)["int4"]
+    assert not [lv for lv in a.levers if lv.lever == "batching"]
+    assert "decode, the dominant phase" in a.note or "no lever has evidence" in a.note
+    assert "batch 1: 10, batch 3-4: 30" in a.note
+
+
+def test_one_batch_band_is_no_evidence_and_the_note_says_so():
+    m = Metrics()
+    traffic(m, INT4, 40, 150, 400, 0.02, 399 / 46)
+    _batches(m, INT4, (("1", 2, 48.9), ("3-4", 38, 45.9)))
+    a = rows(m)["int4"]
+    assert a.levers == [] or all(lv.phase != "decode" for lv in a.levers)
+    assert f"two batch bands of {MIN_BATCH_REQUESTS} requests each" in a.note
+    assert "batch 1: 2, batch 3-4: 38" in a.note

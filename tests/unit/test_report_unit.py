@@ -8,7 +8,7 @@ import math
 from prometheus_client import generate_latest
 
 from proxy.measure.metrics import Metrics
-from proxy.measure.summary import Samples, build, model_family, quantile
+from proxy.measure.summary import MIN_FIGURE_REQUESTS, Samples, build, model_family, quantile
 from proxy.tools.report import markdown
 
 BF16 = ("sim", "meta-llama/Llama-3.1-8B-Instruct", "bf16")
@@ -48,11 +48,11 @@ def test_model_family_pairs_precisions_of_one_model():
     )
 
 
-def _traffic(m: Metrics, key, decode, prefill_tps, ttft_8k, n=5) -> None:
+def _traffic(m: Metrics, key, decode, prefill_tps, ttft_8k, n=MIN_FIGURE_REQUESTS) -> None:
     for i in range(n):
         m.requests_total.labels(*key, "chat", "ok", "unknown").inc()
         m.decode_tokens_per_second.labels(*key, "proxy", "0-2k").observe(
-            decode * (1 + 0.01 * (i - 2))
+            decode * (1 + 0.01 * (i - (n - 1) / 2))
         )
         m.prefill_tokens_per_second.labels(*key, "proxy", "2k-6k").observe(prefill_tps)
         m.prefill_tokens_per_second.labels(*key, "proxy", "12k-24k").observe(prefill_tps * 0.85)
@@ -91,7 +91,7 @@ def test_power_per_model_gpu_and_joules_per_token():
     m = Metrics()
     for key, dec, dw, gpu in ((BF16, 50.0, 360.0, "0"), (INT4, 150.0, 240.0, "2")):
         _traffic(m, key, dec, 5000.0, 1.0)
-        for _ in range(4):
+        for _ in range(MIN_FIGURE_REQUESTS):
             m.gpu_power_watts.labels(*key, "decode").observe(dw)
             m.gpu_power_watts.labels(*key, "prefill").observe(dw + 60)
         for _ in range(10):
@@ -108,9 +108,33 @@ def test_power_per_model_gpu_and_joules_per_token():
     assert math.isclose(
         int4.energy_saving, 1 - (240.0 / int4.decode_tok_s) / (360.0 / bf16.decode_tok_s)
     )
-    assert math.isclose(int4.joules_per_token_all_in, 2400.0 / 1000)  # 5 requests x 200 tokens
+    # 10 requests x 200 tokens
+    assert math.isclose(int4.joules_per_token_all_in, 2400.0 / (MIN_FIGURE_REQUESTS * 200))
     text = markdown(rep)
-    assert "| 360 | 22 | 7.2" in text and "33%" in text
+    # each derived figure with the requests it rests on, a prefill speed-up with its band
+    assert "| 360 | 22 | 7.2" in text and f"33% (n={MIN_FIGURE_REQUESTS})" in text
+    assert f"1.00× (n={MIN_FIGURE_REQUESTS}, ~4K)" in text
+
+
+def test_derived_figures_need_their_minimum_count():
+    """A speed-up, a power saving or a J/token resting on fewer than MIN_FIGURE_REQUESTS
+    requests is not shown; the row says how many it had, and the report says why."""
+    m = Metrics()
+    few = MIN_FIGURE_REQUESTS - 1
+    _traffic(m, BF16, 50.0, 4000.0, 1.6)
+    _traffic(m, INT4, 150.0, 5000.0, 1.2, n=few)
+    for key, dw, n in ((BF16, 360.0, MIN_FIGURE_REQUESTS), (INT4, 240.0, few)):
+        for _ in range(n):
+            m.gpu_power_watts.labels(*key, "decode").observe(dw)
+    bf16, int4 = build(Samples.from_registry(m.registry)).rows
+    assert bf16.joules_per_token_at_decode is not None
+    assert int4.decode_speedup is None and int4.prefill_speedup is None
+    assert int4.power_saving is None and int4.joules_per_token_at_decode is None
+    assert int4.counts["decode_speedup"] == few and int4.counts["power_saving"] == few
+    assert f"on {few} requests; {MIN_FIGURE_REQUESTS} needed" in int4.unresolved["power_saving"]
+    assert "(~4K)" in int4.unresolved["prefill_speedup"]
+    text = markdown(build(Samples.from_registry(m.registry)))
+    assert f"— (n={few})" in text and "Not shown: sim / " in text
 
 
 def test_power_from_samples_of_an_upstream_serving_one_model():
@@ -122,7 +146,8 @@ def test_power_from_samples_of_an_upstream_serving_one_model():
     for gpu in ("0", "1"):
         for w in (20.0, 24.0):
             m.gpu_power_sample_watts.labels("gpubox", "all", "bf16", gpu, "idle").observe(w)
-        m.gpu_power_sample_watts.labels("gpubox", "all", "bf16", gpu, "decode").observe(300.0)
+        for _ in range(MIN_FIGURE_REQUESTS):
+            m.gpu_power_sample_watts.labels("gpubox", "all", "bf16", gpu, "decode").observe(300.0)
     rep = build(Samples.from_registry(m.registry))
     (row,) = rep.rows
     assert row.idle_watts == 44.0 and row.decode_watts == 600.0

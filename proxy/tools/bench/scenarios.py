@@ -8,6 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ...engines.llamacpp import file_label
 from ...measure.precision import from_name
 from .client import BenchError, Client
 from .power import idle_watts, phasewatch_samples, settled_run
@@ -49,6 +50,21 @@ class ModelResult:
     seconds: dict = field(default_factory=dict)
 
 
+def _decode_unresolved(shots: list, shortest: float | None) -> str:
+    """Why decode W and J/tok are "—": each decode run was too short for the sensor."""
+    decode_s = _median(s.decode_s for s in shots)
+    lasted = f"decode lasted {decode_s:.2f} s" if decode_s is not None else "decode"
+    resolves = (
+        f" < {shortest:.2g} s the GPU power sensor resolves"
+        if shortest
+        else (", shorter than the GPU power sensor resolves")
+    )
+    return (
+        f"decode W and J/tok: n/a, {lasted}{resolves} (no run's decode window resolved; "
+        "a longer --decode-tokens gives one)"
+    )
+
+
 class _Clock:
     """Adds up where a model's bench time goes."""
 
@@ -62,10 +78,13 @@ class _Clock:
 async def bench_model(
     client: Client, model: str, meta: dict, opts, progress: Progress, seed: int
 ) -> ModelResult:
-    res = ModelResult(model)
+    # a GGUF listed by its local path (llama-server without -a) is named by its file, as
+    # phasewatch labels it; requests still name the model as the engine lists it
+    label = file_label(model)
+    res = ModelResult(label)
     clock = _Clock()
     t_model = time.monotonic()
-    info = meta.get("phasewatch", {}).get(model)
+    info = meta.get("phasewatch", {}).get(label) or meta.get("phasewatch", {}).get(model)
     if info:
         res.precision, res.quant, res.precision_source = info
     else:
@@ -77,7 +96,7 @@ async def bench_model(
     prompts = Prompts(client, model, seed)
     await prompts.setup()
     limit = prompts.max_model_len or meta["max_len"].get(model)
-    watch = Watch(client.http, client.own, model)
+    watch = Watch(client.http, client.own, label)
 
     # warm-up, also checking our token counting against the engine's usage
     for _ in range(max(1, opts.warmup)):
@@ -86,15 +105,15 @@ async def bench_model(
         shot = await client.shot(model, text, 16)
         clock.add("warm-up", time.monotonic() - t0)
         await prompts.check(shot.prompt_tokens, counted)
-        progress.step(f"{model}: warm-up")
+        progress.step(f"{label}: warm-up")
     res.token_counting = prompts.method
 
     # idle power: a pause with nothing sent, the GPU's idle samples over it
     if meta["power"] and opts.idle_seconds > 0:
         t0 = time.monotonic()
-        before = idle_watts(await phasewatch_samples(client), model)
+        before = idle_watts(await phasewatch_samples(client), label)
         await asyncio.sleep(opts.idle_seconds)
-        after = idle_watts(await phasewatch_samples(client), model)
+        after = idle_watts(await phasewatch_samples(client), label)
         if before is not None and after is not None and after[1] > before[1]:
             res.power["idle_watts"] = (after[0] - before[0]) / (after[1] - before[1])
             res.power["idle_source"] = (
@@ -124,14 +143,14 @@ async def bench_model(
         shots.append(await measured("decode", i + 1, client.shot(model, text, opts.decode_tokens)))
         clock.add("decode", time.monotonic() - t0)
         if meta["power"]:
-            w, n, _ = await settled_run(watch, model, "decode")
+            w, n, _ = await settled_run(watch, label, "decode")
             if n > 0:
                 watts.append(w)
             if n > 1:
                 res.other_traffic.setdefault("decode", []).append(
                     f"run {i + 1}: {n:.0f} decode-power figures for 1 request"
                 )
-        progress.step(f"{model}: decode run {i + 1}/{opts.repeat}")
+        progress.step(f"{label}: decode run {i + 1}/{opts.repeat}")
     tok = stats(s.decode_tok_s for s in shots)
     res.decode = {
         "prompt_tokens": _median(s.prompt_tokens for s in shots),
@@ -144,6 +163,8 @@ async def bench_model(
     if any((s.completion_tokens or 0) < opts.decode_tokens for s in shots):
         res.notes.append("decode: some answers stopped early (the engine ignored ignore_eos)")
     dw = stats(watts)
+    if meta["power"] and dw is None:
+        res.notes.append(_decode_unresolved(shots, meta.get("min_phase")))
     if dw is not None:
         jpt = stats(wt / s.decode_tok_s for wt, s in zip(watts, shots) if s.decode_tok_s and wt)
         res.power.update(
@@ -165,7 +186,7 @@ async def bench_model(
         if limit and size >= limit - 1:
             res.notes.append(f"prefill: {size}-token prompt skipped (max_model_len {limit})")
             for _ in range(opts.repeat):
-                progress.step(f"{model}: prefill {size} skipped")
+                progress.step(f"{label}: prefill {size} skipped")
             continue
         shots = []
         try:
@@ -179,12 +200,12 @@ async def bench_model(
                 )
                 clock.add("prefill", time.monotonic() - t0)
                 if meta["power"]:
-                    w, n, joules = await settled_run(watch, model, "prefill")
+                    w, n, joules = await settled_run(watch, label, "prefill")
                     if n > 0:
                         prefill_watts.append(w)
                     elif joules > 0 and shots[-1].ttft_s:
                         prefill_joules.append((joules, shots[-1].ttft_s))
-                progress.step(f"{model}: prefill ~{size} tokens run {i + 1}/{opts.repeat}")
+                progress.step(f"{label}: prefill ~{size} tokens run {i + 1}/{opts.repeat}")
         except BenchError as exc:
             if "HTTP 400" not in str(exc):
                 raise
@@ -193,7 +214,7 @@ async def bench_model(
                 f"prefill: {size}-token prompt refused by the engine ({str(exc)[:200]})"
             )
             for _ in range(opts.repeat - len(shots)):
-                progress.step(f"{model}: prefill {size} refused")
+                progress.step(f"{label}: prefill {size} refused")
             continue
         counted_median = _median(s.prompt_tokens for s in shots)
         if counted_median is not None and abs(counted_median - size) > 0.05 * size:
@@ -238,7 +259,7 @@ async def bench_model(
         text, _ = await prompts.make(size)
         extra += 1
         shot = await measured(f"prefill {size}", opts.repeat + extra, client.shot(model, text, 1))
-        _, n, joules = await settled_run(watch, model, "prefill")
+        _, n, joules = await settled_run(watch, label, "prefill")
         if joules > 0 and shot.ttft_s:
             prefill_joules.append((joules, shot.ttft_s))
     pw_stats = stats(prefill_watts)
@@ -291,7 +312,7 @@ async def bench_model(
                     "ttft_s": _median(s.ttft_s for s in shots),
                 }
             )
-            progress.step(f"{model}: {level} concurrent run {i + 1}/{opts.repeat}")
+            progress.step(f"{label}: {level} concurrent run {i + 1}/{opts.repeat}")
         agg = stats(r["aggregate_tok_s"] for r in runs)
         res.concurrency.append(
             {

@@ -14,8 +14,9 @@ import httpx
 
 from ... import __version__
 from ...engines import listed_context, served_file
+from ...measure.sensor import phase_counts
 from ...measure.sensor import view as sensor_view
-from ...measure.summary import BASELINES, model_family
+from ...measure.summary import BASELINES, Samples, model_family
 from .client import BenchError, Client
 from .power import phasewatch_samples
 from .progress import Progress
@@ -57,6 +58,21 @@ def compare(results: list[ModelResult]) -> None:
             r.prefill_speedup = statistics.median(ratios)
         if r.power.get("decode_watts") and base.power.get("decode_watts"):
             r.power_saving = 1.0 - r.power["decode_watts"] / base.power["decode_watts"]
+
+
+def _bench_sensor(start: Samples, end: Samples | None, results: list[ModelResult]) -> list[str]:
+    """What the sensor resolves, with the phases unresolved and observed counted over the
+    bench (the page after its runs less the page before, for the models benched)."""
+    view = sensor_view(end or start)
+    if not view.sampled or end is None:
+        return view.lines()
+    models = {r.model for r in results}
+    (u0, o0), (u1, o1) = phase_counts(start, models), phase_counts(end, models)
+    view.unresolved = {ph: u1.get(ph, 0.0) - u0.get(ph, 0.0) for ph in u1}
+    view.unresolved = {ph: n for ph, n in view.unresolved.items() if n > 0}
+    view.observed = {ph: o1.get(ph, 0.0) - o0.get(ph, 0.0) for ph in o1}
+    view.scope = "in this bench's runs"
+    return view.lines()
 
 
 async def run_bench(opts, progress_stream=sys.stderr) -> dict:
@@ -111,6 +127,8 @@ async def run_bench(opts, progress_stream=sys.stderr) -> dict:
         for i, model in enumerate(models):
             results.append(await bench_model(client, model, meta, opts, progress, opts.seed + i))
         compare(results)
+        if pw is not None:  # the unresolved phases of the bench's own runs, not the proxy's life
+            meta["sensor"] = _bench_sensor(pw, await phasewatch_samples(client), results)
         result = {
             "tool": f"phasewatch bench {__version__}",
             "url": client.base,

@@ -36,7 +36,7 @@ import httpx
 import pytest
 import yaml
 
-from proxy.measure.summary import Report, build
+from proxy.measure.summary import MIN_FIGURE_REQUESTS, Report, build
 from proxy.sim.physics import DEFAULT_MODELS
 from proxy.tools.report import load
 
@@ -237,10 +237,20 @@ def test_energy_per_token_at_decode_ranks_precisions_by_physics_on_panel_and_rep
     mine = {p: r.joules_per_token_at_decode for p, r in rows.items()}
     assert set(panel) == set(MODELS.values()), panel
     for prec in panel:
-        assert mine[prec] is not None and close(panel[prec], mine[prec], SAME_TOL), (panel, mine)
-    # decode is bandwidth-bound: fewer bytes per weight, more tokens per joule
-    for figures in (panel, mine):
-        assert figures["int4"] < figures["fp8"] < figures["bf16"], figures
+        if mine[prec] is None:  # too few decode windows the sensor resolved: why, not a number
+            r = rows[prec]
+            assert r.counts["joules_per_token_at_decode"] < MIN_FIGURE_REQUESTS
+            assert "needed" in r.unresolved["joules_per_token_at_decode"]
+        else:
+            assert close(panel[prec], mine[prec], SAME_TOL), (panel, mine)
+    # decode is bandwidth-bound: fewer bytes per weight, more tokens per joule (the report
+    # shows a J/tok only once MIN_FIGURE_REQUESTS decode windows were resolved: the sensor
+    # resolves some of this module's short decodes, not always that many)
+    shown = {p: v for p, v in mine.items() if v is not None}
+    assert panel["int4"] < panel["fp8"] < panel["bf16"], panel
+    assert sorted(shown, key=shown.__getitem__) == [
+        p for p in ("int4", "fp8", "bf16") if p in shown
+    ], shown
 
 
 def test_energy_attributed_to_requests_agrees_with_the_engines_truth(demo):

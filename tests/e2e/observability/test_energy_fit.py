@@ -154,7 +154,7 @@ def test_short_prefills_energy_per_token_from_many_requests():
             cells = page.wait(
                 """(() => {
                   const got = [...document.querySelectorAll('tr[data-precision] td[data-col="prefillw"]')]
-                    .map(c => [c.parentElement.dataset.precision, c.textContent, c.dataset.source || ""]);
+                    .map(c => [c.parentElement.dataset.precision, c.firstChild.textContent, c.dataset.source || ""]);
                   return got.length >= 3 && got.every(g => g[2] === "fit") && got;
                 })()""",
                 timeout=30,
@@ -197,7 +197,7 @@ def test_the_demo_shows_prefill_watts_per_precision_soon():
         shown = page.wait(
             """(() => {
               const cells = [...document.querySelectorAll('tr[data-precision] td[data-col="prefillw"]')];
-              const got = cells.map(c => [c.parentElement.dataset.precision, c.textContent,
+              const got = cells.map(c => [c.parentElement.dataset.precision, c.firstChild.textContent,
                                           c.dataset.source || "single", c.title]);
               return got.length >= 3 && got.every(g => /^[0-9]+$/.test(g[1])) && got;
             })()""",

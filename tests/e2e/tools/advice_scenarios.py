@@ -24,17 +24,17 @@ def prompt(tokens: int, salt: int) -> str:
     return " ".join(f"{words[(i + salt) % len(words)]}{salt % 97}" for i in range(tokens))
 
 
-async def _drive(url: str, jobs: list[tuple[str, int, int]], concurrency: int) -> None:
+async def _drive(url: str, jobs: list[tuple], concurrency: int) -> None:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
 
-        async def one(i: int, model: str, ptoks: int, out: int) -> None:
+        async def one(i: int, model: str, ptoks: int, out: int, stream: bool = True) -> None:
             body = {
                 "model": model,
                 "messages": [{"role": "user", "content": prompt(ptoks, i)}],
                 "max_tokens": out,
                 "ignore_eos": True,
-                "stream": True,
+                "stream": stream,
             }
             async with sem, client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 assert resp.status_code == 200, resp.status_code
@@ -44,9 +44,9 @@ async def _drive(url: str, jobs: list[tuple[str, int, int]], concurrency: int) -
         await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
 
 
-def drive(url: str, jobs: list[tuple[str, int, int]], concurrency: int) -> None:
-    """Send (model, prompt tokens, output tokens) streamed chat requests, `concurrency`
-    at a time, each answered in full."""
+def drive(url: str, jobs: list[tuple], concurrency: int) -> None:
+    """Send (model, prompt tokens, output tokens[, stream]) chat requests, streamed unless
+    the job says otherwise, `concurrency` at a time, each answered in full."""
     asyncio.run(_drive(url, jobs, concurrency))
 
 

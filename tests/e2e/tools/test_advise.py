@@ -264,3 +264,54 @@ def test_batching_cites_the_measured_rates_by_batch():
     assert "one stream decodes" in lever["evidence"]
     assert f"({bands['1']['requests']:.0f} requests)" in lever["evidence"]
     assert "below the 8–16 range" in lever["evidence"]
+
+
+def test_memory_bound_decode_says_more_concurrent_streams_first():
+    # int4 chat (nothing lower to serve): ten requests one at a time, then 40 four at a
+    # time; decode is nearly all the wall time and one stream barely slows with the batch
+    sim = start_sim("vllm", speed=SPEED, deterministic=False, jitter=0.02)
+    proxy = start_proxy(f"sim={sim.url}", args=["--engine-scrape", "0"])
+    try:
+        drive(proxy.url, [(INT4, 100, 300)] * 10, 1)
+        drive(proxy.url, [(INT4, 100, 300)] * 40, 4)
+        proxy.request_lines(50)
+        (a,) = advise_json(proxy.url)
+        md = cli("advise", "--from", proxy.url)
+        truth = sim.truth(50)
+    finally:
+        proxy.stop()
+        sim.stop()
+    assert a["dominant_phase"] == "decode" and a["shares"]["decode"] > 0.9
+    first = a["levers"][0]
+    assert (first["lever"], first["phase"], first["measured"]) == ("batching", "decode", True)
+    assert "more concurrent streams per GPU" in first["title"]
+    assert "decode is memory-bound here" in first["expected_effect"]["summary"]
+    bands = a["batching"]["bands"]
+    assert a["batching"]["typical"] == "3-4"
+    # the per-stream rates it cites are the simulator's, alone and four at a time
+    alone = statistics.median(t["decode_tokens_per_second"] for t in truth[:10])
+    assert bands["1"]["tok_s_per_stream"] == pytest.approx(alone, rel=0.15)
+    assert f"{bands['1']['tok_s_per_stream']:.1f} tok/s at batch 1" in first["evidence"]
+    assert f"{bands['3-4']['tok_s_per_stream']:.1f} tok/s at batch 3-4" in first["evidence"]
+    assert "1. **more concurrent streams per GPU" in md
+
+
+def test_a_short_sibling_is_named_and_unstreamed_traffic_says_why_it_is_silent():
+    # fp8 with 35 streamed requests, its family's int4 with 15; bf16 with 40 requests of
+    # which 5 streamed
+    jobs = [(FP8, 150, 100)] * 35 + [(INT4, 150, 100)] * 15
+    jobs += [(BF16, 150, 100, False)] * 35 + [(BF16, 150, 100)] * 5
+    sim, proxy, advice, _ = _scenario(jobs, 6)
+    try:
+        md = cli("advise", "--from", proxy.url)
+    finally:
+        proxy.stop()
+        sim.stop()
+    (lever,) = [lv for lv in advice[FP8]["levers"] if lv["lever"] == "lower_precision"]
+    assert lever["measured"] is False and lever["title"] == f"serve int4: {INT4}"
+    assert f"{INT4} (int4) is served here, but with 15 streamed requests" in lever["evidence"]
+    assert "no int4 of this family is served here" not in md
+    bf16 = advice[BF16]
+    assert bf16["enough"] and bf16["levers"] == []
+    assert "decode rates measured on 5 streamed requests (30 needed)" in bf16["note"]
+    assert "decode rates measured on 5 streamed requests" in md

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from proxy.measure.summary import MIN_FIGURE_REQUESTS
 from proxy.sim.physics import DEFAULT_MODELS, RTX_4090, decode_step_seconds, prefill_seconds
 
 from ...support.servers import ROOT, start_proxy, start_sim
@@ -165,8 +166,16 @@ def test_report_from_live_metrics_matches_bench(benched):
             and r["joules_per_token_all_in"] is None
         )
     assert 2.5 <= rows["int4"]["decode_speedup"] <= 3.5
-    assert 1.1 <= rows["int4"]["prefill_speedup"] <= 1.5
-    assert rows["int4"]["baseline"] == "meta-llama/Llama-3.1-8B-Instruct (bf16)"
+    # the bench's three runs per long band are too few for the table's prefill speed-up:
+    # it comes from the first band with MIN_FIGURE_REQUESTS requests each, said so
+    int4, bf16 = rows["int4"], rows["bf16"]
+    band = int4["prefill_speedup_band"]
+    assert band not in ("2k-6k", "6k-12k", "12k-24k")
+    assert int4["counts"]["prefill_speedup"] >= MIN_FIGURE_REQUESTS
+    assert int4["prefill_speedup"] == pytest.approx(
+        bf16["prefill_ms_per_token"][band] / int4["prefill_ms_per_token"][band]
+    )
+    assert int4["baseline"] == "meta-llama/Llama-3.1-8B-Instruct (bf16)"
     md = benched["report_md"]
     lines = [line for line in md.splitlines() if line.startswith("| sim |")]
     assert [line.split(" | ")[2] for line in lines[:3]] == ["bf16", "fp8", "int4 (AWQ)"]
