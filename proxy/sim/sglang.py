@@ -91,7 +91,14 @@ class Request:
         self.continuous = options.get("continuous_usage_stats") is True
         self.sglext = obj.get("return_cached_tokens_details") is True
         rid = obj.get("rid")
-        self.rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
+        self.rid = rid if isinstance(rid, str) and rid else ""
+
+    def adopt_id(self, scope) -> None:
+        """The request's id: its ``rid``, else the ``x-request-id`` header (the truth log
+        is matched to the proxy's lines by it), else a fresh one."""
+        if not self.rid:
+            header = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+            self.rid = header[:128] or uuid.uuid4().hex
 
 
 class SGLangSim:
@@ -287,10 +294,10 @@ class SGLangSim:
     # --- the OpenAI API -------------------------------------------------------------------
 
     async def chat(self, scope, receive, send) -> None:
-        await self.openai(receive, send, chat=True)
+        await self.openai(scope, receive, send, chat=True)
 
     async def completions(self, scope, receive, send) -> None:
-        await self.openai(receive, send, chat=False)
+        await self.openai(scope, receive, send, chat=False)
 
     def parse(self, raw: bytes, chat: bool) -> Request | str:
         obj = loads(raw)
@@ -311,12 +318,13 @@ class SGLangSim:
         model = model if isinstance(model, str) else "default"
         return Request(obj, chat, model, text, count_tokens(text) + (1 if chat else 0))
 
-    async def openai(self, receive, send, chat: bool) -> None:
+    async def openai(self, scope, receive, send, chat: bool) -> None:
         t_recv = time.monotonic()
         req = self.parse(await read_body(receive), chat)
         if isinstance(req, str):
             await respond(send, 400, self.error(req))
             return
+        req.adopt_id(scope)
         limit = req.obj.get("max_completion_tokens", req.obj.get("max_tokens"))
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             await respond(send, 400, self.error("max_tokens must be positive"))
@@ -416,6 +424,7 @@ class SGLangSim:
         req = Request(
             {**obj, "stream": obj.get("stream") is True}, False, self.model_id, text, prompt_tokens
         )
+        req.adopt_id(scope)
         plan = plan_output(text, limit, bool(params.get("ignore_eos")), None)
         truth = Truth(
             req.rid, self.model_id, self.me.spec.profile.name, prompt_tokens, t_recv=t_recv
