@@ -49,7 +49,7 @@ from .base import (
 from .framing import MAX_EVENT_BYTES
 from .openai import OpenAIDialect
 from .probe import get_json, read_bounded
-from .prometheus import read_metrics
+from .prometheus import finite_gauges, read_metrics
 
 if TYPE_CHECKING:
     from .probe import Prober
@@ -337,6 +337,7 @@ def sglang_reading(text: str, models: set[str]) -> EngineReading:
     naming none is that model's)."""
     only = next(iter(models)) if len(models) == 1 else None
     reading, _ = read_metrics(text, GAUGES, {}, HISTOGRAMS, model_label=only)
+    finite_gauges(reading)
     return reading
 
 

@@ -25,7 +25,7 @@ from ..measure.precision import Precision, from_hf_config
 from .base import EngineReading, ModelList, ModelQuery
 from .openai import OpenAIDialect
 from .probe import TooLarge, read_bounded
-from .prometheus import read_metrics
+from .prometheus import finite_gauges, read_metrics
 
 if TYPE_CHECKING:
     from .probe import Prober
@@ -140,6 +140,7 @@ def trtllm_reading(text: str, models: set[str]) -> EngineReading:
     tokens from its blocks."""
     only = next(iter(models)) if len(models) == 1 else None
     reading, _ = read_metrics(text, GAUGES, {}, HISTOGRAMS, model_label=only)
+    finite_gauges(reading)
     for values in reading.gauges.values():
         blocks, size = values.pop("_blocks", None), values.pop("_block_size", None)
         if blocks and size and blocks > 0 and size > 0:
