@@ -479,7 +479,8 @@ class GenerateWriter:
 
     async def token(self, piece: str, count: int, last: bool, finish: str) -> None:
         self.text.append(piece)
-        self.ids.append(1000 + (hash(piece) % 30000) if piece else EOS_ID)
+        digest = int(hashlib.sha256(piece.encode()).hexdigest()[:8], 16)
+        self.ids.append(1000 + digest % 30000 if piece else EOS_ID)
         await self.stream.event(self.body(count, finish if last else None))
 
     async def whole(self, text: str, count: int, finish: str) -> None:
