@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -434,3 +436,34 @@ def test_hostile_server_info_never_leaks_its_key(info):
     finally:
         proxy.stop()
         server.stop()
+
+
+def test_report_and_advise_name_the_engine(fleet):
+    sims, proxy = fleet
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    for _ in client.chat.completions.create(**_chat(FP8, "for the report", 20)):
+        pass
+    wait_for(
+        lambda: sample(
+            metric_samples(proxy.url), "phasewatch_decode_tokens_per_second_count", model=FP8
+        ),
+        what="a measured decode",
+    )
+    run = [sys.executable, "-m", "proxy"]
+    rep = subprocess.run(
+        [*run, "report", "--from", proxy.url, "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rep.returncode == 0, rep.stderr
+    rows = json.loads(rep.stdout)["rows"]
+    assert {r["engine"] for r in rows if r["upstream"] in ("fp", "q4")} == {"sglang"}
+    text = subprocess.run(
+        [*run, "report", "--from", proxy.url], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "| fp (sglang) | RedHatAI/Llama-3.1-8B-Instruct-FP8 |" in text
+    advice = subprocess.run(
+        [*run, "advise", "--from", proxy.url], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "### fp (sglang) / RedHatAI/Llama-3.1-8B-Instruct-FP8" in advice
