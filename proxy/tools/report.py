@@ -214,7 +214,7 @@ def markdown(
             " | ".join(
                 [
                     "",
-                    f"{r.upstream} ({r.engine})" if r.engine else r.upstream,
+                    r.upstream,
                     r.model,
                     prec,
                     f"{r.requests:.0f}",
@@ -263,6 +263,11 @@ def markdown(
         "Medians from phasewatch's histograms (read from: " + (rep.source or "metrics") + "). "
         "requests: every outcome; errors: failed or refused; aborted: the client hung up."
     ]
+    engines = {r.upstream: r.engine for r in rows if r.engine}
+    if engines:
+        notes.append(
+            "engines: " + ", ".join(f"{u} = {e}" for u, e in sorted(engines.items())) + "."
+        )
     decode = _sources(rows, "decode_source", _DECODE_SOURCES)
     if decode:
         notes.append(f"decode tok/s: {decode}.")

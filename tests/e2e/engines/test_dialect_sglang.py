@@ -462,7 +462,8 @@ def test_report_and_advise_name_the_engine(fleet):
     text = subprocess.run(
         [*run, "report", "--from", proxy.url], capture_output=True, text=True, timeout=120
     ).stdout
-    assert "| fp (sglang) | RedHatAI/Llama-3.1-8B-Instruct-FP8 |" in text
+    note = next(line for line in text.splitlines() if line.startswith("- engines: "))
+    assert "fp = sglang" in note
     advice = subprocess.run(
         [*run, "advise", "--from", proxy.url], capture_output=True, text=True, timeout=120
     ).stdout
