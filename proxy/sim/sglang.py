@@ -9,8 +9,9 @@ puts the usage so far on every content and finish chunk. A prompt too long for t
 context, streamed, fails inside the 200 stream (``data: {"error": ...}`` then ``[DONE]``);
 ``POST /abort_request {"rid"}`` ends a running request with ``finish_reason: "abort"``.
 ``/metrics`` only with ``--enable-metrics``. ``/get_model_info`` and ``/get_server_info``
-answer as the new names do and count their calls (``GET /sim/deprecated``), as SGLang
-logs a warning on each.
+answer as the new names do; their calls are counted (SGLang logs a warning on each), and
+so are ``/health``'s (SGLang may generate a token for each) and ``/v1/models``':
+``GET /sim/calls``.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class SGLangSim:
         self.enable_metrics = enable_metrics
         self.model_dir = model_dir
         self.model_id, self.me = next(iter(engine.models.items()))
-        self.deprecated = {"get_model_info": 0, "get_server_info": 0}
+        self.calls = {"get_model_info": 0, "get_server_info": 0, "health": 0, "models": 0}
         self.aborts: dict[str, asyncio.Event] = {}
 
     # --- ASGI ---------------------------------------------------------------------------
@@ -143,7 +144,7 @@ class SGLangSim:
             "/v1/models": self.models,
             "/metrics": self.metrics,
             "/sim/nvml": self.nvml,
-            "/sim/deprecated": self.deprecated_calls,
+            "/sim/calls": self.counted_calls,
         }
         post = {
             "/v1/chat/completions": self.chat,
@@ -159,17 +160,19 @@ class SGLangSim:
     # --- metadata -------------------------------------------------------------------------
 
     async def health(self, scope, receive, send) -> None:
+        if scope["path"] in ("/health", "/health_generate"):
+            self.calls["health"] += 1
         await respond(send, 200, b"", b"text/plain; charset=utf-8")
 
     async def nvml(self, scope, receive, send) -> None:
         await respond(send, 200, nvml_view(self.engine))
 
-    async def deprecated_calls(self, scope, receive, send) -> None:
-        await respond(send, 200, dumps(self.deprecated))
+    async def counted_calls(self, scope, receive, send) -> None:
+        await respond(send, 200, dumps(self.calls))
 
     async def model_info(self, scope, receive, send) -> None:
         if scope["path"] == "/get_model_info":
-            self.deprecated["get_model_info"] += 1
+            self.calls["get_model_info"] += 1
         body = {
             "model_path": self.model_id,
             "tokenizer_path": self.model_id,
@@ -190,7 +193,7 @@ class SGLangSim:
 
     async def server_info(self, scope, receive, send) -> None:
         if scope["path"] == "/get_server_info":
-            self.deprecated["get_server_info"] += 1
+            self.calls["get_server_info"] += 1
         spec = self.me.spec
         body = {
             "model_path": self.model_id,
@@ -222,6 +225,7 @@ class SGLangSim:
         await respond(send, 200, dumps(body))
 
     async def models(self, scope, receive, send) -> None:
+        self.calls["models"] += 1
         card = {
             "id": self.model_id,
             "object": "model",

@@ -106,10 +106,21 @@ def test_recognised_with_each_precision(fleet):
     assert sample(s, "phasewatch_model_info", model=BF16, quant="BFLOAT16")
     # the new names were asked: the deprecated ones (a warning each on SGLang) never
     for sim in sims.values():
-        assert httpx.get(sim.url + "/sim/deprecated").json() == {
-            "get_model_info": 0,
-            "get_server_info": 0,
-        }
+        calls = httpx.get(sim.url + "/sim/calls").json()
+        assert calls["get_model_info"] == calls["get_server_info"] == 0
+
+
+def test_idle_health_probe_never_asks_health(fleet):
+    """SGLang's /health may generate a token on an idle server: the probe of an idle
+    upstream (every second) asks its model list instead."""
+    sims, proxy = fleet
+    sim = sims["q4"]
+    before = httpx.get(sim.url + "/sim/calls").json()
+    wait_for(
+        lambda: httpx.get(sim.url + "/sim/calls").json()["models"] >= before["models"] + 3,
+        what="three idle health probes",
+    )
+    assert httpx.get(sim.url + "/sim/calls").json()["health"] == before["health"]
 
 
 def test_figures_match_simulator_truth(fleet):
