@@ -11,12 +11,14 @@ iteration stats; the Prometheus text is at ``/prometheus/metrics`` (with
 ``trtllm_kv_cache_tokens_per_block``), its own TTFT / end-to-end / time-per-output-token /
 queue histograms, and ``trtllm_model_config_info``, whose ``quantization`` and ``dtype``
 labels are the model's precision. ``/health`` asks the executor (cheap);
-``/health_generate`` generates. Its ``/energy_metrics`` (the GPUs' NVML energy, server-wide)
-is not read: phasewatch reads the GPUs itself.
+``/health_generate`` generates. Its ``/energy_metrics`` (the GPUs' NVML energy,
+server-wide, where its energy monitor runs) is re-exported as a cross-check of the energy
+phasewatch reads from the GPUs itself, never in its place.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, ClassVar
 
 import httpx
@@ -24,7 +26,7 @@ import httpx
 from ..measure.precision import Precision, from_hf_config
 from .base import EngineReading, ModelList, ModelQuery
 from .openai import OpenAIDialect
-from .probe import TooLarge, read_bounded
+from .probe import TooLarge, get_json, read_bounded
 from .prometheus import finite_gauges, read_metrics
 
 if TYPE_CHECKING:
@@ -111,7 +113,25 @@ class TRTLLMDialect(OpenAIDialect):
         status, body = await read_bounded(client, "GET", METRICS_PATH)
         if status != 200:
             return None
-        return trtllm_reading(body.decode("utf-8", "replace"), models)
+        reading = trtllm_reading(body.decode("utf-8", "replace"), models)
+        if len(models) == 1:  # the server's energy is its one model's
+            joules = await energy_joules(client)
+            if joules is not None:
+                reading.counters.setdefault(next(iter(models)), {})["energy_joules"] = joules
+        return reading
+
+
+async def energy_joules(client: httpx.AsyncClient) -> float | None:
+    """``/energy_metrics`` ``total_energy_j``: the server's GPUs' energy by NVML, where
+    its energy monitor runs (503 otherwise); None when it does not say."""
+    try:
+        status, obj = await get_json(client, "GET", "/energy_metrics")
+    except httpx.HTTPError:
+        return None
+    value = obj.get("total_energy_j") if status == 200 and isinstance(obj, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
 
 
 def config_precision(quantization: str | None, dtype: str | None) -> Precision | None:

@@ -30,7 +30,7 @@ def build_app(
     (default: the real captures' 4096); without `alias`, llama-server lists its model by
     the GGUF file's path, as one started without ``-a`` does. SGLang and TensorRT-LLM
     serve one model each: `served_model` (an id of the catalogue; default its first);
-    `enable_metrics`: SGLang's ``--enable-metrics``."""
+    `enable_metrics`: SGLang's ``--enable-metrics``; TensorRT-LLM's energy monitor."""
 
     def make(models: tuple[ModelSpec, ...] = DEFAULT_MODELS) -> SimEngine:
         return SimEngine(
@@ -80,7 +80,7 @@ def build_app(
             return SGLangSim(make((spec,)), enable_metrics=enable_metrics)
         from .trtllm import TRTLLMSim
 
-        return TRTLLMSim(make((spec,)))
+        return TRTLLMSim(make((spec,)), enable_metrics=enable_metrics)
     raise ValueError(
         f"the simulator does not speak {engine!r} (vllm, ollama, llamacpp, sglang, trtllm)"
     )

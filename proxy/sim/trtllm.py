@@ -6,7 +6,8 @@ reason rides on the last token's chunk; usage only with ``include_usage`` (on ev
 with ``continuous_usage_stats``). ``/metrics`` is its JSON list of iteration stats, the
 Prometheus text is at ``/prometheus/metrics`` (as with ``return_perf_metrics``), with
 ``trtllm_model_config_info`` naming the model's dtype and quantization. ``/energy_metrics``
-answers 503, as without an energy monitor.
+answers the simulated GPU's NVML energy with ``--enable-metrics`` (its energy monitor), 503
+without.
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ class TRTLLMSim(SGLangSim):
         await respond(send, 200, dumps({"object": "list", "data": [card]}))
 
     async def energy(self, scope, receive, send) -> None:
-        await respond(send, 503, dumps({"error": "Energy monitoring is not available"}))
+        if not self.enable_metrics:  # no energy monitor
+            await respond(send, 503, dumps({"error": "Energy monitoring is not available"}))
+            return
+        joules = self.me.sensor.read().energy_mj / 1000
+        body = {"total_energy_j": round(joules, 4), "query_time": time.perf_counter()}
+        await respond(send, 200, dumps(body))
 
     async def iteration_stats(self, scope, receive, send) -> None:
         me = self.me

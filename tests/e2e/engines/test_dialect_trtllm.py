@@ -38,7 +38,8 @@ def fleet():
             deterministic=True,
             jitter=0.02,
             max_num_seqs=2 if name == "fp" else 16,
-            extra=["--served-model", model],
+            # the fp8 server runs its energy monitor (/energy_metrics)
+            extra=["--served-model", model] + (["--enable-metrics"] if name == "fp" else []),
         )
         for name, model in (("bf", BF16), ("fp", FP8), ("q4", INT4))
     }
@@ -140,6 +141,30 @@ def test_figures_match_simulator_truth(fleet):
     assert max(errors) < 0.10, errors
     assert statistics.median(ttft_errors) < 0.01, ttft_errors
     assert max(ttft_errors) < 0.10, ttft_errors
+
+
+def test_its_energy_is_re_exported_beside_ours(fleet):
+    """/energy_metrics, where the server has an energy monitor, as the engine says it."""
+    sims, proxy = fleet
+
+    def nvml_joules() -> float:
+        return httpx.get(sims["fp"].url + "/sim/nvml").json()["gpus"][0]["energy_mj"] / 1000
+
+    def said() -> float:
+        s = metric_samples(proxy.url)
+        return sample(s, "phasewatch_engine_energy_joules_total", upstream="fp", model=FP8)
+
+    before = nvml_joules()
+    wait_for(lambda: said() >= before, what="a scrape after the GPU's reading")
+    value = said()
+    assert before <= value <= nvml_joules() + 1e-3  # the counter as the GPU kept it
+    # without a monitor (503) nothing is re-exported
+    series = [
+        dict(labels)
+        for name, labels in metric_samples(proxy.url)
+        if name == "phasewatch_engine_energy_joules_total"
+    ]
+    assert [s["upstream"] for s in series] == ["fp"]
 
 
 def test_running_and_waiting_from_its_prometheus_page(fleet):
