@@ -312,3 +312,37 @@ def test_trtllm_chat_any_split(cuts):
         "text/event-stream", marks, Prepared("chat", None, True, b"", strip_usage=True)
     )
     assert run(tap, splits((TRTLLM / "chat-stream-usage.sse").read_bytes(), cuts)) == plain
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=2000),
+        st.lists(
+            st.sampled_from(
+                [
+                    b'data: {"text":"a","meta_info":{"completion_tokens":1}}\n\n',
+                    b'data: {"text":"ab","meta_info":{"completion_tokens":"x","prompt_tokens":-1}}\n\n',
+                    b'data: {"meta_info":[]}\n\n',
+                    b'data: {"meta_info":{"finish_reason":{"type":7}}}\n\n',
+                    b'data: {"error": {"message": "boom"}}\n\n',
+                    b"data: [DONE]\n\n",
+                    b": ping\n\n",
+                    b"data: {\n\n",
+                    b"\r\n\r\n",
+                ]
+            ),
+            max_size=12,
+        ).map(b"".join),
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=6),
+)
+def test_sglang_native_garbage_never_crashes_and_is_relayed_whole(data, cuts):
+    """A hostile /generate stream: every byte forwarded, the outcome read without raising,
+    no implausible count kept."""
+    dialect = SGLangDialect()
+    tap = dialect.tap("text/event-stream", Marks(t_recv=0.0), Prepared(GENERATE, None, True, b""))
+    assert run(tap, splits(data, cuts)) == data
+    out = dialect.outcome(tap, None, 200)
+    for count in (out.usage.prompt_tokens, out.usage.completion_tokens):
+        assert count is None or count >= 0
