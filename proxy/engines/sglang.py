@@ -208,8 +208,15 @@ class SGLangDialect(OpenAIDialect):
         return super().tap(content_type, marks, prepared, limit)
 
     def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
-        if isinstance(tap, GenerateTap) or (tap is None and _is_generate_body(body, status)):
+        if isinstance(tap, GenerateTap):
             return generate_outcome(tap, body, status)
+        if tap is None and status < 400 and body:
+            obj = loads(body)
+            items = obj if isinstance(obj, list) else [obj]
+            if any(_generated(item) for item in items[:1024]):  # /generate, whole
+                return generate_outcome(None, body, status)
+            if isinstance(obj, list):  # /v1/rerank: a list of scores, nothing generated
+                return Outcome(finished=True)
         out = super().outcome(tap, body, status)
         if "abort" in out.finish_reasons and out.error_kind is None:
             out.error_kind = "midstream"
@@ -218,12 +225,11 @@ class SGLangDialect(OpenAIDialect):
         return out
 
 
-def _is_generate_body(body: bytes | None, status: int) -> bool:
-    """A whole answer of the native /generate: its object (or a batch's first) has
-    ``meta_info``, and no ``choices``."""
-    if status >= 400 or not body or body.find(b'"meta_info"') < 0:
-        return False
-    return body.find(b'"choices"') < 0
+def _generated(item: object) -> bool:
+    """A native /generate answer: an object with ``meta_info`` and no OpenAI ``choices``."""
+    return (
+        isinstance(item, dict) and isinstance(item.get("meta_info"), dict) and "choices" not in item
+    )
 
 
 class GenerateTap(Tap):

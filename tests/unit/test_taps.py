@@ -275,6 +275,10 @@ def test_sglang_native_generate_whole_and_batch_bodies():
         10,
         2,
     )
+    # /v1/rerank answers a list of scores (meta_info null): finished, nothing generated
+    rerank = b'[{"score":0.9,"document":"a","index":0,"meta_info":null}]'
+    out = dialect.outcome(None, rerank, 200)
+    assert out.finished and out.error_kind is None and out.usage.completion_tokens is None
     lie = {"text": "x", "meta_info": {"prompt_tokens": -4, "completion_tokens": "many"}}
     out = dialect.outcome(None, json.dumps(lie).encode(), 200)
     assert out.usage.completion_tokens == 0 and set(out.dropped) == {
