@@ -210,7 +210,8 @@ class SGLangDialect(OpenAIDialect):
     def outcome(self, tap: Tap | None, body: bytes | None, status: int) -> Outcome:
         if isinstance(tap, GenerateTap):
             return generate_outcome(tap, body, status)
-        if tap is None and status < 400 and body:
+        # (an OpenAI answer, the common case, is not parsed twice to ask)
+        if tap is None and status < 400 and body and _maybe_native(body):
             obj = loads(body)
             items = obj if isinstance(obj, list) else [obj]
             if any(_generated(item) for item in items[:1024]):  # /generate, whole
@@ -223,6 +224,11 @@ class SGLangDialect(OpenAIDialect):
             out.error_message = "the engine aborted the request (finish_reason abort)"
             out.finished = False
         return out
+
+
+def _maybe_native(body: bytes) -> bool:
+    """Whether a whole answer may be /generate's or a rerank's: a list, or ``meta_info``."""
+    return body.lstrip()[:1] == b"[" or body.find(b'"meta_info"') >= 0
 
 
 def _generated(item: object) -> bool:
