@@ -228,7 +228,7 @@ class SGLangDialect(OpenAIDialect):
 
 def _maybe_native(body: bytes) -> bool:
     """Whether a whole answer may be /generate's or a rerank's: a list, or ``meta_info``."""
-    return body.lstrip()[:1] == b"[" or body.find(b'"meta_info"') >= 0
+    return body[:64].lstrip()[:1] == b"[" or body.find(b'"meta_info"') >= 0
 
 
 def _generated(item: object) -> bool:
