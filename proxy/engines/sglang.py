@@ -161,7 +161,8 @@ class SGLangDialect(OpenAIDialect):
     async def read_state(self, client: httpx.AsyncClient, models: set[str]) -> EngineReading | None:
         status, body = await read_bounded(client, "GET", "/metrics")
         if status == 404:
-            where = str(client.base_url)
+            u = client.base_url  # without any credentials it holds
+            where = f"{u.scheme}://{u.host}{f':{u.port}' if u.port else ''}{u.path}"
             if where not in _METRICS_OFF and len(_METRICS_OFF) < 4096:
                 _METRICS_OFF.add(where)
                 log.info(
