@@ -1,23 +1,22 @@
 """Engines: one module per engine, each holding everything about it.
 
-``openai`` (any OpenAI-compatible server), ``vllm``, ``ollama`` and ``llamacpp``
-(llama-server). The core (and everything above it) reaches an engine only through the
+``openai`` (any OpenAI-compatible server), ``vllm``, ``ollama``, ``llamacpp``
+(llama-server), ``sglang`` and ``trtllm`` (TensorRT-LLM's ``trtllm-serve``). The core (and
+everything above it) reaches an engine only through the
 :class:`~proxy.engines.base.Dialect` protocol and this registry, never by its name: what
 is particular to an engine (its measured endpoints and how their answers read, its own
 API's path prefix and error shape, how its model lists merge, its health and
 model-management paths, how it is recognised, its own gauges) is a member of its dialect.
 
 Adding an engine is one module here plus one line in :data:`ENGINES` (and one in
-:data:`DETECTION_ORDER` if it can be recognised). SGLang, say: ``sglang.py`` with
-``class SGLangDialect(OpenAIDialect)``, ``name = "sglang"``, ``health_path = "/health"``,
-``endpoints`` adding ``"/generate": "sglang_generate"`` to OpenAI's, a ``prepare`` / ``tap``
-/ ``outcome`` for that native stream (``data: ... [DONE]`` SSE, the counts in
-``meta_info``), ``detect`` on ``GET /get_model_info``, and ``read_state`` reading the
-``sglang:num_running_reqs`` / ``sglang:num_queue_reqs`` / ``sglang:token_usage`` gauges of
-its ``/metrics`` (the shared Prometheus parser in :mod:`proxy.engines.prometheus`); then
-``"sglang": SGLangDialect`` in :data:`ENGINES`. The ``--engine`` flag, admin paths, model
-listings and routing pick it up from here. The bench asks the registry, not an engine by
-name: :func:`find_tokenizer`, :func:`listed_context`, :func:`served_file`.
+:data:`DETECTION_ORDER` if it can be recognised). :mod:`.sglang` is one to read: a
+subclass of ``OpenAIDialect`` whose ``endpoints`` add ``"/generate": "sglang_generate"``, with a
+``prepare`` / ``tap`` / ``outcome`` for that native stream (the counts in ``meta_info``),
+``detect`` on ``GET /model_info``, and ``read_state`` reading its ``/metrics`` gauges
+through the shared Prometheus parser in :mod:`proxy.engines.prometheus`. The ``--engine``
+flag, admin paths, model listings and routing pick it up from here. The bench asks the
+registry, not an engine by name: :func:`find_tokenizer`, :func:`listed_context`,
+:func:`served_file`.
 """
 
 from __future__ import annotations
@@ -41,6 +40,8 @@ from .llamacpp import LlamaCppDialect
 from .ollama import OllamaDialect
 from .openai import OpenAIDialect
 from .probe import Prober
+from .sglang import SGLangDialect
+from .trtllm import TRTLLMDialect
 from .vllm import VLLMDialect
 
 ENGINES: dict[str, type[Dialect]] = {
@@ -48,6 +49,8 @@ ENGINES: dict[str, type[Dialect]] = {
     "openai": OpenAIDialect,
     "ollama": OllamaDialect,
     "llamacpp": LlamaCppDialect,
+    "sglang": SGLangDialect,
+    "trtllm": TRTLLMDialect,
 }
 
 #: The engine an upstream is read as until its engine is known (detected or named).
@@ -58,6 +61,8 @@ GENERIC: str = OpenAIDialect.name
 DETECTION_ORDER: tuple[type[Dialect], ...] = (
     OllamaDialect,
     LlamaCppDialect,
+    SGLangDialect,
+    TRTLLMDialect,  # before vLLM: it answers GET /version too
     VLLMDialect,
     OpenAIDialect,
 )

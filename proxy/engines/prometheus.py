@@ -66,3 +66,10 @@ def read_metrics(
             buckets, parts["sum"], parts["count"]
         )
     return out, labels
+
+
+def finite_gauges(reading: EngineReading) -> None:
+    """Drop the gauges an engine exported as NaN or infinite (nothing to show or sum)."""
+    for values in reading.gauges.values():
+        for key in [k for k, v in values.items() if not math.isfinite(v)]:
+            del values[key]

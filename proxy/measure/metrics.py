@@ -646,6 +646,12 @@ ENGINE_COUNTERS = {
         "engine_prefix_cache_hits",
         "Prompt tokens the engine found in its prefix cache (vLLM prefix_cache_hits).",
     ),
+    "energy_joules": (
+        "engine_energy_joules",
+        "GPU energy as the engine itself reports it (TensorRT-LLM /energy_metrics: NVML, "
+        "every GPU of the server together): a cross-check for phasewatch's own GPU energy, "
+        "not a substitute (it cannot be split by phase or request).",
+    ),
 }
 ENGINE_HISTOGRAMS = {
     "ttft": (

@@ -195,6 +195,7 @@ class Row:
     precision: str
     quant: str = ""
     family: str = ""
+    engine: str = ""  # the engine behind the upstream, as the proxy recognised it
     requests: float = 0  # every outcome
     errors: float = 0  # failed or refused (outcome error or rejected)
     aborted: float = 0  # the client hung up
@@ -315,6 +316,10 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
             "gpu_power_current_watts",
         )
     )
+    engines = {
+        s.labels.get("upstream", ""): s.labels.get("engine", "")
+        for s in samples.get(_n("upstream_up"))
+    }
     rows_per_upstream: dict[str, int] = {}
     for up, _, _ in keys:
         rows_per_upstream[up] = rows_per_upstream.get(up, 0) + 1
@@ -323,7 +328,12 @@ def build(samples: Samples, source: str = "", include_idle_models: bool = False)
     for up, model, prec in sorted(keys, key=_row_order):
         lab = {"upstream": up, "model": model, "precision": prec}
         r = Row(
-            up, model, prec, quant=quants.get((up, model, prec), ""), family=model_family(model)
+            up,
+            model,
+            prec,
+            quant=quants.get((up, model, prec), ""),
+            family=model_family(model),
+            engine=engines.get(up, ""),
         )
         r.requests = samples.total(_n("requests_total"), **lab)
         r.errors = sum(

@@ -473,7 +473,9 @@ class Settings(BaseSettings):
         description="The engines' model-management endpoints (Ollama /api/copy, "
         "/api/delete, /api/pull, /api/create, /api/push, /api/blobs; vLLM "
         "/v1/load_lora_adapter, /v1/unload_lora_adapter; llama-server /lora-adapters, "
-        "/slots): allow, deny (403), keyed (only with a proxy key that names no client); "
+        "/slots; SGLang /flush_cache, /update_weights_from_disk ...; TensorRT-LLM "
+        "/update_weights ...): allow, deny (403), keyed (only with a proxy key that names "
+        "no client); "
         "auto: deny when --api-key names clients, else allow.",
     )
 

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser, realistic: bool = False) -> N
     GPUs report power, behind a dcgm-exporter collecting every 100 ms, by default."""
     parser.add_argument(
         "--engine",
-        choices=("vllm", "ollama", "llamacpp"),
+        choices=("vllm", "ollama", "llamacpp", "sglang", "trtllm"),
         default=os.environ.get("PHASEWATCH_SIM_ENGINE", "vllm"),
         help="Engine wire format to speak [env PHASEWATCH_SIM_ENGINE; default vllm].",
     )
@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser, realistic: bool = False) -> N
     parser.add_argument(
         "--model-dir",
         default=None,
-        help="vLLM: write each simulated checkpoint's config.json under this folder "
+        help="vLLM, SGLang, TensorRT-LLM: write each simulated checkpoint's config.json "
+        "under this folder "
         "(for the proxy's --model-dir: KV-cache shapes and precision from the config).",
     )
     parser.add_argument(
@@ -64,6 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser, realistic: bool = False) -> N
         "captures; 32768 takes the bench's ~16K prompts].",
     )
 
+    parser.add_argument(
+        "--served-model",
+        default=None,
+        help="sglang, trtllm: the one model the server serves, an id of the catalogue "
+        "(meta-llama/Llama-3.1-8B-Instruct, RedHatAI/Llama-3.1-8B-Instruct-FP8, "
+        "hugging-quants/Llama-3.1-8B-Instruct-AWQ-INT4) [default the first].",
+    )
+    parser.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="sglang: serve /metrics, as SGLang's own --enable-metrics (off by default, as there).",
+    )
     parser.add_argument(
         "--no-alias",
         action="store_true",
@@ -123,4 +136,6 @@ def from_args(args: argparse.Namespace) -> Any:
         sensor=getattr(args, "gpu_sensor", "ideal"),
         dcgm_interval=getattr(args, "dcgm_interval", 0.0),
         dcgm_instant=getattr(args, "dcgm_counters", "power") == "power",
+        served_model=getattr(args, "served_model", None),
+        enable_metrics=getattr(args, "enable_metrics", False),
     )

@@ -24,11 +24,14 @@ def run(args) -> int:
     except (httpx.HTTPError, ValueError) as exc:
         print(f"phasewatch advise: cannot read {args.source}: {exc}", file=sys.stderr)
         return 1
-    rows = advise(samples, build(samples, source=args.source))
+    rep = build(samples, source=args.source)
+    rows = advise(samples, rep)
+    engines = {r.upstream: r.engine for r in rep.rows if r.engine}
     if args.format == "json":
-        sys.stdout.write(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
+        out = [{**r.as_dict(), "engine": engines.get(r.upstream, "")} for r in rows]
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
-        sys.stdout.write(advice_markdown(rows))
+        sys.stdout.write(advice_markdown(rows, engines))
     return 0
 
 

@@ -295,6 +295,11 @@ def markdown(
         "Medians from phasewatch's histograms (read from: " + (rep.source or "metrics") + "). "
         "requests: every outcome; errors: failed or refused; aborted: the client hung up."
     ]
+    engines = {r.upstream: r.engine for r in rows if r.engine}
+    if engines:
+        notes.append(
+            "engines: " + ", ".join(f"{u} = {e}" for u, e in sorted(engines.items())) + "."
+        )
     decode = _sources(rows, "decode_source", _DECODE_SOURCES)
     if decode:
         notes.append(f"decode tok/s: {decode}.")
@@ -348,7 +353,8 @@ def markdown(
     out.extend("- " + n for n in notes)
     if advice is not None:
         out.append("")
-        out.append(advice_markdown(advice).rstrip("\n"))
+        engines = {r.upstream: r.engine for r in rep.rows if r.engine}
+        out.append(advice_markdown(advice, engines).rstrip("\n"))
     return "\n".join(out) + "\n"
 
 
@@ -361,16 +367,19 @@ def _shares(shares: dict | None) -> str:
     return " / ".join(f"{shares[k] * 100:.0f}%" for k in shares)
 
 
-def advice_markdown(rows: list[AdviceRow]) -> str:
+def advice_markdown(rows: list[AdviceRow], engines: dict[str, str] | None = None) -> str:
     """The advice rows: per upstream x model x precision, the workload, where time and
-    energy go, the formula checked, and the levers by what they would save."""
+    energy go, the formula checked, and the levers by what they would save; `engines`:
+    the engine behind each upstream, named beside it."""
     out = ["## Advice: which phase to tune", ""]
     if not rows:
         return "\n".join(
             out + ["No measured requests yet: send some traffic through phasewatch first.", ""]
         )
     for a in rows:
-        out.append(f"### {a.upstream} / {a.model} ({a.precision})")
+        engine = (engines or {}).get(a.upstream)
+        up = f"{a.upstream} ({engine})" if engine else a.upstream
+        out.append(f"### {up} / {a.model} ({a.precision})")
         out.append("")
         out.append(
             f"- workload: {a.workload or '—'} ({a.workload_evidence}); "

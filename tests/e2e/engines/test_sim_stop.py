@@ -34,13 +34,15 @@ async def test_a_cancelled_waiter_released_in_the_same_tick_is_not_an_error():
     assert 3 in me.running and me.waiting == 0
 
 
-@pytest.mark.parametrize("engine", ["vllm", "ollama", "llamacpp"])
+@pytest.mark.parametrize("engine", ["vllm", "ollama", "llamacpp", "sglang", "trtllm"])
 async def test_stopped_mid_request_without_tracebacks(engine):
     sim = start_sim(engine, speed=1.0, max_num_seqs=1)
     model = {
         "vllm": "meta-llama/Llama-3.1-8B-Instruct",
         "ollama": "llama3.1:8b-instruct-q4_K_M",
         "llamacpp": "qwen2.5-7b-instruct",
+        "sglang": "meta-llama/Llama-3.1-8B-Instruct",
+        "trtllm": "meta-llama/Llama-3.1-8B-Instruct",
     }[engine]
     body = {
         "model": model,

@@ -1,6 +1,6 @@
 """Every engine's management routes obey ``--admin-api``, checked against the engines' own
 route tables (``tests/fixtures/engine-routes``: llama-server's read from its source,
-router mode included; vLLM's routers, dev mode included).
+router mode included; vLLM's routers, dev mode included; SGLang's and trtllm-serve's route tables).
 
 With ``--admin-api deny`` each route the table marks as managing the engine is refused
 with a 403 and never reaches it, in every engine's dialect (the engine behind an
@@ -21,7 +21,7 @@ from ...support.fake_engine import FakeEngine
 from ...support.servers import ROOT, metric_samples, sample, start_proxy
 
 TABLES = ROOT / "tests" / "fixtures" / "engine-routes"
-ENGINE_OF = {"llama-server": "llamacpp", "vllm": "vllm"}
+ENGINE_OF = {"llama-server": "llamacpp", "vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm"}
 
 
 def routes(table: str) -> list[dict]:
