@@ -163,12 +163,11 @@ def engine_rows(d: Dash) -> None:
             "Streams that stalled over the time range",
             "Streams that stalled, per upstream and the phase they stalled in (prefill: no "
             "first token; decode), over the dashboard's time range (phasewatch_stalls_total, "
-            "each stream counted once and logged once). 0: none stalled on an upstream "
-            "phasewatch watches.",
+            "each stream counted once and logged once; every upstream's count is there from "
+            "the start, so 0 means none stalled).",
             [
                 target(
-                    f"sum by (upstream, phase) (increase(phasewatch_stalls_total{{{UP}}}[$__range])) "
-                    f"or on (upstream) (0 * {stalled})",
+                    f"sum by (upstream, phase) (increase(phasewatch_stalls_total{{{UP}}}[$__range]))",
                     "{{upstream}} {{phase}}",
                     instant=True,
                 )

@@ -327,7 +327,7 @@ def names_a_file(value: str) -> bool:
     if text.startswith(("./", "../", "~/")):
         return True
     try:
-        return os.path.exists(os.path.expanduser(text))
+        return os.path.isfile(os.path.expanduser(text))
     except (OSError, ValueError):
         return False
 

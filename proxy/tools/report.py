@@ -193,10 +193,13 @@ def from_prometheus(client, base: str, window: str | None = None) -> Samples:
 
     def query(expr: str, name: str) -> None:
         resp = client.get(base + "/api/v1/query", params={"query": expr})
-        resp.raise_for_status()
-        data = resp.json()
-        if data.get("status") != "success":
-            raise ValueError(f"Prometheus query {expr!r} failed: {data.get('error')}")
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {}
+        if resp.status_code != 200 or data.get("status") != "success":
+            why = data.get("error") or f"HTTP {resp.status_code}"
+            raise ValueError(f"Prometheus query {expr!r} failed: {why}")
         for r in data["data"]["result"]:
             labels = {k: v for k, v in r["metric"].items() if k != "__name__"}
             items.append(Sample(name, labels, float(r["value"][1])))

@@ -27,6 +27,7 @@ import math
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -41,7 +42,7 @@ from proxy.measure.summary import Report, build
 from proxy.sim.physics import DEFAULT_MODELS
 from proxy.tools.report import load
 
-from ...support.servers import metric_samples, sample, start_proxy, start_sim, wait_for
+from ...support.servers import ROOT, metric_samples, sample, start_proxy, start_sim, wait_for
 from .test_observability import (
     PROM_DIR,
     RULE_FILES,
@@ -432,6 +433,20 @@ def test_the_power_sensor_panels_account_for_every_phase(demo):
         long_decodes = sum(t["t_end"] - t["t_first"] > 3 * longest for t in truth)
         measured = raw("phasewatch_gpu_power_watts_count", prec, "decode")
         assert measured >= long_decodes, (prec, measured, long_decodes, longest)
+
+
+def test_report_says_what_prometheus_refused(demo):
+    """A window Prometheus cannot parse: its own reason, in one line, not httpx's."""
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy", "report", "--from", demo["prom"].url, "--window", "5x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "failed: " in res.stderr and "mozilla" not in res.stderr.lower(), res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
 
 
 def test_no_alert_is_pending_on_a_healthy_demo(demo):
