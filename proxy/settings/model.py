@@ -496,7 +496,8 @@ class Settings(BaseSettings):
         if info.field_name == "api_key" and isinstance(value, str) and not items:
             raise ValueError("an empty key would leave the proxy open: give a key")
         if info.field_name == "api_key" and isinstance(items, list):
-            return expand_key_files([str(i) for i in items])
+            texts = [i for i in items if isinstance(i, str)]
+            return expand_key_files(texts) + [i for i in items if not isinstance(i, str)]
         return items
 
     @field_validator("api_key_file", mode="before")
