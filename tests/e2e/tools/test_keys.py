@@ -228,3 +228,35 @@ def test_an_engine_or_a_v1_url_is_not_a_phasewatch(sim, keyed, command):
     assert "404" not in res.stderr
     res = run(command, "--from", keyed.url + "/metrics", "--api-key", BARE)
     assert res.returncode == 0, res.stderr
+
+
+def test_bench_reads_the_same_key_option(keyed, key_file):
+    """bench takes the one key option report and advise take: a key file, here."""
+    args = [
+        "bench",
+        "--url",
+        keyed.url,
+        "--model",
+        MODEL,
+        "--repeat",
+        "1",
+        "--prompt-tokens",
+        "64",
+        "--concurrency",
+        "",
+        "--decode-tokens",
+        "8",
+        "--idle-seconds",
+        "0",
+        "--json",
+        "--quiet",
+    ]
+    before = _requests(keyed.url)
+    res = run(*args, "--api-key-file", str(key_file), timeout=120)
+    assert res.returncode == 0, res.stderr
+    (model,) = json.loads(res.stdout)["models"]
+    assert model["model"] == MODEL
+    assert _requests(keyed.url) > before  # its requests went through the keyed proxy
+    assert BARE not in res.stdout + res.stderr
+    res = run(*args, timeout=120)
+    assert res.returncode == 1 and "401" in res.stderr, res.stderr
