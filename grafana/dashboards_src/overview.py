@@ -17,8 +17,10 @@ from .common import (
     bargauge_panel,
     base_vars,
     heatmap_panel,
+    override,
     source_var,
     steps,
+    table_panel,
     target,
     timeseries_panel,
 )
@@ -272,6 +274,7 @@ def build() -> dict:
             max_=1,
         )
     )
+    d.add(advice_shares(), w=12, h=8)
 
     d.row("Queue")
     d.add(
@@ -462,3 +465,63 @@ def build() -> dict:
     overview_engines.physics(d)
     overview_engines.fleet(d)
     return d.json()
+
+
+def advice_shares():
+    """The advice's first figures (proxy.measure.advice, ``phasewatch advise``) over the
+    time range: per model, the shares of wall time in queue, prefill and decode, read as
+    the advice reads them: the engine's own prefill time where it reports one (and the
+    engine-side wait it tells, in the queue), else the proxy's, with the engine's own
+    queue time (vLLM's queue histogram) moved to the queue."""
+    by = "upstream, model, precision"
+
+    def s(metric: str, matchers: str = "") -> str:
+        return f"sum by ({by}) (increase(phasewatch_{metric}{{{SEL}{matchers}}}[$__range]))"
+
+    pre_engine = s("prefill_seconds_sum", ', source="engine"')
+    pre_proxy = s("prefill_seconds_sum", ', source="proxy"')
+    engine_q = s("engine_queue_seconds_sum")
+    # min(the engine's queue, the proxy's prefill), where only the proxy timed prefill
+    moved = f"((({engine_q}) < ({pre_proxy})) or (({pre_proxy}) and ({engine_q}))) unless ({pre_engine})"
+    engine_side = s("queue_seconds_sum", ', where="upstream"')
+    proxy_q = s("queue_seconds_sum", ', where="proxy"')
+    queue = f"({proxy_q} + ({engine_side} or {moved} or 0 * {proxy_q}))"
+    prefill = f"({pre_engine} or ({pre_proxy} - ({moved} or 0 * {pre_proxy})))"
+    by_proxy, by_engine = ', source="proxy"', ', source="engine"'
+    decode = f"({s('decode_seconds_sum', by_proxy)} or {s('decode_seconds_sum', by_engine)})"
+    phases = " or ".join(
+        f'label_replace({e}, "phase", "{name}", "", "")'
+        for name, e in (("queue", queue), ("prefill", prefill), ("decode", decode))
+    )
+    requests = s("requests_total", ', outcome="ok"')
+    return table_panel(
+        "Which phase to tune: shares of wall time per model (advice)",
+        "The figures phasewatch advise starts from, per upstream, model and precision over "
+        "the time range: the share of wall time spent in queue, prefill and decode (the "
+        "largest is the phase to tune first), and the requests they rest on (answered "
+        "in full). Read as the advice reads them: prefill is the "
+        "engine's own prefill time where it reports one, else phasewatch's clock with the "
+        "engine's own queue time moved to the queue. The levers and their evidence are "
+        "text, not metrics: see the status page's advice panel, GET /phasewatch/api/advice "
+        "or phasewatch advise --from PROMETHEUS --window RANGE; advice names no lever "
+        "before 30 measured requests.",
+        [
+            target(
+                f"({phases}) / on ({by}) group_left () sum by ({by}) ({phases})",
+                "share",
+                instant=True,
+                fmt="table",
+            ),
+            target(requests, "requests", instant=True, fmt="table"),
+        ],
+        [
+            override("share of wall time", unit="percentunit", decimals=0),
+            override("requests", unit="none", decimals=0),
+        ],
+        steps(GREEN),
+        organize={
+            "excludeByName": {"Time": True},
+            "indexByName": {"upstream": 0, "model": 1, "precision": 2, "phase": 3},
+            "renameByName": {"Value #A": "share of wall time", "Value #B": "requests"},
+        },
+    )

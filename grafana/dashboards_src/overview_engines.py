@@ -118,6 +118,67 @@ def engine_rows(d: Dash) -> None:
         w=16,
         h=6,
     )
+    stalled = f"sum by (upstream) (phasewatch_stalled_streams{{{UP}}})"
+    d.add(
+        timeseries_panel(
+            "Stalled streams",
+            "Streams in flight to each upstream whose output has not advanced for longer than "
+            "the measured rates allow (their prompt at the measured prefill rate before the "
+            "first token, many gaps at the measured decode rate after it; never less than "
+            "--stall-floor), summed over replicas. Above 0 the upstream is degraded: its pool "
+            "sends new requests elsewhere and UpstreamStalled fires after 2 min.",
+            [target(stalled, "{{upstream}}")],
+            "none",
+            steps(GREEN, (1, RED)),
+            fill=20,
+            legend_calcs=("max", "lastNotNull"),
+            decimals=0,
+        ),
+        w=8,
+        h=7,
+    )
+    d.add(
+        timeseries_panel(
+            "Longest silence of a stream in flight",
+            "The longest any stream in flight to each upstream has gone without output (since "
+            "it was sent, before its first token), stalled or not; max over replicas. Compare "
+            "it with --stall-floor (60 s by default): a silence that grows toward it without a "
+            "stall is a long prefill or a slow decode, not yet a hang.",
+            [
+                target(
+                    f"max by (upstream) (phasewatch_stream_longest_silence_seconds{{{UP}}})",
+                    "{{upstream}}",
+                )
+            ],
+            "s",
+            steps(GREEN, (30, YELLOW), (60, RED)),
+            fill=0,
+            legend_calcs=("max", "lastNotNull"),
+        ),
+        w=8,
+        h=7,
+    )
+    d.add(
+        bargauge_panel(
+            "Streams that stalled over the time range",
+            "Streams that stalled, per upstream and the phase they stalled in (prefill: no "
+            "first token; decode), over the dashboard's time range (phasewatch_stalls_total, "
+            "each stream counted once and logged once; every upstream's count is there from "
+            "the start, so 0 means none stalled).",
+            [
+                target(
+                    f"sum by (upstream, phase) (increase(phasewatch_stalls_total{{{UP}}}[$__range]))",
+                    "{{upstream}} {{phase}}",
+                    instant=True,
+                )
+            ],
+            "none",
+            steps(GREEN, (1, RED)),
+            decimals=0,
+        ),
+        w=8,
+        h=7,
+    )
 
     d.row("Clients")
     d.add(

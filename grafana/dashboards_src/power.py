@@ -14,9 +14,11 @@ from .common import (
     base_vars,
     fam,
     heatmap_panel,
+    override,
     query_var,
     stat_panel,
     steps,
+    table_panel,
     target,
     timeseries_panel,
     value_map,
@@ -155,6 +157,74 @@ def build() -> dict:
             ],
             "watt",
         )
+    )
+    # why the per-request power panel may be empty: phases the sensor cannot resolve
+    by = "precision, phase"
+    unresolved = (
+        f"sum by ({by}) (increase(phasewatch_gpu_power_unresolved_total{{{SEL}}}[$__range]))"
+    )
+    measured = f"sum by ({by}) (increase(phasewatch_gpu_power_watts_count{{{SEL}}}[$__range]))"
+    u0 = f"({unresolved} or 0 * {measured})"
+    m0 = f"({measured} or 0 * {unresolved})"
+    d.add(
+        table_panel(
+            "Request phases the power sensor cannot resolve",
+            "Per precision and phase over the time range: request phases shorter than the "
+            "power sensor's resolution (the panel beside), or sampled too coarsely, which get "
+            "no per-request power (phasewatch_gpu_power_unresolved_total), beside those "
+            "measured (phasewatch_gpu_power_watts_count) and the unresolved share. 100 % "
+            "explains an empty per-request power panel: a default dcgm-exporter refreshes its "
+            "fields every second or slower, longer than most prefills; run it with -c 100 and "
+            "deploy/dcgm/phasewatch-counters.csv, or read NVML on the GPU's host.",
+            [
+                target(f"{u0} / ({u0} + {m0})", "unresolved share", instant=True, fmt="table"),
+                target(u0, "unresolved", instant=True, fmt="table"),
+                target(m0, "measured", instant=True, fmt="table"),
+            ],
+            [
+                override("unresolved share", unit="percentunit", decimals=0),
+                override("unresolved phases", unit="none", decimals=0),
+                override("measured phases", unit="none", decimals=0),
+            ],
+            steps(GREEN),
+            organize={
+                "excludeByName": {"Time": True},
+                "indexByName": {"precision": 0, "phase": 1},
+                "renameByName": {
+                    "Value #A": "unresolved share",
+                    "Value #B": "unresolved phases",
+                    "Value #C": "measured phases",
+                },
+            },
+        ),
+        w=14,
+        h=7,
+    )
+    d.add(
+        stat_panel(
+            "Power sensor resolution",
+            "Per GPU, the shortest request phase whose power is measured "
+            "(phasewatch_gpu_power_resolution_seconds, from the sensor's measured refresh "
+            "period) and the field phase energy is taken from (phasewatch_gpu_power_sensor_info: "
+            "energy_counter, power_instant, power_usage or power_average). Shorter phases are "
+            "counted unresolved (the table beside); above 2 s no per-request figure is "
+            "possible. Empty until the sampler has learnt the sensor (a few seconds).",
+            [
+                target(
+                    "max by (gpu, source, field) (phasewatch_gpu_power_resolution_seconds"
+                    '{gpu=~"$gpu"} * on (gpu) group_left (source, field) '
+                    "(phasewatch_gpu_power_sensor_info == 1)) and on (gpu) "
+                    f"phasewatch_gpu_power_current_watts{{{PG}}}",
+                    "gpu {{gpu}}: {{field}} ({{source}})",
+                    instant=True,
+                )
+            ],
+            "s",
+            steps(GREEN, (0.5, YELLOW), (2, RED)),
+            decimals=2,
+        ),
+        w=10,
+        h=7,
     )
 
     d.row("Energy")

@@ -6,6 +6,8 @@ a phasewatch key is never passed on to an engine. With no proxy keys, the client
 ``Authorization`` reaches the engine unless an upstream key replaces it. Keys are
 compared in constant time and never logged or exported. A key may be named after the
 client holding it (``--api-key team-a=KEY``): its requests are labelled ``client=team-a``.
+Keys may come from files, one a line (``--api-key-file``, ``--api-key @FILE``: read at
+start by :mod:`proxy.settings`); here every key is a key, never a path.
 
 Browsers reach the own pages with HTTP Basic (any user name, the key as password) or with
 a cookie set from a ``?key=`` link or the login form: the cookie holds its expiry and a

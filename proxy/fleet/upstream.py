@@ -336,8 +336,9 @@ class Upstream:
         )
         query.fits = functools.partial(self.metrics.labels.fits, self.name, "model")
         listed = await self.dialect.list_models(query)
-        if listed is None:
-            self._set_up(False)
+        if listed is None:  # say why: the health probe names a refused or silent engine
+            reason = await self.check()
+            self._set_up(False, reason or "it answers, but not with a model list")
             return
         for model, p in listed.precision.items():
             self.precision_read.add(model)

@@ -89,6 +89,11 @@ class StallWatch:
 
     def start(self) -> None:
         if self.options.stall_floor > 0:
+            # every upstream's count exists from the start, at 0: the first stall is then
+            # an increase a dashboard sees, not the value a new series is born with
+            for u in self.upstreams.all:
+                for phase in ("prefill", "decode"):
+                    self.metrics.stalls_total.labels(u.name, phase)
             self.upstreams.spawn(every(self.options.interval, self._step, "stall scan"))
 
     async def _step(self) -> None:

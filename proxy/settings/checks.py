@@ -29,17 +29,19 @@ def split_list(value: Any) -> Any:
     return value
 
 
-#: The trailing path segment of an OpenAI base URL (``http://host:8000/v1``): phasewatch
-#: forwards the client's whole path, ``/v1`` included, so an upstream is the engine's base.
-_OPENAI_SUFFIX = "/v1"
+#: The trailing path segments of a client's base URL (OpenAI's ``http://host:8000/v1``,
+#: Ollama's ``http://host:11434/api``): phasewatch forwards the client's whole path,
+#: ``/v1`` or ``/api`` included, so an upstream is the engine's base.
+_CLIENT_SUFFIXES = ("/v1", "/api")
 
 
 def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
     """``[name=]URL`` -> (name or None, normalised base URL, a note for the log or None).
 
     A base path is kept (``http://gateway/tenant-a``: requests go to
-    ``/tenant-a/v1/chat/completions``); a trailing ``/v1``, the habit from OpenAI base
-    URLs, is dropped with a note, since clients send ``/v1/…`` themselves. Raises
+    ``/tenant-a/v1/chat/completions``); a trailing ``/v1`` or ``/api``, the habit from
+    OpenAI's and Ollama's base URLs, is dropped with a note, since clients send
+    ``/v1/…`` and ``/api/…`` themselves. Raises
     ValueError."""
     name = None
     url = spec.strip()
@@ -72,14 +74,16 @@ def parse_upstream(spec: str) -> tuple[str | None, str, str | None]:
             "request would get the engine's 404)"
         )
     note = None
-    if parts.path.rstrip("/").endswith(_OPENAI_SUFFIX):
-        base = url.removesuffix(_OPENAI_SUFFIX)
-        note = (
-            f"upstream {url} ends in {_OPENAI_SUFFIX}: relaying to {base} instead "
-            f"(phasewatch forwards the client's whole path, {_OPENAI_SUFFIX} included: "
-            f"give the engine's base URL, and clients keep {_OPENAI_SUFFIX} in theirs)"
-        )
-        url = base
+    for suffix in _CLIENT_SUFFIXES:
+        if parts.path.rstrip("/").endswith(suffix):
+            base = url.removesuffix(suffix)
+            note = (
+                f"upstream {url} ends in {suffix}: relaying to {base} instead "
+                f"(phasewatch forwards the client's whole path, {suffix} included: "
+                f"give the engine's base URL, and clients keep {suffix} in theirs)"
+            )
+            url = base
+            break
     return name, url, note
 
 
@@ -274,13 +278,76 @@ def check_upstream_keys(value: list[SecretStr]) -> list[SecretStr]:
     return value
 
 
+#: What a key file may hold at most: a file of keys is small; a larger one is not one.
+MAX_KEY_FILE_BYTES = 1024 * 1024
+
+
+def read_key_file(path: str, flag: str = "--api-key-file") -> list[str]:
+    """The keys in a key file, one a line, as secrets are mounted in containers and
+    Kubernetes (``NAME=KEY`` lines too); blank lines and ``#`` comments are skipped and a
+    trailing newline is no part of a key. Raises ValueError naming the file and why, never
+    what it holds."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag}: {path!r} is not a file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path!r} ({exc.strerror or exc})") from None
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"{flag}: {path!r} is over {MAX_KEY_FILE_BYTES} bytes: not a key file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag}: {path!r} is not UTF-8 text: not a key file") from None
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise ValueError(
+            f"{flag}: {path!r} holds no key (one a line): an empty key would leave the proxy open"
+        )
+    return keys
+
+
+def expand_key_files(items: list[str], flag: str = "--api-key") -> list[str]:
+    """``--api-key`` values with each ``@FILE`` replaced by the keys the file holds."""
+    out: list[str] = []
+    for item in items:
+        if item.startswith("@") and len(item) > 1:
+            out += read_key_file(item[1:], f"{flag} @FILE")
+        else:
+            out.append(item)
+    return out
+
+
+def names_a_file(value: str) -> bool:
+    """Whether a key given as a value is a path instead (an existing file, or a value
+    written as a relative or home path): such a value must never become the key."""
+    text = value.strip()
+    if text.startswith(("./", "../", "~/")):
+        return True
+    try:
+        return os.path.isfile(os.path.expanduser(text))
+    except (OSError, ValueError):
+        return False
+
+
 def check_api_keys(value: list[SecretStr]) -> list[SecretStr]:
-    """``--api-key``: no empty key (it would leave the proxy open), no client name twice."""
+    """``--api-key``: no empty key (it would leave the proxy open), no client name twice,
+    no path taken for a key (a key file is read with ``--api-key-file FILE`` or
+    ``--api-key @FILE``)."""
     names: set[str] = set()
     for item in value:
         if not item.get_secret_value().strip(" ,\t\r\n"):
             raise ValueError(
                 "an empty key would leave the proxy open: give a key, or leave the setting out"
+            )
+        if names_a_file(item.get_secret_value()) or names_a_file(
+            split_named_key(item.get_secret_value())[1]
+        ):
+            raise ValueError(
+                "a key names a file (value not shown): to read keys from a file, one a "
+                "line, give --api-key-file FILE (PHASEWATCH_API_KEY_FILE) or --api-key @FILE"
             )
         name, key = split_named_key(item.get_secret_value())
         if name is not None:

@@ -35,7 +35,9 @@ from .checks import (
     check_precision,
     check_upstream_keys,
     check_upstreams,
+    expand_key_files,
     named_keys,
+    read_key_file,
     split_list,
     split_named_key,
     unknown_variables,
@@ -255,7 +257,14 @@ class Settings(BaseSettings):
         description="Keys clients must present (Authorization: Bearer KEY or x-api-key) "
         "to use the proxy, bare or named, NAME=KEY: a named key's requests are labelled "
         "client=NAME (repeatable; default: no proxy keys, the client's own "
-        "Authorization reaches the engine).",
+        "Authorization reaches the engine). @FILE reads the keys from FILE, one a line; "
+        "a value that names a file is refused, never taken for a key.",
+    )
+    api_key_file: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Files of keys clients may present, one a line (NAME=KEY lines too; "
+        "blank lines and # comments skipped), as secrets are mounted in containers and "
+        "Kubernetes; read at start, added to --api-key's (repeatable).",
     )
     max_key_failures: int = Field(
         30,
@@ -501,7 +510,15 @@ class Settings(BaseSettings):
         items = split_list(value)
         if info.field_name == "api_key" and isinstance(value, str) and not items:
             raise ValueError("an empty key would leave the proxy open: give a key")
+        if info.field_name == "api_key" and isinstance(items, list):
+            texts = [i for i in items if isinstance(i, str)]
+            return expand_key_files(texts) + [i for i in items if not isinstance(i, str)]
         return items
+
+    @field_validator("api_key_file", mode="before")
+    @classmethod
+    def _key_file_list(cls, value: Any) -> Any:
+        return split_list(value)
 
     @field_validator("upstream_key")
     @classmethod
@@ -606,6 +623,9 @@ class Settings(BaseSettings):
         misses = access_near_misses(os.environ, known)
         if misses:
             raise ValueError("; ".join(misses))
+        if self.api_key_file:  # the files' keys join --api-key's, checked alike
+            read = [SecretStr(k) for path in self.api_key_file for k in read_key_file(path)]
+            self.api_key = check_api_keys([*self.api_key, *read])
         specs, notes = upstream_specs(self)
         self._named_keys = named_keys(
             self.api_key, self.clients, self.client_header, self.admin_api

@@ -1,7 +1,7 @@
 """``phasewatch advise``: which phase to tune, from phasewatch's own measurements.
 
 Reads a ``/metrics`` page or a Prometheus server exactly as ``report`` does
-(:func:`proxy.tools.report.load`); the rows are :mod:`proxy.measure.advice`'s, the same
+(:func:`proxy.tools.report.read`); the rows are :mod:`proxy.measure.advice`'s, the same
 ones the report's advice section, the status page's panel and
 ``GET /phasewatch/api/advice`` show.
 """
@@ -13,18 +13,18 @@ import sys
 
 from ..measure.advice import advise
 from ..measure.summary import build
-from .report import add_reading_arguments, advice_markdown, load
+from .report import add_reading_arguments, advice_markdown, read
 
 
 def run(args) -> int:
     import httpx
 
     try:
-        samples = load(args.source, args.window)
+        source, samples = read(args)
     except (httpx.HTTPError, ValueError) as exc:
-        print(f"phasewatch advise: cannot read {args.source}: {exc}", file=sys.stderr)
+        print(f"phasewatch advise: {exc}", file=sys.stderr)
         return 1
-    rep = build(samples, source=args.source)
+    rep = build(samples, source=source)
     rows = advise(samples, rep)
     engines = {r.upstream: r.engine for r in rep.rows if r.engine}
     if args.format == "json":

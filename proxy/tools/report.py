@@ -27,6 +27,8 @@ from ..measure.summary import (
     Samples,
     build,
 )
+from .keys import ENV, NEEDS_KEY, key_of, without_credentials
+from .keys import add_arguments as add_key_arguments
 
 # --- reading ---------------------------------------------------------------------------------
 
@@ -88,21 +90,101 @@ _SHARED_GAUGES = (
 )
 
 
-def load(url: str, window: str | None = None, timeout: float = 15.0) -> Samples:
-    """Samples from a phasewatch /metrics URL or base URL, or a Prometheus server."""
+#: Where a client's base URL ends (OpenAI's /v1, Ollama's /api): not phasewatch's own.
+_CLIENT_PATHS = ("/v1", "/api")
+
+
+#: Series every phasewatch exports from its start (an engine's or the simulator's own
+#: page may hold other phasewatch_* names, never these).
+_OWN = ("endpoint_info", "upstream_up")
+
+
+class NotPhasewatch(ValueError):
+    """What `--from` names answers, but is not a phasewatch (or not its metrics)."""
+
+
+def load(
+    url: str, window: str | None = None, timeout: float = 15.0, key: str | None = None
+) -> Samples:
+    """Samples from a phasewatch /metrics URL or base URL, or a Prometheus server; `key`
+    is presented to a keyed phasewatch (a key in the URL, ``http://any:KEY@host``, is taken
+    the same way). Raises ValueError with what to fix: a key needed or refused, a URL
+    that is an engine's or a client's ``/v1``, not a phasewatch."""
     import httpx
 
-    base = url.rstrip("/")
-    with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+    base, in_url = without_credentials(url)
+    base = base.rstrip("/")
+    key = key or in_url
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    with httpx.Client(timeout=timeout, follow_redirects=True, headers=headers) as client:
         if not base.endswith("/metrics"):
+            for suffix in _CLIENT_PATHS:
+                if base.endswith(suffix):
+                    raise NotPhasewatch(
+                        f"{base} is a client's base URL (it ends in {suffix}): give "
+                        f"phasewatch's own, {base.removesuffix(suffix)}"
+                    )
             if _is_prometheus(client, base):
-                return from_prometheus(client, base, window)
+                samples = from_prometheus(client, base, window)
+                if not samples.by_name:
+                    raise NotPhasewatch(
+                        f"the Prometheus server at {base} has no phasewatch_* series: is it "
+                        "scraping phasewatch's /metrics?"
+                    )
+                return samples
             base += "/metrics"
         if window:
             raise ValueError("--window needs a Prometheus server (a /metrics page is cumulative)")
         resp = client.get(base)
-        resp.raise_for_status()
-        return Samples.from_text(resp.text)
+        _answered(resp, base, key)
+        try:
+            samples = Samples.from_text(resp.text)
+        except ValueError:
+            samples = Samples(())
+        if not any(samples.has(PREFIX + name) for name in _OWN):
+            raise NotPhasewatch(_not_phasewatch(base, samples))
+        return samples
+
+
+def _answered(resp, url: str, key: str | None) -> None:
+    """Raise ValueError with what to do for an answer that is not the metrics page."""
+    status = resp.status_code
+    if status == 200:
+        return
+    if status == 401:
+        raise ValueError(
+            f"the key given was refused (HTTP 401 from {url}): check --api-key, {ENV} "
+            "or the key in the URL"
+            if key
+            else NEEDS_KEY
+        )
+    if status == 429:
+        wait = resp.headers.get("retry-after", "")
+        wait = f" in {wait}s" if wait.isdigit() else " later"
+        raise ValueError(
+            f"too many wrong keys from this address (HTTP 429 from {url}): retry{wait}"
+        )
+    raise NotPhasewatch(
+        f"this is not a phasewatch, or not its metrics address: GET {url} answered "
+        f"HTTP {status} (give phasewatch's base URL, or its --metrics-host address)"
+    )
+
+
+def _not_phasewatch(url: str, samples: Samples) -> str:
+    """Why a metrics page is not phasewatch's, naming what it seems to be."""
+    names = sorted(samples.by_name)
+    engines = {"vllm:": "vLLM", "llamacpp:": "llama-server", "sglang:": "SGLang"}
+    seen = next((e for p, e in engines.items() if any(n.startswith(p) for n in names)), None)
+    if seen:
+        what = f"it is {seen}'s own metrics"
+    elif names:
+        what = f"{len(names)} series, none of phasewatch's own"
+    else:
+        what = "no Prometheus metrics at all"
+    return (
+        f"this is not a phasewatch ({url}: {what}): give phasewatch's URL, its --port (or "
+        "--metrics-host address), not the engine's"
+    )
 
 
 def _is_prometheus(client, base: str) -> bool:
@@ -120,10 +202,13 @@ def from_prometheus(client, base: str, window: str | None = None) -> Samples:
 
     def query(expr: str, name: str) -> None:
         resp = client.get(base + "/api/v1/query", params={"query": expr})
-        resp.raise_for_status()
-        data = resp.json()
-        if data.get("status") != "success":
-            raise ValueError(f"Prometheus query {expr!r} failed: {data.get('error')}")
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {}
+        if resp.status_code != 200 or data.get("status") != "success":
+            why = data.get("error") or f"HTTP {resp.status_code}"
+            raise ValueError(f"Prometheus query {expr!r} failed: {why}")
         for r in data["data"]["result"]:
             labels = {k: v for k, v in r["metric"].items() if k != "__name__"}
             items.append(Sample(name, labels, float(r["value"][1])))
@@ -571,18 +656,18 @@ def run(args) -> int:
             print(f"phasewatch report: {exc}", file=sys.stderr)
             return 2
     try:
-        samples = load(args.source, args.window)
+        source, samples = read(args)
     except (httpx.HTTPError, ValueError) as exc:
-        print(f"phasewatch report: cannot read {args.source}: {exc}", file=sys.stderr)
+        print(f"phasewatch report: {exc}", file=sys.stderr)
         return 1
     if getattr(args, "by", "model") == "client":
         rows = by_client(samples)
         if args.format == "json":
             sys.stdout.write(json.dumps([r.as_dict() for r in rows], indent=2) + "\n")
         else:
-            sys.stdout.write(clients_markdown(rows, args.source))
+            sys.stdout.write(clients_markdown(rows, source))
         return 0
-    rep = build(samples, source=args.source)
+    rep = build(samples, source=source)
     advice = advise(samples, rep)
     sensor = sensor_view(samples).lines()
     sys.stdout.write(
@@ -598,6 +683,24 @@ def run(args) -> int:
     return 0
 
 
+def read(args) -> tuple[str, Samples]:
+    """`report`'s and `advise`'s reading: the source as it may be shown (without a key in
+    its URL) and its samples. Raises ValueError (or httpx's error for a connection that
+    failed), its message saying what was read and what to fix."""
+    import httpx
+
+    source = without_credentials(args.source)[0]
+    key = key_of(args)
+    try:
+        return source, load(args.source, args.window, key=key)
+    except NotPhasewatch:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"cannot read {source}: {exc}") from None
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot read {source}: {exc or type(exc).__name__}") from None
+
+
 def add_reading_arguments(parser) -> None:
     """Where the figures are read from, and how they are written: `report`'s and
     `advise`'s common flags."""
@@ -606,8 +709,10 @@ def add_reading_arguments(parser) -> None:
         dest="source",
         default="http://127.0.0.1:8090",
         help="phasewatch base or /metrics URL, or a Prometheus server URL "
-        "[default http://127.0.0.1:8090].",
+        "[default http://127.0.0.1:8090]; a keyed phasewatch takes --api-key (a key in "
+        "the URL, http://any:KEY@host:port, is read the same way and never printed).",
     )
+    add_key_arguments(parser)
     parser.add_argument(
         "--format",
         choices=("markdown", "json"),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 
 import httpx
 
+from ..keys import add_arguments as add_key_arguments
+from ..keys import key_of
 from .client import BenchError
 from .render import table
 from .session import run_bench
@@ -94,11 +95,7 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="Do not send ignore_eos (for servers that reject unknown fields).",
     )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
-        help="Bearer token [env OPENAI_API_KEY].",
-    )
+    add_key_arguments(parser, ("OPENAI_API_KEY",))
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="Per-request timeout, seconds."
     )
@@ -169,6 +166,11 @@ def run(args) -> int:
                 f"phasewatch bench: --{name.replace('_', '-')} must be at least 1", file=sys.stderr
             )
             return 2
+    try:
+        args.api_key = key_of(args)
+    except ValueError as exc:
+        print(f"phasewatch bench: {exc}", file=sys.stderr)
+        return 2
     try:
         result = asyncio.run(run_bench(args))
     except (BenchError, httpx.HTTPError) as exc:

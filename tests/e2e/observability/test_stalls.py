@@ -269,3 +269,53 @@ def _seconds(text: str) -> float:
 def _record(**figures) -> None:
     """The measured detection times, in the test's output (pytest -s shows them)."""
     print("stall detection:", json.dumps(figures))
+
+
+def _panel(prom: PromServer, title: str, index: int = 0, rng: str = "10m") -> dict[str, float]:
+    """The Overview panel's query, as Grafana runs it with every upstream selected: its
+    value per legend (upstream, and phase where it has one)."""
+    board = json.loads((ROOT / "grafana" / "dashboards" / "phasewatch-overview.json").read_text())
+    (panel,) = [p for p in board["panels"] if p["title"] == title]
+    expr = panel["targets"][index]["expr"].replace("$upstream", ".*").replace("$__range", rng)
+    return {
+        " ".join(filter(None, (s["metric"].get("upstream"), s["metric"].get("phase")))): float(
+            s["value"][1]
+        )
+        for s in prom.query(expr)
+    }
+
+
+def test_the_stall_panels_show_what_the_engines_did(scene):
+    """After the scene above: every stream the stuck engine took is still open and has
+    stalled in prefill (its first token never came), the steady and quick engines stalled
+    none. The Overview's stall panels, on the same Prometheus, show exactly that."""
+    engines, prom, client = scene["engines"], scene["prom"], scene["client"]
+    taken = _generations(engines["stuck"])  # the truth: streams the stuck engine holds
+    assert taken >= 1
+
+    seen: list = []
+
+    def stalled_all() -> bool:
+        counted = _panel(prom, "Streams that stalled over the time range")
+        now = _panel(prom, "Stalled streams")
+        seen[:] = [counted, now]
+        # increase() extrapolates a little past the last scrape: a count within half
+        return abs(counted.get("stuck prefill", 0) - taken) < 0.5 and now.get("stuck") == taken
+
+    # the last streams sent may still be inside their floor: wait for them to stall too
+    deadline = time.monotonic() + FLOOR + 60
+    while not stalled_all() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert stalled_all(), (taken, sorted(seen[0].items()), seen[1])
+    counted = _panel(prom, "Streams that stalled over the time range")
+    assert round(counted["stuck prefill"]) == taken and counted["stuck decode"] == 0, counted
+    for name in ("steady", "good"):  # never stalled: 0, not a blank
+        assert counted[f"{name} prefill"] == counted[f"{name} decode"] == 0, counted
+    now = _panel(prom, "Stalled streams")
+    assert now == {"stuck": taken, "steady": 0, "good": 0}, now
+    cards = {u["name"]: u for u in client.get("/phasewatch/api/summary").json()["upstreams"]}
+    assert cards["stuck"]["stalled"] == taken
+    # the oldest stuck stream has been silent since the first was sent (more than the
+    # floor); the others have nothing in flight
+    silence = _panel(prom, "Longest silence of a stream in flight")
+    assert silence["stuck"] >= FLOOR and silence["good"] < FLOOR, silence

@@ -19,8 +19,18 @@ from proxy.services.power import GpuMap
 from proxy.settings import parse_upstream
 from proxy.sim import build_app
 
+from ...support.hostile import closed_port
 from ...support.replay import ThreadServer
-from ...support.servers import ROOT, _spawn, free_port, metric_samples, sample, start_proxy
+from ...support.servers import (
+    ROOT,
+    _spawn,
+    free_port,
+    metric_samples,
+    sample,
+    start_proxy,
+    start_sim,
+    wait_for,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -75,6 +85,31 @@ def test_a_v1_upstream_is_corrected_said_and_measured(sim):
         )
         s = metric_samples(proxy.url)
         assert sample(s, "phasewatch_requests_total", model=MODEL, outcome="ok") == 1
+    finally:
+        proxy.stop()
+
+
+def test_an_ollama_api_upstream_is_corrected_and_said_like_v1():
+    sim = start_sim("ollama", speed=8.0)
+    proxy = start_proxy(f"ol={sim.url}/api/")
+    try:
+        (line,) = [ln for ln in proxy.log().splitlines() if "ends in /api" in ln]
+        assert "level=warning" in line and f"relaying to {sim.url} instead" in line
+        (up,) = httpx.get(proxy.url + "/phasewatch/ready").json()["upstreams"]
+        assert up["url"] == sim.url and up["engine"] == "ollama" and up["up"]
+    finally:
+        proxy.stop()
+        sim.stop()
+
+
+def test_an_upstream_down_at_start_is_said_with_its_cause():
+    port = closed_port()
+    proxy = start_proxy(f"gone=http://127.0.0.1:{port}")
+    try:
+        wait_for(lambda: "is not answering its model list" in proxy.log(), what="the warning")
+        (line,) = [ln for ln in proxy.log().splitlines() if "not answering its model list" in ln]
+        assert "level=warning" in line and "connection refused" in line, line
+        assert "model list not read" not in line
     finally:
         proxy.stop()
 
