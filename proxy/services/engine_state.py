@@ -17,7 +17,10 @@ the other workers load, so whichever worker answers /metrics serves them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import httpx
@@ -157,3 +160,96 @@ def start(
                 first_delay=min(1.0, interval),
             )
         )
+
+
+#: The fastest the engines' own counts are read for the energy ledger (s): every read
+#: costs the engine a /metrics or /slots answer, and its CPU matters more than ours.
+COUNT_FLOOR = 0.1
+#: The slowest (s), whatever the sensor's step.
+COUNT_CEILING = 1.0
+#: A count older than this (s) is not used: the ledger falls back to its own in flight.
+COUNT_STALE = 2.0
+
+
+class EngineCounts:
+    """Each upstream's own count of the requests it holds (running + waiting, per model),
+    read with the dialect's :meth:`~proxy.engines.base.Dialect.read_state` as often as the
+    GPU's energy sensor steps, so the energy ledger divides each step among everything the
+    engine ran, not only what this host relayed (:mod:`proxy.services.power.ledger`).
+
+    Read by the process that samples power only; the ticks carry what it read to the other
+    workers. An engine that gives no count (Ollama, a generic OpenAI server) is said once:
+    its GPU's energy is then divided as if phasewatch relayed every request it runs.
+    """
+
+    def __init__(self, metrics: Metrics, period: Callable[[], float | None]) -> None:
+        self.m = metrics
+        self.period = period  # the sensor's step (s), None while not learnt
+        #: upstream name -> (monotonic time read, {model: requests held})
+        self.counts: dict[str, tuple[float, dict[str, float]]] = {}
+        self.uncounted: set[str] = set()  # upstreams whose engine gives no count
+        self.reads = 0
+        self.read_seconds = 0.0  # the proxy's wall time spent reading, for the cost
+
+    def interval(self) -> float:
+        p = self.period()
+        return min(COUNT_CEILING, max(COUNT_FLOOR, p if p is not None else COUNT_FLOOR))
+
+    async def read(self, u: Upstream) -> None:
+        """One read of `u`'s count (nothing while it is not up)."""
+        if not u.up:
+            return
+        t0 = time.monotonic()
+        try:
+            reading = await u.dialect.read_state(u.client, u.models)
+        except (httpx.HTTPError, ValueError, RecursionError):
+            reading = None
+        t1 = time.monotonic()
+        self.reads += 1
+        self.read_seconds += t1 - t0
+        counts = {
+            model: g["running"] + g.get("waiting", 0.0)
+            for model, g in (reading.gauges.items() if reading is not None else ())
+            if "running" in g
+        }
+        gives_none = (reading is not None and not counts) or (
+            reading is None and not u.dialect.busy_gauges
+        )
+        if gives_none and u.name not in self.uncounted:
+            self.uncounted.add(u.name)
+            log.info(
+                "upstream %s (%s) gives no count of the requests it runs: its GPU energy "
+                "is divided among the requests phasewatch relays, assuming it relays every "
+                "request the GPU runs",
+                u.name,
+                u.engine,
+            )
+        self.m.power_engine_count_up.labels(u.name).set(1 if counts else 0)
+        if counts:
+            self.uncounted.discard(u.name)
+            self.counts[u.name] = (t1, counts)
+
+    def of(self, u: Upstream, model: str | None) -> float | None:
+        """What `u`'s engine holds (for `model`, or all of it); None when not known."""
+        got = self.counts.get(u.name)
+        if got is None or time.monotonic() - got[0] > COUNT_STALE:
+            return None
+        counts = got[1]
+        if model is None or set(counts) == {""}:
+            return sum(counts.values())
+        return sum(v for m, v in counts.items() if m == model or u.model_label(m) == model)
+
+    def start(self, upstreams: Upstreams) -> list[asyncio.Task[None]]:
+        """One reading loop per upstream; the tasks (cancelled by the caller)."""
+
+        def loop(u: Upstream) -> asyncio.Task[None]:
+            return asyncio.create_task(
+                every(
+                    COUNT_FLOOR,
+                    lambda: self.read(u),
+                    f"reading upstream {u.name}'s count of running requests",
+                    next_delay=self.interval,
+                )
+            )
+
+        return [loop(u) for u in upstreams.all]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ...measure.metrics import Metrics
+from ..engine_state import EngineCounts
 from .energy import EnergyMeter
 from .ledger import Entry, InFlightBook, TickRing
 from .sampler import GpuMap, Owner, PowerSampler, classify
@@ -86,6 +87,8 @@ class PowerService:
         self.shared_in_flight: SharedInFlight | None = None
         self._publisher: asyncio.Task[None] | None = None
         self._settler: asyncio.Task[None] | None = None
+        self._counting: list[asyncio.Task[None]] = []
+        self.engine_counts: EngineCounts | None = None
         self.book: InFlightBook | None = None
         source = choose_source(options.power_source, options.power_dcgm_url, options.power_interval)
         if source is None:
@@ -119,6 +122,9 @@ class PowerService:
             )
             if self.book is None:
                 self.book = self.sampler.book
+            # the engines' own counts: energy of requests others sent them is not ours
+            self.engine_counts = EngineCounts(metrics, self.sampler.sensor_step)
+            self.gpus.engine_counts = self.engine_counts
 
     def _host_membership(self, gpus: list[str], now: float):
         """Every worker's snapshot number and (prefill, decode) per GPU, from their rows."""
@@ -149,13 +155,15 @@ class PowerService:
     def start(self) -> None:
         if self.sampler is not None:
             self.sampler.start()
+        if self.engine_counts is not None:
+            self._counting = self.engine_counts.start(self.upstreams)
         if self.shared_in_flight is not None:
             self._publisher = asyncio.create_task(self._publish_forever())
         if self.book is not None:
             self._settler = asyncio.create_task(self._settle_forever())
 
     def stop(self) -> None:
-        for task in (self._publisher, self._settler):
+        for task in (self._publisher, self._settler, *self._counting):
             if task is not None:
                 task.cancel()
         if self.sampler is not None:

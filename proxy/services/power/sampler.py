@@ -22,7 +22,7 @@ from typing import Any
 from ...measure.metrics import Metrics
 from .energy import EnergyMeter
 from .learn import FASTEST_POLL, PROBE_SECONDS, SensorWatch
-from .ledger import InFlightBook, TickRing
+from .ledger import NO_COUNT, InFlightBook, TickRing
 from .sources import PowerUnavailable, Reading, Source
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ class GpuMap:
         self.upstreams = upstreams
         self.route = route
         self._owners: dict[str, tuple[Owner, ...]] = {}
+        #: the engines' own counts (:class:`proxy.services.engine_state.EngineCounts`),
+        #: where the process samples power; None: this host's in flight is all there is
+        self.engine_counts: Any = None
 
     def owners(self, gpu: str) -> tuple[Owner, ...]:
         """Who this GPU works for; empty when a mapping is given and leaves it out."""
@@ -123,6 +126,19 @@ class GpuMap:
             )
         return out
 
+    def engine_count(self, gpu: str) -> int:
+        """What the engines serving `gpu` say they hold (running + waiting), summed over
+        its owners; :data:`~.ledger.NO_COUNT` when any of them does not say."""
+        if self.engine_counts is None:
+            return NO_COUNT
+        n = 0.0
+        for o in self.owners(gpu):
+            got = self.engine_counts.of(o.upstream, o.model)
+            if got is None:
+                return NO_COUNT
+            n += got
+        return round(n)
+
     def counts(self, gpu: str) -> tuple[int, int]:
         """(prefill, decode): this process's requests in flight on `gpu`, by phase."""
         prefill = decode = 0
@@ -183,6 +199,9 @@ class _Caller:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"no answer within {timeout:g}s") from None
 
+
+#: The reason of energy owed to requests the engine ran and this host did not relay.
+NOT_RELAYED = "not_relayed"
 
 #: A resolution above this (s) is too coarse for per-request figures: warned about once.
 COARSE_RESOLUTION = 2.0
@@ -251,8 +270,9 @@ class PowerSampler:
         #: ``unknown`` precision is detected and the series is relabelled)
         self._joules: dict[str, float] = {}
         self._idle: dict[str, float] = {}
-        #: gpu -> (joules, idle joules) measured before its labels were settled
-        self._pending: dict[str, tuple[float, float]] = {}
+        self._others: dict[str, float] = {}  # gpu -> unattributed joules so counted
+        #: gpu -> (joules, idle, unattributed joules) measured before its labels settled
+        self._pending: dict[str, tuple[float, float, float]] = {}
         self._caller = _Caller()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -357,8 +377,10 @@ class PowerSampler:
         ring = self.rings.get(gpu)
         if ring is None:
             ring = self.rings.setdefault(gpu, TickRing())
-        ring.append(t_c, counts[0], counts[1], seqs)
-        state = classify(*counts)
+        n_engine = self.gpus.engine_count(gpu)
+        ring.append(t_c, counts[0], counts[1], seqs, n_engine)
+        # others' requests running beside none of ours: busy, in a phase not known here
+        state = classify(*counts) if n_engine <= 0 or any(counts) else "decode"
         if self._state.get(gpu) != state:  # it began after the last tick, at t_c at the latest
             self._steady[gpu] = t_c
         use = watch.preferred()
@@ -384,11 +406,12 @@ class PowerSampler:
                 spread, idle = joules, ring.distribute(since, at, joules)
             self._since[gpu] = at
         self._unspread[gpu] = joules - spread if self._since.get(gpu) is not None else 0.0
+        others = ring.take_unattributed()  # owed to requests this host did not relay
         if not self.gpus.settled(gpu):
             # no series labelled with a precision not detected yet: the energy waits
             # for the labels
-            pj, pi = self._pending.get(gpu, (0.0, 0.0))
-            self._pending[gpu] = (pj + spread, pi + idle)
+            pj, pi, po = self._pending.get(gpu, (0.0, 0.0, 0.0))
+            self._pending[gpu] = (pj + spread, pi + idle, po + others)
         else:
             # a sample is the state's only when the state held over all the reading may
             # describe (a lagged or averaged field still shows the state before) and
@@ -398,12 +421,19 @@ class PowerSampler:
                 age is not None
                 and t_c - self._steady.get(gpu, t_c) >= age
                 and classify(*after.get(gpu, counts)) == state
+                and (n_engine <= 0 or any(counts))
             )
-            self._publish(gpu, watts, spread, idle, state if same else None)
+            self._publish(gpu, watts, spread, idle, others, state if same else None)
         self._state[gpu] = state
 
     def _publish(
-        self, gpu: str, watts: float, joules: float, idle: float, state: str | None
+        self,
+        gpu: str,
+        watts: float,
+        joules: float,
+        idle: float,
+        others: float,
+        state: str | None,
     ) -> None:
         m = self.metrics
         labels = self.gpus.labels(gpu)
@@ -414,25 +444,36 @@ class PowerSampler:
             if old[2] == "unknown":  # the precision is known now: no stale unknown series
                 _remove(m.gpu_energy_joules_total, old)
                 _remove(m.gpu_idle_energy_joules_total, old)
+                _remove(m.gpu_unattributed_energy_joules_total, old + (NOT_RELAYED,))
                 for st in ("idle", "prefill", "decode"):
                     _remove(m.gpu_power_sample_watts, old + (st,))
                 joules += self._joules.get(gpu, 0.0)  # the GPU's energy stays counted
                 idle += self._idle.get(gpu, 0.0)
-            self._joules[gpu] = self._idle[gpu] = 0.0
+                others += self._others.get(gpu, 0.0)
+            self._joules[gpu] = self._idle[gpu] = self._others[gpu] = 0.0
         if state is not None:  # a tick whose state changed since the last is in no state
             m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(watts)
         m.gpu_power_current_watts.labels(*current).set(watts)
         self._current[gpu] = current
-        pj, pi = self._pending.pop(gpu, (0.0, 0.0))
-        joules, idle = joules + pj, idle + pi
+        pj, pi, po = self._pending.pop(gpu, (0.0, 0.0, 0.0))
+        joules, idle, others = joules + pj, idle + pi, others + po
         if joules > 0:
             m.gpu_energy_joules_total.labels(*current).inc(joules)
             self._joules[gpu] = self._joules.get(gpu, 0.0) + joules
         if idle > 0:
             m.gpu_idle_energy_joules_total.labels(*current).inc(idle)
             self._idle[gpu] = self._idle.get(gpu, 0.0) + idle
+        if others > 0:
+            m.gpu_unattributed_energy_joules_total.labels(*current, NOT_RELAYED).inc(others)
+            self._others[gpu] = self._others.get(gpu, 0.0) + others
 
     # --- what the sensor resolves -------------------------------------------------------
+
+    def sensor_step(self) -> float | None:
+        """How often the field energy is taken from refreshes (s), the fastest GPU's;
+        None while not learnt."""
+        steps = [p for w in list(self.watches.values()) if (p := w.refresh(w.preferred()))]
+        return min(steps) if steps else None
 
     def min_phase(self, gpu: str, now: float | None = None) -> float | None:
         """The shortest phase measured on `gpu` (s); None while not known yet."""
