@@ -406,6 +406,14 @@ class Metrics:
             BASE + ("gpu",),
             registry=r,
         )
+        self.request_energy_requests_total = Counter(
+            PREFIX + "request_energy_requests",
+            "Requests whose GPU energy was settled (result settled: their share is in "
+            "request_energy_joules_total) or could not be (unresolved: shorter than the "
+            "sampling, or the sensor never covered them), by client.",
+            BASE + ("client", "result"),
+            registry=r,
+        )
         self.gpu_unattributed_energy_joules_total = Counter(
             PREFIX + "gpu_unattributed_energy_joules",
             "GPU energy owed to requests phasewatch did not relay (reason not_relayed: "

@@ -15,6 +15,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -22,11 +24,22 @@ import pytest
 
 from proxy.sim.physics import DEFAULT_MODELS
 
-from ...support.servers import metric_samples, sample, start_proxy, start_sim, wait_for
+from ...support.servers import (
+    ROOT,
+    metric_samples,
+    parse_logfmt,
+    sample,
+    start_proxy,
+    start_sim,
+    wait_for,
+)
 
 MODEL = DEFAULT_MODELS[0]  # bf16, on simulated GPU 0
 NVML = Path(__file__).resolve().parents[2] / "support" / "nvml"
 LIMIT = 0.15
+#: One request's settled energy against its truth: its edges fall within a sensor step
+#: and a count read, so a single request is looser than a replica's sum
+ONE_LIMIT = 0.25
 #: (prompt words, answer tokens) of each request a round sends through each way in:
 #: lengths differ so the requests overlap by parts, as real traffic does
 WAYS = {
@@ -79,6 +92,34 @@ def settled(url: str, n: int) -> dict | None:
         s, "phasewatch_gpu_power_unresolved_total"
     )
     return s if done >= 2 * n else None
+
+
+def energy_lines(proxy) -> dict[str, dict]:
+    """The follow-up energy line of each request, by request id."""
+    return {
+        f["request_id"]: f
+        for line in proxy.log().splitlines()
+        if "msg=energy " in line
+        for f in [parse_logfmt(line.split("msg=energy ", 1)[1])]
+    }
+
+
+def client_rows(url: str) -> dict[str, list[str]]:
+    """``phasewatch report --by client``'s table, by client."""
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy", "report", "--from", url, "--by", "client"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return {
+        cells[0]: cells
+        for line in res.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| client")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
 
 
 def ledger(s: dict) -> dict[str, float]:
@@ -136,6 +177,17 @@ def run(path: str, ways: dict[str, str], workers: dict[str, int]) -> None:
             )
         figures = {}
         for name, s in pages.items():
+            n = len(sent[name])
+            lines = wait_for(
+                lambda p=replicas[name], n=n: len(got := energy_lines(p)) >= n and got,
+                what="each request's energy line",
+            )
+            # each relayed request's settled energy, keyed by its id, against its truth
+            assert set(lines) == set(sent[name]), (name, sorted(lines))
+            per_request = {
+                rid: (float(lines[rid]["energy_j"]), truth[rid]["energy_joules"])
+                for rid in sent[name]
+            }
             got = ledger(s)
             mine = sum(truth[rid]["energy_joules"] for rid in sent[name])
             others = sum(
@@ -149,6 +201,8 @@ def run(path: str, ways: dict[str, str], workers: dict[str, int]) -> None:
                 + got["unattributed"]
                 + got["idle"]
                 - got["counter"],
+                "lines_joules": round(sum(j for j, _ in per_request.values()), 1),
+                "worst_request": round(max(abs(j / t - 1) for j, t in per_request.values()), 3),
             }
         print("FIGURES", json.dumps({"path": path, "ways": sorted(ways), "replicas": figures}))
         for name, f in figures.items():
@@ -156,6 +210,13 @@ def run(path: str, ways: dict[str, str], workers: dict[str, int]) -> None:
             assert f["unattributed"] == pytest.approx(f["truth_others"], rel=LIMIT), (name, f)
             assert f["by_client"] == pytest.approx(f["attributed"], abs=0.01)
             assert abs(f["conservation_error"]) < 0.01, (name, f)
+            assert f["lines_joules"] == pytest.approx(f["attributed"], abs=0.1), (name, f)
+            assert f["worst_request"] <= ONE_LIMIT, (name, f)
+        # the per-client table: the energy and the requests it rests on
+        name, p = next(iter(replicas.items()))
+        row = client_rows(p.url)["unknown"]
+        assert float(row[8]) == pytest.approx(figures[name]["by_client"], abs=0.1), row
+        assert row[11] == f"{len(sent[name])} / 0", row
     finally:
         for p in replicas.values():
             p.stop()
