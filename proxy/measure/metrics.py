@@ -427,8 +427,8 @@ class Metrics:
             PREFIX + "power_engine_count_up",
             "1 while the engine's own count of running requests is read for dividing GPU "
             "energy; 0 where the engine gives none (Ollama, a generic OpenAI server: "
-            "attribution then assumes phasewatch relays every request the GPU runs) or the "
-            "read fails.",
+            "attribution then assumes phasewatch relays every request the GPU runs). A "
+            "count not read for 2 s is not used.",
             ("upstream",),
             registry=r,
             multiprocess_mode="livemostrecent",

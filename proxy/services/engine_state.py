@@ -224,7 +224,8 @@ class EngineCounts:
                 u.name,
                 u.engine,
             )
-        self.m.power_engine_count_up.labels(u.name).set(1 if counts else 0)
+        if counts or gives_none:  # a read that failed leaves it as it was
+            self.m.power_engine_count_up.labels(u.name).set(1 if counts else 0)
         if counts:
             self.uncounted.discard(u.name)
             self.counts[u.name] = (t1, counts)

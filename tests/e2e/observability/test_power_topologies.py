@@ -37,9 +37,10 @@ from ...support.servers import (
 MODEL = DEFAULT_MODELS[0]  # bf16, on simulated GPU 0
 NVML = Path(__file__).resolve().parents[2] / "support" / "nvml"
 LIMIT = 0.15
-#: One request's settled energy against its truth: its edges fall within a sensor step
-#: and a count read, so a single request is looser than a replica's sum
-ONE_LIMIT = 0.25
+#: One request's settled energy against its truth: the engine's count is read every
+#: 0.1 s, so at a burst of arrivals a request shares its first moments with fewer
+#: requests than ran; a short request's figure is looser than a replica's sum
+ONE_LIMIT = 0.5
 #: (prompt words, answer tokens) of each request a round sends through each way in:
 #: lengths differ so the requests overlap by parts, as real traffic does
 WAYS = {
@@ -50,11 +51,11 @@ WAYS = {
 ROUNDS = 2
 
 
-def chat(url: str, rid: str, words: int, tokens: int) -> None:
+def chat(url: str, rid: str, words: int, tokens: int, model: str = MODEL.id) -> None:
     """One streamed chat completion read to its end, with its own x-request-id (the
     simulator's truth record carries it)."""
     body = {
-        "model": MODEL.id,
+        "model": model,
         "messages": [{"role": "user", "content": f"{rid} " + "w " * words}],
         "max_tokens": tokens,
         "ignore_eos": True,
@@ -69,8 +70,8 @@ def chat(url: str, rid: str, words: int, tokens: int) -> None:
             pass
 
 
-def start_replica(sim, path: str, workers: int = 1):
-    args = ["--power-interval", "0.05", "--power-gpu", f"0={MODEL.id}"]
+def start_replica(sim, path: str, workers: int = 1, model: str = MODEL.id):
+    args = ["--power-interval", "0.05", "--power-gpu", f"0={model}"]
     env = None
     if path == "nvml":
         args += ["--power-source", "nvml"]
@@ -135,15 +136,18 @@ def ledger(s: dict) -> dict[str, float]:
     }
 
 
-def run(path: str, ways: dict[str, str], workers: dict[str, int]) -> None:
+def run(path: str, ways: dict[str, str], workers: dict[str, int], engine: str = "vllm") -> None:
     """`ways`: who sends a way's requests -> the URL they go to (a replica's or the
     engine's own); each replica named in `ways` is started with `workers`."""
-    sim = start_sim("vllm", jitter=0.0, extra=["--gpu-sensor", "ampere", "--dcgm-interval", "0.1"])
+    sim = start_sim(engine, jitter=0.0, extra=["--gpu-sensor", "ampere", "--dcgm-interval", "0.1"])
+    model = (
+        MODEL.id if engine == "vllm" else httpx.get(sim.url + "/v1/models").json()["data"][0]["id"]
+    )
     replicas = {}
     try:
         for name in ways:
             if name != "direct":
-                replicas[name] = start_replica(sim, path, workers.get(name, 1))
+                replicas[name] = start_replica(sim, path, workers.get(name, 1), model)
         for p in replicas.values():
             wait_for(
                 lambda p=p: sample(metric_samples(p.url), "phasewatch_gpu_power_sensor_info") >= 1,
@@ -158,7 +162,7 @@ def run(path: str, ways: dict[str, str], workers: dict[str, int]) -> None:
                     for k, (words, tokens) in enumerate(WAYS[name]):
                         rid = f"{name}-{r}-{k}"
                         sent[name].append(rid)
-                        jobs.append(pool.submit(chat, urls[name], rid, words, tokens))
+                        jobs.append(pool.submit(chat, urls[name], rid, words, tokens, model))
             for job in jobs:
                 job.result()
         truth = {t["request_id"]: t for t in sim.truth(at_least=len(jobs))}
@@ -228,9 +232,35 @@ def test_two_replicas_on_one_engine_each_charge_their_own(path):
     run(path, {"a": "replica", "b": "replica"}, {})
 
 
-def test_a_replica_beside_a_direct_client_counts_the_client_unattributed():
-    run("dcgm", {"a": "replica", "direct": "engine"}, {})
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
+def test_a_replica_beside_a_direct_client_counts_the_client_unattributed(engine):
+    run("dcgm", {"a": "replica", "direct": "engine"}, {}, engine)
 
 
 def test_workers_beside_a_second_replica():
     run("dcgm", {"a": "replica", "b": "replica"}, {"a": 2})
+
+
+def test_an_engine_with_no_count_is_said_once_and_shown():
+    """Ollama gives no count of what it runs: attribution assumes phasewatch relays every
+    request, said once in the log and on the status summary; nothing is unattributed."""
+    sim = start_sim(
+        "ollama", jitter=0.0, extra=["--gpu-sensor", "ampere", "--dcgm-interval", "0.1"]
+    )
+    model = httpx.get(sim.url + "/api/tags").json()["models"][0]["name"]
+    proxy = start_replica(sim, "dcgm", model=model)
+    try:
+        said = "gives no count of the requests it runs"
+        wait_for(lambda: said in proxy.log(), what="the line")
+        summary = httpx.get(proxy.url + "/phasewatch/api/summary").json()
+        assert [u["energy_counted"] for u in summary["upstreams"]] == [False]
+        chat(proxy.url, "o-1", 1500, 60, model)
+        wait_for(lambda: "o-1" in energy_lines(proxy), what="the energy line")
+        s = metric_samples(proxy.url)
+        assert sample(s, "phasewatch_power_engine_count_up") == 0
+        assert sample(s, "phasewatch_request_phase_energy_joules_total") > 0
+        assert sample(s, "phasewatch_gpu_unattributed_energy_joules_total") == 0
+        assert proxy.log().count(said) == 1
+    finally:
+        proxy.stop()
+        sim.stop()
