@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import httpx
 from prometheus_client import Gauge
 
+from ..engines.probe import read_bounded
+from ..engines.prometheus import parse_prometheus
 from ..fleet.host import Board, Host
 from ..fleet.supervisor import every
 
@@ -172,9 +174,10 @@ COUNT_STALE = 2.0
 
 
 class EngineCounts:
-    """Each upstream's own count of the requests it holds (running + waiting, per model),
-    read with the dialect's :meth:`~proxy.engines.base.Dialect.read_state` as often as the
-    GPU's energy sensor steps, so the energy ledger divides each step among everything the
+    """Each upstream's own count of the requests it holds (running + waiting, per model):
+    the dialect's busy gauges on the engine's /metrics, else its
+    :meth:`~proxy.engines.base.Dialect.read_state` (llama-server's /slots), read as often
+    as the GPU's energy sensor steps, so the energy ledger divides each step among everything the
     engine ran, not only what this host relayed (:mod:`proxy.services.power.ledger`).
 
     Read by the process that samples power only; the ticks carry what it read to the other
@@ -188,6 +191,7 @@ class EngineCounts:
         #: upstream name -> (monotonic time read, {model: requests held})
         self.counts: dict[str, tuple[float, dict[str, float]]] = {}
         self.uncounted: set[str] = set()  # upstreams whose engine gives no count
+        self._whole: set[str] = set()  # upstreams read with the dialect's whole read
         self.reads = 0
         self.read_seconds = 0.0  # the proxy's wall time spent reading, for the cost
 
@@ -201,20 +205,21 @@ class EngineCounts:
             return
         t0 = time.monotonic()
         try:
-            reading = await u.dialect.read_state(u.client, u.models)
-        except (httpx.HTTPError, ValueError, RecursionError):
+            counts = await self._busy(u)
             reading = None
+            if counts is None:
+                reading = await u.dialect.read_state(u.client, u.models)
+                counts = {
+                    model: g["running"] + g.get("waiting", 0.0)
+                    for model, g in (reading.gauges.items() if reading is not None else ())
+                    if "running" in g
+                }
+        except (httpx.HTTPError, ValueError, RecursionError):
+            counts, reading = {}, None
         t1 = time.monotonic()
         self.reads += 1
         self.read_seconds += t1 - t0
-        counts = {
-            model: g["running"] + g.get("waiting", 0.0)
-            for model, g in (reading.gauges.items() if reading is not None else ())
-            if "running" in g
-        }
-        gives_none = (reading is not None and not counts) or (
-            reading is None and not u.dialect.busy_gauges
-        )
+        gives_none = not counts and (reading is not None or not u.dialect.busy_gauges)
         if gives_none and u.name not in self.uncounted:
             self.uncounted.add(u.name)
             log.info(
@@ -229,6 +234,34 @@ class EngineCounts:
         if counts:
             self.uncounted.discard(u.name)
             self.counts[u.name] = (t1, counts)
+
+    async def _busy(self, u: Upstream) -> dict[str, float] | None:
+        """The dialect's busy gauges (running, then waiting) from the engine's /metrics,
+        only their lines parsed (a whole vLLM page, parsed at the sensor's rate, would
+        cost the proxy much more: docs/performance.md); the names are asked for too,
+        which an exporter serving prometheus_client's app honours. None where /metrics
+        has none of them (llama-server without --metrics): the dialect's whole read
+        serves."""
+        busy = u.dialect.busy_gauges
+        if not busy or u.name in self._whole:
+            return None
+        query = "&".join(f"name[]={name}" for name in busy)
+        status, body = await read_bounded(u.client, "GET", "/metrics?" + query)
+        if status == 200:
+            text = body.decode("utf-8", "replace")
+            lines = [ln for ln in text.splitlines() if ln.startswith(busy)]
+            names = dict(zip(busy, ("running", "waiting"), strict=False))
+            only = next(iter(u.models)) if len(u.models) == 1 else None
+            gauges = parse_prometheus("\n".join(lines) + "\n", names, only)
+            counts = {
+                model: g["running"] + g.get("waiting", 0.0)
+                for model, g in gauges.items()
+                if "running" in g
+            }
+            if counts:
+                return counts
+        self._whole.add(u.name)
+        return None
 
     def of(self, u: Upstream, model: str | None) -> float | None:
         """What `u`'s engine holds (for `model`, or all of it); None when not known."""
