@@ -219,6 +219,7 @@ class EngineCounts:
         t1 = time.monotonic()
         self.reads += 1
         self.read_seconds += t1 - t0
+        t_answer = (t0 + t1) / 2.0  # when the engine counted, as near as can be told
         gives_none = not counts and (reading is not None or not u.dialect.busy_gauges)
         if gives_none and u.name not in self.uncounted:
             self.uncounted.add(u.name)
@@ -233,7 +234,7 @@ class EngineCounts:
             self.m.power_engine_count_up.labels(u.name).set(1 if counts else 0)
         if counts:
             self.uncounted.discard(u.name)
-            self.counts[u.name] = (t1, counts)
+            self.counts[u.name] = (t_answer, counts)
 
     async def _busy(self, u: Upstream) -> dict[str, float] | None:
         """The dialect's busy gauges (running, then waiting) from the engine's /metrics,
@@ -263,15 +264,17 @@ class EngineCounts:
         self._whole.add(u.name)
         return None
 
-    def of(self, u: Upstream, model: str | None) -> float | None:
-        """What `u`'s engine holds (for `model`, or all of it); None when not known."""
+    def of(self, u: Upstream, model: str | None) -> tuple[float, float] | None:
+        """What `u`'s engine holds (for `model`, or all of it) and when it answered
+        (monotonic); None when not known."""
         got = self.counts.get(u.name)
         if got is None or time.monotonic() - got[0] > COUNT_STALE:
             return None
-        counts = got[1]
+        when, counts = got
         if model is None or set(counts) == {""}:
-            return sum(counts.values())
-        return sum(v for m, v in counts.items() if m == model or u.model_label(m) == model)
+            return sum(counts.values()), when
+        n = sum(v for m, v in counts.items() if m == model or u.model_label(m) == model)
+        return n, when
 
     def start(self, upstreams: Upstreams) -> list[asyncio.Task[None]]:
         """One reading loop per upstream; the tasks (cancelled by the caller)."""

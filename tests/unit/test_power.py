@@ -451,7 +451,7 @@ class Counts:
 
     def of(self, upstream, model):
         t = self.clock()
-        return float(sum(1 for sent, _, last, _ in self.spans if sent <= t < last))
+        return float(sum(1 for sent, _, last, _ in self.spans if sent <= t < last)), t
 
 
 def test_energy_of_requests_not_relayed_here_is_unattributed(monkeypatch):

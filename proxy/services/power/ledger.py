@@ -164,6 +164,10 @@ class ListStore:
     def add_e(self, i: int, joules: float) -> None:
         self.es[i - self.base] += joules
 
+    def set_engine(self, i: int, n_engine: int) -> None:
+        n_prefill, n_decode, _, seqs = self.recs[i - self.base]
+        self.recs[i - self.base] = (n_prefill, n_decode, n_engine, seqs)
+
     def append(
         self, t: float, n_prefill: int, n_decode: int, n_engine: int, seqs: tuple[int, ...]
     ) -> None:
@@ -200,6 +204,18 @@ class TickRing:
     ) -> None:
         with self.lock:
             self.store.append(t, n_prefill, n_decode, n_engine, seqs)
+
+    def recount(self, since: float, others: int) -> None:
+        """Ticks from `since` on that hold no energy yet: the engine ran `others`
+        requests besides this host's (a count read after they were appended)."""
+        st = self.store
+        with self.lock:
+            first, end = st.span()
+            i = end - 1
+            while i >= first and st.t(i) >= since and st.t(i) >= st.horizon:
+                n_prefill, n_decode, _, _ = st.rec(i)
+                st.set_engine(i, n_prefill + n_decode + others)
+                i -= 1
 
     def take_unattributed(self) -> float:
         """The unattributed joules spread since the last call (the writer's)."""

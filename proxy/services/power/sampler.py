@@ -10,6 +10,7 @@ integrated power) is spread over the ticks it covers.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -126,18 +127,19 @@ class GpuMap:
             )
         return out
 
-    def engine_count(self, gpu: str) -> int:
-        """What the engines serving `gpu` say they hold (running + waiting), summed over
-        its owners; :data:`~.ledger.NO_COUNT` when any of them does not say."""
+    def engine_count(self, gpu: str) -> tuple[float, float] | None:
+        """What the engines serving `gpu` said they hold (running + waiting), summed over
+        its owners, and when the oldest of those reads was answered; None when any of
+        them does not say."""
         if self.engine_counts is None:
-            return NO_COUNT
-        n = 0.0
+            return None
+        n, when = 0.0, float("inf")
         for o in self.owners(gpu):
             got = self.engine_counts.of(o.upstream, o.model)
             if got is None:
-                return NO_COUNT
-            n += got
-        return round(n)
+                return None
+            n, when = n + got[0], min(when, got[1])
+        return n, when
 
     def counts(self, gpu: str) -> tuple[int, int]:
         """(prefill, decode): this process's requests in flight on `gpu`, by phase."""
@@ -199,6 +201,9 @@ class _Caller:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"no answer within {timeout:g}s") from None
 
+
+#: Ticks of in-flight counts kept per GPU to match an engine count to (a few seconds).
+OURS_KEPT = 512
 
 #: The reason of energy owed to requests the engine ran and this host did not relay.
 NOT_RELAYED = "not_relayed"
@@ -271,6 +276,9 @@ class PowerSampler:
         self._joules: dict[str, float] = {}
         self._idle: dict[str, float] = {}
         self._others: dict[str, float] = {}  # gpu -> unattributed joules so counted
+        #: gpu -> (tick time, this host's requests in flight) over the last ticks
+        self._ours: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._read_at: dict[str, float] = {}  # gpu -> when its engine count was answered
         #: gpu -> (joules, idle, unattributed joules) measured before its labels settled
         self._pending: dict[str, tuple[float, float, float]] = {}
         self._caller = _Caller()
@@ -377,7 +385,7 @@ class PowerSampler:
         ring = self.rings.get(gpu)
         if ring is None:
             ring = self.rings.setdefault(gpu, TickRing())
-        n_engine = self.gpus.engine_count(gpu)
+        n_engine = self._running(gpu, ring, t_c, counts[0] + counts[1])
         ring.append(t_c, counts[0], counts[1], seqs, n_engine)
         # others' requests running beside none of ours: busy, in a phase not known here
         state = classify(*counts) if n_engine <= 0 or any(counts) else "decode"
@@ -425,6 +433,31 @@ class PowerSampler:
             )
             self._publish(gpu, watts, spread, idle, others, state if same else None)
         self._state[gpu] = state
+
+    def _running(self, gpu: str, ring: TickRing, t: float, ours: int) -> int:
+        """How many requests the GPU runs at this tick: ours now, and the others the
+        engine held at its last count (its count less what we had in flight when it
+        answered). Our own requests come and go at once, not a read later. When a new
+        count arrives, the ticks since halfway from the previous one that hold no energy
+        yet take it too, so others' arrivals and departures are placed within half a
+        read. :data:`~.ledger.NO_COUNT` when the engine gives none."""
+        hist = self._ours.setdefault(gpu, collections.deque(maxlen=OURS_KEPT))
+        hist.append((t, ours))
+        got = self.gpus.engine_count(gpu)
+        if got is None:
+            return NO_COUNT
+        engine, when = got
+        then = hist[0][1]
+        for t_h, n in hist:  # what we had in flight when the engine answered
+            if t_h > when:
+                break
+            then = n
+        others = max(0, round(engine) - then)
+        last = self._read_at.get(gpu)
+        if last is not None and when > last:
+            ring.recount((last + when) / 2.0, others)
+        self._read_at[gpu] = when
+        return ours + others
 
     def _publish(
         self,

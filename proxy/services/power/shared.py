@@ -85,6 +85,10 @@ class SharedStore:
         r = self._rec(i)
         return r[2], r[3], r[4], tuple(r[5:])
 
+    def set_engine(self, i: int, n_engine: int) -> None:
+        off = self.base + (i % CAPACITY) * self.fmt.size + 24  # after t, e, the counts
+        struct.pack_into("<i", self.owner.mm, off, n_engine)
+
     def add_e(self, i: int, joules: float) -> None:
         off = self.base + (i % CAPACITY) * self.fmt.size + 8
         struct.pack_into("<d", self.owner.mm, off, self.e(i) + joules)
