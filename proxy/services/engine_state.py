@@ -188,8 +188,9 @@ class EngineCounts:
     def __init__(self, metrics: Metrics, period: Callable[[], float | None]) -> None:
         self.m = metrics
         self.period = period  # the sensor's step (s), None while not learnt
-        #: upstream name -> (monotonic time read, {model: requests held})
-        self.counts: dict[str, tuple[float, dict[str, float]]] = {}
+        #: upstream name -> (monotonic times the read was sent and answered, {model:
+        #: requests held}): the engine counted somewhere between the two
+        self.counts: dict[str, tuple[float, float, dict[str, float]]] = {}
         self.uncounted: set[str] = set()  # upstreams whose engine gives no count
         self._whole: set[str] = set()  # upstreams read with the dialect's whole read
         self.reads = 0
@@ -219,7 +220,6 @@ class EngineCounts:
         t1 = time.monotonic()
         self.reads += 1
         self.read_seconds += t1 - t0
-        t_answer = (t0 + t1) / 2.0  # when the engine counted, as near as can be told
         gives_none = not counts and (reading is not None or not u.dialect.busy_gauges)
         if gives_none and u.name not in self.uncounted:
             self.uncounted.add(u.name)
@@ -234,7 +234,7 @@ class EngineCounts:
             self.m.power_engine_count_up.labels(u.name).set(1 if counts else 0)
         if counts:
             self.uncounted.discard(u.name)
-            self.counts[u.name] = (t_answer, counts)
+            self.counts[u.name] = (t0, t1, counts)
 
     async def _busy(self, u: Upstream) -> dict[str, float] | None:
         """The dialect's busy gauges (running, then waiting) from the engine's /metrics,
@@ -264,17 +264,17 @@ class EngineCounts:
         self._whole.add(u.name)
         return None
 
-    def of(self, u: Upstream, model: str | None) -> tuple[float, float] | None:
-        """What `u`'s engine holds (for `model`, or all of it) and when it answered
-        (monotonic); None when not known."""
+    def of(self, u: Upstream, model: str | None) -> tuple[float, float, float] | None:
+        """What `u`'s engine holds (for `model`, or all of it), and when the read was
+        sent and answered (monotonic); None when not known."""
         got = self.counts.get(u.name)
-        if got is None or time.monotonic() - got[0] > COUNT_STALE:
+        if got is None or time.monotonic() - got[1] > COUNT_STALE:
             return None
-        when, counts = got
+        t0, t1, counts = got
         if model is None or set(counts) == {""}:
-            return sum(counts.values()), when
+            return sum(counts.values()), t0, t1
         n = sum(v for m, v in counts.items() if m == model or u.model_label(m) == model)
-        return n, when
+        return n, t0, t1
 
     def start(self, upstreams: Upstreams) -> list[asyncio.Task[None]]:
         """One reading loop per upstream; the tasks (cancelled by the caller)."""

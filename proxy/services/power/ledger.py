@@ -6,11 +6,12 @@ steps, or a power reading integrated over the last tick), the energy of the inte
 covers is spread over the ticks inside it (:meth:`TickRing.distribute`), weighted by the
 power each tick's state (idle / prefill / decode) was last seen to draw, so an interval that
 holds a phase edge gives each side its due. A tick's energy then belongs evenly to the
-requests running on the GPU at it: ``max(the engine's own count, this host's in flight)``
-of them (the engine's count includes requests other replicas or direct clients sent it;
-:data:`NO_COUNT` where the engine gives none, and then this host's requests are all there
-is). This host's requests get their shares; the rest is *unattributed*; a tick with nothing
-running is idle. Attributed + unattributed + idle add up to the counter's delta.
+requests running on the GPU at it: this host's in flight, plus the others the engine held
+at its last count (its count less what this host had in flight then: requests other
+replicas or direct clients sent it; :data:`NO_COUNT` where the engine gives none, and
+then this host's requests are all there is). This host's requests get their shares; the
+rest is *unattributed*; a tick with nothing running is idle. Attributed + unattributed +
+idle add up to the counter's delta.
 
 A request's phases are settled once the sensor has covered its end: its ticks are found by
 snapshot number, so a request is charged for exactly the ticks whose in-flight count
@@ -33,8 +34,8 @@ NO_COUNT = -1
 
 
 def running(n_prefill: int, n_decode: int, n_engine: int) -> int:
-    """How many requests share a tick's energy: this host's in flight, or the engine's own
-    count of what it holds when that is more (others' requests run beside ours)."""
+    """How many requests share a tick's energy: this host's in flight, or what the engine
+    ran when that is more (others' requests beside ours)."""
     return max(n_prefill + n_decode, n_engine)
 
 

@@ -127,19 +127,19 @@ class GpuMap:
             )
         return out
 
-    def engine_count(self, gpu: str) -> tuple[float, float] | None:
+    def engine_count(self, gpu: str) -> tuple[float, float, float] | None:
         """What the engines serving `gpu` said they hold (running + waiting), summed over
-        its owners, and when the oldest of those reads was answered; None when any of
-        them does not say."""
+        its owners, and the span their reads were sent and answered in; None when any
+        of them does not say."""
         if self.engine_counts is None:
             return None
-        n, when = 0.0, float("inf")
+        n, sent, answered = 0.0, float("inf"), float("-inf")
         for o in self.owners(gpu):
             got = self.engine_counts.of(o.upstream, o.model)
             if got is None:
                 return None
-            n, when = n + got[0], min(when, got[1])
-        return n, when
+            n, sent, answered = n + got[0], min(sent, got[1]), max(answered, got[2])
+        return n, sent, answered
 
     def counts(self, gpu: str) -> tuple[int, int]:
         """(prefill, decode): this process's requests in flight on `gpu`, by phase."""
@@ -204,6 +204,9 @@ class _Caller:
 
 #: Ticks of in-flight counts kept per GPU to match an engine count to (a few seconds).
 OURS_KEPT = 512
+#: How long (s) after a request's last bytes reach the proxy its engine may still count
+#: it: an engine count is matched with what was in flight from this long before the read.
+FREED_AFTER = 0.1
 
 #: The reason of energy owed to requests the engine ran and this host did not relay.
 NOT_RELAYED = "not_relayed"
@@ -278,7 +281,8 @@ class PowerSampler:
         self._others: dict[str, float] = {}  # gpu -> unattributed joules so counted
         #: gpu -> (tick time, this host's requests in flight) over the last ticks
         self._ours: dict[str, collections.deque[tuple[float, int]]] = {}
-        self._read_at: dict[str, float] = {}  # gpu -> when its engine count was answered
+        self._read_at: dict[str, float] = {}  # gpu -> mid-time of its engine count's read
+        self._beside: dict[str, int] = {}  # gpu -> others' requests at that read
         #: gpu -> (joules, idle, unattributed joules) measured before its labels settled
         self._pending: dict[str, tuple[float, float, float]] = {}
         self._caller = _Caller()
@@ -436,8 +440,8 @@ class PowerSampler:
 
     def _running(self, gpu: str, ring: TickRing, t: float, ours: int) -> int:
         """How many requests the GPU runs at this tick: ours now, and the others the
-        engine held at its last count (its count less what we had in flight when it
-        answered). Our own requests come and go at once, not a read later. When a new
+        engine held at its last count (its count less what we had in flight while it
+        was asked). Our own requests come and go at once, not a read later. When a new
         count arrives, the ticks since halfway from the previous one that hold no energy
         yet take it too, so others' arrivals and departures are placed within half a
         read. :data:`~.ledger.NO_COUNT` when the engine gives none."""
@@ -446,17 +450,29 @@ class PowerSampler:
         got = self.gpus.engine_count(gpu)
         if got is None:
             return NO_COUNT
-        engine, when = got
-        then = hist[0][1]
-        for t_h, n in hist:  # what we had in flight when the engine answered
-            if t_h > when:
+        engine, sent, answered = got
+        if answered > t:  # read after this tick's snapshot: matched at the next tick
+            return ours + self._beside.get(gpu, 0)
+        # what we had in flight while the engine was asked: the most of the ticks from a
+        # little before the read was sent (an engine frees a request a moment after its
+        # last bytes reach us) to the one after it was answered (a request of ours that
+        # started meanwhile may be in the count)
+        then, after = 0, 0
+        for t_h, n in reversed(hist):
+            if t_h > answered:
+                after = n  # ends as the first tick after the answer
+                continue
+            then = max(then, n)
+            if t_h < sent - FREED_AFTER:
                 break
-            then = n
+        then = max(then, after)
         others = max(0, round(engine) - then)
+        when = (sent + answered) / 2.0
         last = self._read_at.get(gpu)
         if last is not None and when > last:
             ring.recount((last + when) / 2.0, others)
         self._read_at[gpu] = when
+        self._beside[gpu] = others
         return ours + others
 
     def _publish(
