@@ -204,9 +204,6 @@ class _Caller:
 
 #: Ticks of in-flight counts kept per GPU to match an engine count to (a few seconds).
 OURS_KEPT = 512
-#: How long (s) after a request's last bytes reach the proxy its engine may still count
-#: it: an engine count is matched with what was in flight from this long before the read.
-FREED_AFTER = 0.1
 
 #: The reason of energy owed to requests the engine ran and this host did not relay.
 NOT_RELAYED = "not_relayed"
@@ -453,17 +450,16 @@ class PowerSampler:
         engine, sent, answered = got
         if answered > t:  # read after this tick's snapshot: matched at the next tick
             return ours + self._beside.get(gpu, 0)
-        # what we had in flight while the engine was asked: the most of the ticks from a
-        # little before the read was sent (an engine frees a request a moment after its
-        # last bytes reach us) to the one after it was answered (a request of ours that
-        # started meanwhile may be in the count)
+        # what we had in flight while the engine was asked: the most of the ticks from
+        # the one before the read was sent to the one after it was answered (a request
+        # of ours that started or ended meanwhile may or may not be in the count)
         then, after = 0, 0
         for t_h, n in reversed(hist):
             if t_h > answered:
                 after = n  # ends as the first tick after the answer
                 continue
             then = max(then, n)
-            if t_h < sent - FREED_AFTER:
+            if t_h < sent:
                 break
         then = max(then, after)
         others = max(0, round(engine) - then)
