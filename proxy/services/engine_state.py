@@ -185,9 +185,15 @@ class EngineCounts:
     its GPU's energy is then divided as if phasewatch relayed every request it runs.
     """
 
-    def __init__(self, metrics: Metrics, period: Callable[[], float | None]) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        period: Callable[[], float | None],
+        wanted: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.m = metrics
         self.period = period  # the sensor's step (s), None while not learnt
+        self.wanted = wanted  # False while power is not sampled: nothing is read
         #: upstream name -> (monotonic times the read was sent and answered, {model:
         #: requests held}): the engine counted somewhere between the two
         self.counts: dict[str, tuple[float, float, dict[str, float]]] = {}
@@ -201,8 +207,8 @@ class EngineCounts:
         return min(COUNT_CEILING, max(COUNT_FLOOR, p if p is not None else COUNT_FLOOR))
 
     async def read(self, u: Upstream) -> None:
-        """One read of `u`'s count (nothing while it is not up)."""
-        if not u.up:
+        """One read of `u`'s count (nothing while it is not up, or power not sampled)."""
+        if not u.up or not self.wanted():
             return
         t0 = time.monotonic()
         try:

@@ -135,7 +135,10 @@ class PowerService:
             if self.book is None:
                 self.book = self.sampler.book
             # the engines' own counts: energy of requests others sent them is not ours
-            self.engine_counts = EngineCounts(metrics, self.sampler.sensor_step)
+            sampler = self.sampler
+            self.engine_counts = EngineCounts(
+                metrics, sampler.sensor_step, lambda: sampler.opened and sampler.up is not False
+            )
             self.gpus.engine_counts = self.engine_counts
 
     def _host_membership(self, gpus: list[str], now: float):
