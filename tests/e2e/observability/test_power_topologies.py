@@ -123,6 +123,10 @@ def client_rows(url: str) -> dict[str, list[str]]:
     }
 
 
+def conservation_error(got: dict[str, float]) -> float:
+    return got["attributed"] + got["unattributed"] + got["idle"] - got["counter"]
+
+
 def ledger(s: dict) -> dict[str, float]:
     return {
         name: sample(s, f"phasewatch_{metric}")
@@ -170,14 +174,19 @@ def run(path: str, ways: dict[str, str], workers: dict[str, int], engine: str = 
         for name, p in replicas.items():
             n = len(sent[name])
             pages[name] = wait_for(lambda p=p, n=n: settled(p.url, n), what="settled")
-        # every replica's counter past the traffic: the last step's energy is spread
+        # every replica's counter past the traffic: the last step's energy is spread. A
+        # page rendered while the sampler publishes a step can hold the step's idle part
+        # and not its total: conservation is read from a page that holds a whole step
         for name, p in replicas.items():
             before = ledger(pages[name])["counter"]
             pages[name] = wait_for(
                 lambda p=p, before=before: (
-                    (s := metric_samples(p.url)) and ledger(s)["counter"] > before + 5 and s
+                    (s := metric_samples(p.url))
+                    and ledger(s)["counter"] > before + 5
+                    and abs(conservation_error(ledger(s))) < 0.01
+                    and s
                 ),
-                what="the counter past the traffic",
+                what="the counter past the traffic, conserved",
             )
         figures = {}
         for name, s in pages.items():
@@ -201,10 +210,7 @@ def run(path: str, ways: dict[str, str], workers: dict[str, int], engine: str = 
                 **{k: round(v, 1) for k, v in got.items()},
                 "truth_relayed": round(mine, 1),
                 "truth_others": round(others, 1),
-                "conservation_error": got["attributed"]
-                + got["unattributed"]
-                + got["idle"]
-                - got["counter"],
+                "conservation_error": conservation_error(got),
                 "lines_joules": round(sum(j for j, _ in per_request.values()), 1),
                 "worst_request": round(max(abs(j / t - 1) for j, t in per_request.values()), 3),
             }
