@@ -40,7 +40,7 @@ LIMIT = 0.15
 #: One request's settled energy against its truth: others' requests are seen from the
 #: engine's next count (read every 0.1 s, placed within half a read), so a short
 #: request's own figure is looser than a replica's sum
-ONE_LIMIT = 0.3
+ONE_LIMIT = 0.4
 #: (prompt words, answer tokens) of each request a round sends through each way in:
 #: lengths differ so the requests overlap by parts, as real traffic does
 WAYS = {
