@@ -97,6 +97,7 @@ class ProxyApp:
         # GPU power: a side service sampling on its own thread, hooked into the recorder.
         self.power = PowerService(settings.power_options(), self.metrics, self.upstreams, host)
         self.recorder.listeners.append(self.power.on_request)
+        self.power.access_lines = self.recorder.access_lines
         # The live status page, fed by the recorder with one point per finished request.
         self.status = StatusPage(self.metrics, self.upstreams)
         self.status.energy = self.power.energy

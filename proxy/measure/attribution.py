@@ -26,6 +26,8 @@ class ClientRow:
     cached_tokens: float = 0.0
     completion_tokens: float = 0.0
     energy_joules: float | None = None  # None: no power was sampled for its requests
+    energy_settled: float = 0.0  # requests the energy rests on
+    energy_unresolved: float = 0.0  # requests whose energy could not be settled
 
     @property
     def joules_per_token(self) -> float | None:
@@ -67,4 +69,10 @@ def by_client(samples: Samples) -> list[ClientRow]:
     for s in samples.get(PREFIX + "request_energy_joules_total"):
         r = row(s.labels)
         r.energy_joules = (r.energy_joules or 0.0) + s.value
+    for s in samples.get(PREFIX + "request_energy_requests_total"):
+        r = row(s.labels)
+        if s.labels.get("result") == "settled":
+            r.energy_settled += s.value
+        else:
+            r.energy_unresolved += s.value
     return sorted(rows.values(), key=lambda r: (-r.completion_tokens, -r.requests, r.client))

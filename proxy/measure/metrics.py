@@ -401,8 +401,10 @@ class Metrics:
         self.request_phase_energy_joules_total = Counter(
             PREFIX + "request_phase_energy_joules",
             "GPU energy attributed to requests by phase: energy-counter deltas at the "
-            "sensor's resolution, each moment's split evenly among the requests in flight. "
-            "With gpu_idle_energy_joules_total it adds up to gpu_energy_joules_total.",
+            "sensor's resolution, each moment's split evenly among the requests running "
+            "(the engine's count, or phasewatch's in flight when more). With "
+            "gpu_unattributed_energy_joules_total and gpu_idle_energy_joules_total it adds "
+            "up to gpu_energy_joules_total.",
             BASE + ("phase",),
             registry=r,
         )
@@ -411,6 +413,33 @@ class Metrics:
             "GPU energy while no request was in flight on the GPU.",
             BASE + ("gpu",),
             registry=r,
+        )
+        self.request_energy_requests_total = Counter(
+            PREFIX + "request_energy_requests",
+            "Requests whose GPU energy was settled (result settled: their share is in "
+            "request_energy_joules_total) or could not be (unresolved: shorter than the "
+            "sampling, or the sensor never covered them), by client.",
+            BASE + ("client", "result"),
+            registry=r,
+        )
+        self.gpu_unattributed_energy_joules_total = Counter(
+            PREFIX + "gpu_unattributed_energy_joules",
+            "GPU energy owed to requests phasewatch did not relay (reason not_relayed: "
+            "the engine's own count of requests running exceeded phasewatch's in flight: "
+            "other replicas' or direct clients' requests). Attributed + unattributed + idle "
+            "add up to gpu_energy_joules_total.",
+            BASE + ("gpu", "reason"),
+            registry=r,
+        )
+        self.power_engine_count_up = Gauge(
+            PREFIX + "power_engine_count_up",
+            "1 while the engine's own count of running requests is read for dividing GPU "
+            "energy; 0 where the engine gives none (Ollama, a generic OpenAI server: "
+            "attribution then assumes phasewatch relays every request the GPU runs). A "
+            "count not read for 2 s is not used.",
+            ("upstream",),
+            registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.gpu_power_unresolved_total = Counter(
             PREFIX + "gpu_power_unresolved",

@@ -192,6 +192,9 @@ class StatusPage:
                     ),
                     "in_flight": reg.total("phasewatch_in_flight_requests", upstream=u.name),
                     "queued": reg.total("phasewatch_queued_requests", upstream=u.name),
+                    # False: the engine gives no count of what it runs, so GPU energy
+                    # is divided as if phasewatch relayed all of it (None: not known)
+                    "energy_counted": _counted(reg, u.name),
                     # streams whose output stopped (proxy.services.stall)
                     "stalled": u.stalled,
                     "stall_reason": u.stall_reason,
@@ -244,6 +247,12 @@ class StatusPage:
             )
         initial = json.dumps(self.summary(), separators=(",", ":")).replace("<", "\\u003c")
         return self._template.replace(_INITIAL_MARK, initial, 1).encode("utf-8")
+
+
+def _counted(reg: Samples, upstream: str) -> bool | None:
+    """Whether the engine's own count of running requests divides its GPU's energy."""
+    got = reg.get("phasewatch_power_engine_count_up", upstream=upstream)
+    return bool(max(s.value for s in got)) if got else None
 
 
 def _r(value: float | None, digits: int) -> float | None:

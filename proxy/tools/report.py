@@ -64,6 +64,8 @@ _COUNTERS = (
     "gpu_power_unresolved_total",
     "request_phase_energy_joules_total",
     "gpu_idle_energy_joules_total",
+    "gpu_unattributed_energy_joules_total",
+    "request_energy_requests_total",
 )
 _GAUGES = (
     "in_flight_requests",
@@ -615,8 +617,8 @@ def clients_markdown(rows: list[ClientRow], source: str) -> str:
     na = "—" if power else "n/a"
     out = [
         "| client | requests | ok | errors | aborted | prompt tokens | cached | "
-        "completion tokens | energy J | Wh | J/tok attributed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "completion tokens | energy J | Wh | J/tok attributed | energy settled / unresolved |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         energy = r.energy_joules
@@ -625,7 +627,8 @@ def clients_markdown(rows: list[ClientRow], source: str) -> str:
             f"| {r.client} | {r.requests:.0f} | {r.ok:.0f} | {r.errors:.0f} | {r.aborted:.0f} "
             f"| {r.prompt_tokens:.0f} | {r.cached_tokens:.0f} | {r.completion_tokens:.0f} "
             f"| {_f(energy, '{:.1f}', na)} | {_f(wh, '{:.3f}', na)} "
-            f"| {_f(r.joules_per_token, '{:.3f}', na)} |"
+            f"| {_f(r.joules_per_token, '{:.3f}', na)} "
+            f"| {r.energy_settled:.0f} / {r.energy_unresolved:.0f} |"
         )
     out.append("")
     out.append(f"- From phasewatch's counters (source: {source}).")
@@ -636,8 +639,11 @@ def clients_markdown(rows: list[ClientRow], source: str) -> str:
     if power:
         out.append(
             "- Energy: each request's share of its GPUs' energy from sending it upstream to "
-            "its last token (split evenly among the requests in flight); idle energy is "
-            "nobody's."
+            "its last token (split evenly among the requests running on the GPU, the "
+            "engine's count when it gives one); idle energy is nobody's, and other "
+            "clients' of the engine is unattributed. energy settled / unresolved: the "
+            "requests it rests on, and those too short for the sampling or never "
+            "covered by the sensor; each request's own is its `msg=energy` log line."
         )
     else:
         out.append("- Energy: n/a (phasewatch is not sampling GPU power here).")

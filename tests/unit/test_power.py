@@ -443,6 +443,57 @@ def test_energy_is_shared_among_requests_in_flight(monkeypatch):
     )
 
 
+class Counts:
+    """The engine's own count of what it holds, scripted (EngineCounts' interface)."""
+
+    def __init__(self, spans, clock) -> None:
+        self.spans, self.clock = spans, clock
+
+    def of(self, upstream, model):
+        t = self.clock()
+        return float(sum(1 for sent, _, last, _ in self.spans if sent <= t < last)), t, t
+
+
+def test_energy_of_requests_not_relayed_here_is_unattributed(monkeypatch):
+    up = fake_upstream()
+    # A and B are relayed here; X, sent to the engine by someone else, runs beside them:
+    # the engine counts all three, phasewatch sees two.
+    mine = [(10.0, 10.5, 20.0, True), (14.0, 14.5, 22.0, True)]
+    x = (12.0, 12.5, 26.0, True)
+    gpu = Scenario(up, mine + [x])  # the GPU's power follows all three
+    relayed = Scenario(up, mine)  # only A and B pass through phasewatch
+    tr = Trace(gpu.power)
+    sampler, metrics, _ = make_sampler(monkeypatch, [tr], upstreams=[up])
+    sampler.gpus.engine_counts = Counts(mine + [x], lambda: tr.now)
+    tr.now = 0.05
+    relayed.advance(tr.now)
+    sampler.tick()
+    run_ticks(sampler, [tr], 35.0, step=lambda rng: 0.1, each=relayed.advance)
+    settle(sampler, metrics, relayed.exchanges, completion_tokens=10)
+    a, b = (
+        total(metrics, "phasewatch_request_energy_joules_total", client=f"c{i}") for i in range(2)
+    )
+    # truth: each moment's energy split evenly among the requests the engine ran
+    true_a = tr.energy(10.0, 12.0) + tr.energy(12.0, 14.0) / 2 + tr.energy(14.0, 20.0) / 3
+    true_b = tr.energy(14.0, 20.0) / 3 + tr.energy(20.0, 22.0) / 2
+    assert a == pytest.approx(true_a, rel=0.03)
+    assert b == pytest.approx(true_b, rel=0.03)
+    others = total(metrics, "phasewatch_gpu_unattributed_energy_joules_total", reason="not_relayed")
+    true_x = (
+        tr.energy(12.0, 14.0) / 2
+        + tr.energy(14.0, 20.0) / 3
+        + tr.energy(20.0, 22.0) / 2
+        + tr.energy(22.0, 26.0)
+    )
+    assert others == pytest.approx(true_x, rel=0.03)
+    # X alone after B ended (22-26 s) is busy, not idle; conservation holds
+    idle = total(metrics, "phasewatch_gpu_idle_energy_joules_total")
+    assert idle == pytest.approx(tr.energy(0.05, 10.0) + tr.energy(26.0, 35.0), rel=0.05)
+    assert a + b + others + idle == pytest.approx(
+        total(metrics, "phasewatch_gpu_energy_joules_total"), abs=1e-6
+    )
+
+
 def test_gpu_map_labels_by_upstream_model_and_sharing():
     a = fake_upstream("a", ("m-bf16",))
     b = fake_upstream("b", ("m-int4", "m-fp8"))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ...measure.metrics import Metrics
+from ..engine_state import EngineCounts
 from .energy import EnergyMeter
 from .fit import EnergyFitter
 from .ledger import Entry, InFlightBook, TickRing
@@ -35,6 +36,14 @@ if TYPE_CHECKING:
     from ...fleet.upstreams import Upstreams
 
 log = logging.getLogger(__name__)
+#: The follow-up line of each request's settled energy goes beside its request line.
+access_log = logging.getLogger("proxy.access")
+
+#: Why a request's phase has no watts (the follow-up line's ``*_unresolved``).
+TOO_SHORT = "shorter_than_sensor_resolves"
+NOT_SAMPLED = "shorter_than_sampling"
+NOT_COVERED = "sensor_never_covered_it"
+NO_RESOLUTION = "sensor_resolution_not_known"
 
 #: How often finished requests are checked for a sensor that has covered them (s).
 SETTLE_EVERY = 0.05
@@ -77,6 +86,10 @@ class PowerService:
     #: request on the GPU beside the sampler's steps)
     fitter: EnergyFitter | None = None
 
+    #: Write each request's follow-up energy line (the app turns it off with the access
+    #: log).
+    access_lines = True
+
     def __init__(
         self,
         options: PowerOptions,
@@ -93,6 +106,8 @@ class PowerService:
         self.shared_in_flight: SharedInFlight | None = None
         self._publisher: asyncio.Task[None] | None = None
         self._settler: asyncio.Task[None] | None = None
+        self._counting: list[asyncio.Task[None]] = []
+        self.engine_counts: EngineCounts | None = None
         self.book: InFlightBook | None = None
         source = choose_source(
             options.power_source,
@@ -132,6 +147,12 @@ class PowerService:
             )
             if self.book is None:
                 self.book = self.sampler.book
+            # the engines' own counts: energy of requests others sent them is not ours
+            sampler = self.sampler
+            self.engine_counts = EngineCounts(
+                metrics, sampler.sensor_step, lambda: sampler.opened and sampler.up is not False
+            )
+            self.gpus.engine_counts = self.engine_counts
             if host is None:
                 self.fitter = EnergyFitter(metrics, self.gpus, self.sampler.clock)
                 self.sampler.on_step = self.fitter.on_step
@@ -170,6 +191,8 @@ class PowerService:
     def start(self) -> None:
         if self.sampler is not None:
             self.sampler.start()
+        if self.engine_counts is not None:
+            self._counting = self.engine_counts.start(self.upstreams)
         if self.shared_in_flight is not None:
             self._publisher = asyncio.create_task(self._publish_forever())
         if self.book is not None:
@@ -178,7 +201,7 @@ class PowerService:
             self.fitter.start()
 
     def stop(self) -> None:
-        for task in (self._publisher, self._settler):
+        for task in (self._publisher, self._settler, *self._counting):
             if task is not None:
                 task.cancel()
         if self.fitter is not None:
@@ -217,7 +240,10 @@ class PowerService:
         if book is None or not self.rings:  # no power read (yet): no power figures
             return None
         if book.recorded(ex, f.completion_tokens) is None and ex.marks.t_sent is not None:
-            self._unresolved(ex, ("prefill", "decode") if ex.marks.t_first else ("decode",))
+            phases = tuple(self._windows(ex))
+            self._unresolved(ex, phases)
+            why: dict[str, float | str] = dict.fromkeys(phases, NOT_SAMPLED)
+            self._energy_line(ex, {}, why, NOT_SAMPLED)
         return None
 
     def energy(self) -> list[dict]:
@@ -253,6 +279,8 @@ class PowerService:
                 if not got:  # the sensor never covered it (power went down)
                     left = self._windows(e.ex).keys() - e.decided
                     self._unresolved(e.ex, sorted(left))
+                    why: dict[str, float | str] = dict.fromkeys(self._windows(e.ex), NOT_COVERED)
+                    self._energy_line(e.ex, {}, why, NOT_COVERED)
                 book.drop(e)
                 done += 1
         return done
@@ -292,6 +320,8 @@ class PowerService:
                 return False
             sums.append(got)
         total = 0.0
+        shares: dict[str, float] = {}
+        watts: dict[str, float | str] = {}  # phase -> watts, or why not
         for phase in ("prefill", "decode"):
             joules = sum(s[phase].joules for s in sums)
             share = sum(s[phase].share for s in sums)
@@ -299,16 +329,57 @@ class PowerService:
             total += share
             if share > 0:
                 m.request_phase_energy_joules_total.labels(*base, phase).inc(share)
-            if phase not in windows or phase in e.decided:
+            if phase not in windows:
                 continue
-            if seconds > 0 and all(x is not None for x in mins):
+            shares[phase] = share
+            if phase in e.decided:
+                watts[phase] = TOO_SHORT
+            elif seconds > 0 and all(x is not None for x in mins):
+                watts[phase] = joules / seconds
                 m.gpu_power_watts.labels(*base, phase).observe(joules / seconds)
             else:
+                watts[phase] = NO_RESOLUTION if seconds > 0 else TOO_SHORT
                 m.gpu_power_unresolved_total.labels(*base, phase).inc()
         if total > 0:  # the request's share, attributed to its client
             client = getattr(ex, "client", "unknown")
             m.request_energy_joules_total.labels(*base, client).inc(total)
+        self._energy_line(ex, shares, watts, None)
         return True
+
+    def _energy_line(
+        self, ex: Any, shares: dict[str, float], watts: dict[str, float | str], why: str | None
+    ) -> None:
+        """The request's settled energy, keyed by its request id: its share of the GPU's
+        energy by phase (``*_j``), the GPU's mean draw over each phase (``*_w``) or why
+        it has none (``*_unresolved``); ``energy_unresolved`` when nothing settled. One
+        line, after the request's own line (energy settles once the sensor covers its
+        end), and a count per client of the requests settled and unresolved."""
+        client = getattr(ex, "client", "unknown")
+        base = (ex.upstream_name, ex.model_label, ex.precision)
+        result = "unresolved" if why is not None else "settled"
+        self.metrics.request_energy_requests_total.labels(*base, client, result).inc()
+        if not (self.access_lines and access_log.isEnabledFor(logging.INFO)):
+            return
+        fields: dict[str, object] = {
+            "request_id": ex.request_id,
+            "client": client,
+            "upstream": base[0],
+            "model": base[1],
+            "precision": base[2],
+        }
+        if why is not None:
+            fields["energy_unresolved"] = why
+        else:
+            fields["energy_j"] = round(sum(shares.values()), 3)
+        for phase in ("prefill", "decode"):
+            if phase in shares:
+                fields[f"{phase}_j"] = round(shares[phase], 3)
+            got = watts.get(phase)
+            if isinstance(got, float):
+                fields[f"{phase}_w"] = round(got, 1)
+            elif got is not None:
+                fields[f"{phase}_unresolved"] = got
+        access_log.info("energy", extra={"fields": fields})
 
 
 __all__ = [

@@ -6,8 +6,12 @@ steps, or a power reading integrated over the last tick), the energy of the inte
 covers is spread over the ticks inside it (:meth:`TickRing.distribute`), weighted by the
 power each tick's state (idle / prefill / decode) was last seen to draw, so an interval that
 holds a phase edge gives each side its due. A tick's energy then belongs evenly to the
-requests in flight at it, or to idle when there were none: the requests' shares plus idle
-add up to the counter's delta.
+requests running on the GPU at it: this host's in flight, plus the others the engine held
+at its last count (its count less what this host had in flight then: requests other
+replicas or direct clients sent it; :data:`NO_COUNT` where the engine gives none, and
+then this host's requests are all there is). This host's requests get their shares; the
+rest is *unattributed*; a tick with nothing running is idle. Attributed + unattributed +
+idle add up to the counter's delta.
 
 A request's phases are settled once the sensor has covered its end: its ticks are found by
 snapshot number, so a request is charged for exactly the ticks whose in-flight count
@@ -25,6 +29,14 @@ from typing import Any
 RING_SECONDS = 600.0
 #: How fast a state's learnt power follows a new pure interval (0..1).
 WEIGHT_GAIN = 0.3
+#: A tick's engine count when the engine gives none (or it is not known yet).
+NO_COUNT = -1
+
+
+def running(n_prefill: int, n_decode: int, n_engine: int) -> int:
+    """How many requests share a tick's energy: this host's in flight, or what the engine
+    ran when that is more (others' requests beside ours)."""
+    return max(n_prefill + n_decode, n_engine)
 
 
 def phase_of(ex: Any) -> str:
@@ -133,7 +145,7 @@ class ListStore:
         self.keep = keep_seconds
         self.base = 0  # absolute index of the first kept tick
         self.ts: list[float] = []
-        self.recs: list[tuple[int, int, tuple[int, ...]]] = []
+        self.recs: list[tuple[int, int, int, tuple[int, ...]]] = []
         self.es: list[float] = []
         self.horizon = float("-inf")
         self.min_phase: float | None = None
@@ -144,7 +156,7 @@ class ListStore:
     def t(self, i: int) -> float:
         return self.ts[i - self.base]
 
-    def rec(self, i: int) -> tuple[int, int, tuple[int, ...]]:
+    def rec(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
         return self.recs[i - self.base]
 
     def e(self, i: int) -> float:
@@ -153,9 +165,15 @@ class ListStore:
     def add_e(self, i: int, joules: float) -> None:
         self.es[i - self.base] += joules
 
-    def append(self, t: float, n_prefill: int, n_decode: int, seqs: tuple[int, ...]) -> None:
+    def set_engine(self, i: int, n_engine: int) -> None:
+        n_prefill, n_decode, _, seqs = self.recs[i - self.base]
+        self.recs[i - self.base] = (n_prefill, n_decode, n_engine, seqs)
+
+    def append(
+        self, t: float, n_prefill: int, n_decode: int, n_engine: int, seqs: tuple[int, ...]
+    ) -> None:
         self.ts.append(t)
-        self.recs.append((n_prefill, n_decode, seqs))
+        self.recs.append((n_prefill, n_decode, n_engine, seqs))
         self.es.append(0.0)
         if len(self.ts) % 1024 == 0 and self.ts[0] < t - self.keep:
             k = bisect.bisect_left(self.ts, min(t - self.keep, self.horizon))
@@ -164,18 +182,47 @@ class ListStore:
 
 
 class TickRing:
-    """One GPU's ticks (start time, in-flight counts, snapshot numbers, energy so far) over
-    a store: this process's lists, or (``--workers N``) the workers' shared file. One
-    writer (the sampler); readers settle requests behind its horizon."""
+    """One GPU's ticks (start time, in-flight counts, the engine's count, snapshot
+    numbers, energy so far) over a store: this process's lists, or (``--workers N``) the
+    workers' shared file. One writer (the sampler); readers settle requests behind its
+    horizon."""
 
     def __init__(self, store: Any = None) -> None:
         self.store = store if store is not None else ListStore()
         self.lock = threading.Lock()
         self.weights: dict[str, float] = {}  # state -> learnt watts (the writer's)
+        #: joules spread on ticks and owed to requests this host did not relay, not yet
+        #: taken by the writer (:meth:`take_unattributed`)
+        self._unattributed = 0.0
 
-    def append(self, t: float, n_prefill: int, n_decode: int, seqs: tuple[int, ...]) -> None:
+    def append(
+        self,
+        t: float,
+        n_prefill: int,
+        n_decode: int,
+        seqs: tuple[int, ...],
+        n_engine: int = NO_COUNT,
+    ) -> None:
         with self.lock:
-            self.store.append(t, n_prefill, n_decode, seqs)
+            self.store.append(t, n_prefill, n_decode, n_engine, seqs)
+
+    def recount(self, since: float, others: int) -> None:
+        """Ticks from `since` on that hold no energy yet: the engine ran `others`
+        requests besides this host's (a count read after they were appended)."""
+        st = self.store
+        with self.lock:
+            first, end = st.span()
+            i = end - 1
+            while i >= first and st.t(i) >= since and st.t(i) >= st.horizon:
+                n_prefill, n_decode, _, _ = st.rec(i)
+                st.set_engine(i, n_prefill + n_decode + others)
+                i -= 1
+
+    def take_unattributed(self) -> float:
+        """The unattributed joules spread since the last call (the writer's)."""
+        with self.lock:
+            got, self._unattributed = self._unattributed, 0.0
+            return got
 
     @property
     def min_phase(self) -> float | None:
@@ -197,11 +244,14 @@ class TickRing:
         return lo
 
     def _state(self, i: int) -> str:
-        n_prefill, n_decode, _ = self.store.rec(i)
-        return "prefill" if n_prefill else "decode" if n_decode else "idle"
+        """What tick `i` drew for: prefill when one of this host's requests was before its
+        first token; decode when others ran (their phase is not known) or ours decoded."""
+        n_prefill, n_decode, n_engine, _ = self.store.rec(i)
+        return "prefill" if n_prefill else "decode" if n_decode or n_engine > 0 else "idle"
 
     def distribute(self, a: float, b: float, joules: float) -> float:
-        """Spread `joules` drawn over [a, b] on the ticks it overlaps; the idle part."""
+        """Spread `joules` drawn over [a, b] on the ticks it overlaps; the idle part (the
+        part owed to others' requests is kept for :meth:`take_unattributed`)."""
         st = self.store
         with self.lock:
             first, end = st.span()
@@ -230,6 +280,10 @@ class TickRing:
                 st.add_e(i, share)
                 if s == "idle":
                     idle += share
+                else:
+                    n_prefill, n_decode, n_engine, _ = st.rec(i)
+                    n = running(n_prefill, n_decode, n_engine)
+                    self._unattributed += share * (n - n_prefill - n_decode) / n
             if len(states) == 1:  # a pure interval: what this state draws
                 s = states.pop()
                 watts = joules / (b - a)
@@ -266,7 +320,7 @@ class TickRing:
             out = {"prefill": PhaseSum(), "decode": PhaseSum()}
             i = max(first, self._first_after(e.t_seen) - 1)
             while i < end:
-                n_prefill, n_decode, seqs = st.rec(i)
+                n_prefill, n_decode, n_engine, seqs = st.rec(i)
                 s = seqs[worker] if worker < len(seqs) else 0
                 if s >= e.end_seq:
                     return out if st.t(i) <= st.horizon else None
@@ -276,7 +330,7 @@ class TickRing:
                         return None
                     p = out[ph]
                     p.joules += st.e(i)
-                    p.share += st.e(i) / max(1, n_prefill + n_decode)
+                    p.share += st.e(i) / max(1, running(n_prefill, n_decode, n_engine))
                     p.seconds += st.t(i + 1) - st.t(i)
                 i += 1
             return None

@@ -10,6 +10,7 @@ integrated power) is spread over the ticks it covers.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -23,7 +24,7 @@ from ...measure.metrics import Metrics
 from .energy import EnergyMeter
 from .guard import SensorGuard
 from .learn import FASTEST_POLL, PROBE_SECONDS, SensorWatch
-from .ledger import InFlightBook, TickRing
+from .ledger import NO_COUNT, InFlightBook, TickRing
 from .sources import PageTooLarge, PowerUnavailable, Reading, Source
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class GpuMap:
         self.upstreams = upstreams
         self.route = route
         self._owners: dict[str, tuple[Owner, ...]] = {}
+        #: the engines' own counts (:class:`proxy.services.engine_state.EngineCounts`),
+        #: where the process samples power; None: this host's in flight is all there is
+        self.engine_counts: Any = None
 
     def owners(self, gpu: str) -> tuple[Owner, ...]:
         """Who this GPU works for; empty when a mapping is given and leaves it out."""
@@ -124,6 +128,20 @@ class GpuMap:
             )
         return out
 
+    def engine_count(self, gpu: str) -> tuple[float, float, float] | None:
+        """What the engines serving `gpu` said they hold (running + waiting), summed over
+        its owners, and the span their reads were sent and answered in; None when any
+        of them does not say."""
+        if self.engine_counts is None:
+            return None
+        n, sent, answered = 0.0, float("inf"), float("-inf")
+        for o in self.owners(gpu):
+            got = self.engine_counts.of(o.upstream, o.model)
+            if got is None:
+                return None
+            n, sent, answered = n + got[0], min(sent, got[1]), max(answered, got[2])
+        return n, sent, answered
+
     def counts(self, gpu: str) -> tuple[int, int]:
         """(prefill, decode): this process's requests in flight on `gpu`, by phase."""
         prefill = decode = 0
@@ -187,6 +205,12 @@ class _Caller:
 
 #: How often a DCGM page refused as too large is asked for again (s).
 PAGE_RETRY_SECONDS = 5.0
+
+#: Ticks of in-flight counts kept per GPU to match an engine count to (a few seconds).
+OURS_KEPT = 512
+
+#: The reason of energy owed to requests the engine ran and this host did not relay.
+NOT_RELAYED = "not_relayed"
 
 #: A resolution above this (s) is too coarse for per-request figures: warned about once.
 COARSE_RESOLUTION = 2.0
@@ -258,8 +282,13 @@ class PowerSampler:
         #: ``unknown`` precision is detected and the series is relabelled)
         self._joules: dict[str, float] = {}
         self._idle: dict[str, float] = {}
-        #: gpu -> (joules, idle joules) measured before its labels were settled
-        self._pending: dict[str, tuple[float, float]] = {}
+        self._others: dict[str, float] = {}  # gpu -> unattributed joules so counted
+        #: gpu -> (tick time, this host's requests in flight) over the last ticks
+        self._ours: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._read_at: dict[str, float] = {}  # gpu -> mid-time of its engine count's read
+        self._beside: dict[str, int] = {}  # gpu -> others' requests at that read
+        #: gpu -> (joules, idle, unattributed joules) measured before its labels settled
+        self._pending: dict[str, tuple[float, float, float]] = {}
         self._caller = _Caller()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -381,8 +410,10 @@ class PowerSampler:
         ring = self.rings.get(gpu)
         if ring is None:
             ring = self.rings.setdefault(gpu, TickRing())
-        ring.append(t_c, counts[0], counts[1], seqs)
-        state = classify(*counts)
+        n_engine = self._running(gpu, ring, t_c, counts[0] + counts[1])
+        ring.append(t_c, counts[0], counts[1], seqs, n_engine)
+        # others' requests running beside none of ours: busy, in a phase not known here
+        state = classify(*counts) if n_engine <= 0 or any(counts) else "decode"
         if self._state.get(gpu) != state:  # it began after the last tick, at t_c at the latest
             self._steady[gpu] = t_c
         use = watch.preferred()
@@ -418,11 +449,12 @@ class PowerSampler:
                 self._told_step(gpu, since, at, joules)
             self._since[gpu] = at
         self._unspread[gpu] = joules - spread if self._since.get(gpu) is not None else 0.0
+        others = ring.take_unattributed()  # owed to requests this host did not relay
         if not self.gpus.settled(gpu):
             # no series labelled with a precision not detected yet: the energy waits
             # for the labels
-            pj, pi = self._pending.get(gpu, (0.0, 0.0))
-            self._pending[gpu] = (pj + spread, pi + idle)
+            pj, pi, po = self._pending.get(gpu, (0.0, 0.0, 0.0))
+            self._pending[gpu] = (pj + spread, pi + idle, po + others)
         else:
             # a sample is the state's only when the state held over all the reading may
             # describe (a lagged or averaged field still shows the state before) and
@@ -432,8 +464,9 @@ class PowerSampler:
                 age is not None
                 and t_c - self._steady.get(gpu, t_c) >= age
                 and classify(*after.get(gpu, counts)) == state
+                and (n_engine <= 0 or any(counts))
             )
-            self._publish(gpu, watts, spread, idle, state if same else None)
+            self._publish(gpu, watts, spread, idle, others, state if same else None)
         self._state[gpu] = state
 
     def _told_step(self, gpu: str, a: float, b: float, joules: float) -> None:
@@ -443,8 +476,50 @@ class PowerSampler:
             except Exception:  # a listener's bug must not stop the sampling
                 log.exception("energy step listener failed")
 
+    def _running(self, gpu: str, ring: TickRing, t: float, ours: int) -> int:
+        """How many requests the GPU runs at this tick: ours now, and the others the
+        engine held at its last count (its count less what we had in flight while it
+        was asked). Our own requests come and go at once, not a read later. When a new
+        count arrives, the ticks since halfway from the previous one that hold no energy
+        yet take it too, so others' arrivals and departures are placed within half a
+        read. :data:`~.ledger.NO_COUNT` when the engine gives none."""
+        hist = self._ours.setdefault(gpu, collections.deque(maxlen=OURS_KEPT))
+        hist.append((t, ours))
+        got = self.gpus.engine_count(gpu)
+        if got is None:
+            return NO_COUNT
+        engine, sent, answered = got
+        if answered > t:  # read after this tick's snapshot: matched at the next tick
+            return ours + self._beside.get(gpu, 0)
+        # what we had in flight while the engine was asked: the most of the ticks from
+        # the one before the read was sent to the one after it was answered (a request
+        # of ours that started or ended meanwhile may or may not be in the count)
+        then, after = 0, 0
+        for t_h, n in reversed(hist):
+            if t_h > answered:
+                after = n  # ends as the first tick after the answer
+                continue
+            then = max(then, n)
+            if t_h < sent:
+                break
+        then = max(then, after)
+        others = max(0, round(engine) - then)
+        when = (sent + answered) / 2.0
+        last = self._read_at.get(gpu)
+        if last is not None and when > last:
+            ring.recount((last + when) / 2.0, others)
+        self._read_at[gpu] = when
+        self._beside[gpu] = others
+        return ours + others
+
     def _publish(
-        self, gpu: str, watts: float, joules: float, idle: float, state: str | None
+        self,
+        gpu: str,
+        watts: float,
+        joules: float,
+        idle: float,
+        others: float,
+        state: str | None,
     ) -> None:
         m = self.metrics
         labels = self.gpus.labels(gpu)
@@ -455,25 +530,36 @@ class PowerSampler:
             if old[2] == "unknown":  # the precision is known now: no stale unknown series
                 _remove(m.gpu_energy_joules_total, old)
                 _remove(m.gpu_idle_energy_joules_total, old)
+                _remove(m.gpu_unattributed_energy_joules_total, old + (NOT_RELAYED,))
                 for st in ("idle", "prefill", "decode"):
                     _remove(m.gpu_power_sample_watts, old + (st,))
                 joules += self._joules.get(gpu, 0.0)  # the GPU's energy stays counted
                 idle += self._idle.get(gpu, 0.0)
-            self._joules[gpu] = self._idle[gpu] = 0.0
+                others += self._others.get(gpu, 0.0)
+            self._joules[gpu] = self._idle[gpu] = self._others[gpu] = 0.0
         if state is not None:  # a tick whose state changed since the last is in no state
             m.gpu_power_sample_watts.labels(*labels, gpu, state).observe(watts)
         m.gpu_power_current_watts.labels(*current).set(watts)
         self._current[gpu] = current
-        pj, pi = self._pending.pop(gpu, (0.0, 0.0))
-        joules, idle = joules + pj, idle + pi
+        pj, pi, po = self._pending.pop(gpu, (0.0, 0.0, 0.0))
+        joules, idle, others = joules + pj, idle + pi, others + po
         if joules > 0:
             m.gpu_energy_joules_total.labels(*current).inc(joules)
             self._joules[gpu] = self._joules.get(gpu, 0.0) + joules
         if idle > 0:
             m.gpu_idle_energy_joules_total.labels(*current).inc(idle)
             self._idle[gpu] = self._idle.get(gpu, 0.0) + idle
+        if others > 0:
+            m.gpu_unattributed_energy_joules_total.labels(*current, NOT_RELAYED).inc(others)
+            self._others[gpu] = self._others.get(gpu, 0.0) + others
 
     # --- what the sensor resolves -------------------------------------------------------
+
+    def sensor_step(self) -> float | None:
+        """How often the field energy is taken from refreshes (s), the fastest GPU's;
+        None while not learnt."""
+        steps = [p for w in list(self.watches.values()) if (p := w.refresh(w.preferred()))]
+        return min(steps) if steps else None
 
     def min_phase(self, gpu: str, now: float | None = None) -> float | None:
         """The shortest phase measured on `gpu` (s); None while not known yet."""

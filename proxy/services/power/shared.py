@@ -5,9 +5,10 @@ requests need their phase energy, and the sampler must know what *all* workers h
 flight at each tick. Two small memory-mapped files in the workers' private folder carry
 that:
 
-- :class:`SharedRings`: the ticks, one ring per GPU (time, energy, in-flight counts, each
-  worker's snapshot number), written by the sampler, read by every worker to settle its
-  requests behind the ring's horizon (:mod:`.ledger`). One writer per ring; a reader takes
+- :class:`SharedRings`: the ticks, one ring per GPU (time, energy, in-flight counts, the
+  engine's own count of what it runs, each worker's snapshot number), written by the
+  sampler, read by every worker to settle its requests behind the ring's horizon
+  (:mod:`.ledger`). One writer per ring; a reader takes
   the write counter first and reads records behind it.
 - :class:`SharedInFlight`: one row per worker with its latest snapshot number and its
   in-flight counts per GPU (prefill, decode), rewritten by each worker every few ms,
@@ -29,7 +30,7 @@ from .ledger import RING_SECONDS, TickRing
 
 MAX_GPUS = 64
 _NAME = 48  # bytes of a GPU's id
-_MAGIC = b"PWPOWER2"
+_MAGIC = b"PWPOWER3"
 #: Ticks kept per GPU: the ring's time at the sampler's fastest steady poll.
 CAPACITY = int(RING_SECONDS / 0.02) + 1
 # header: magic, capacity per ring, workers, GPUs in use; then per GPU: id, write counter,
@@ -80,15 +81,21 @@ class SharedStore:
     def e(self, i: int) -> float:
         return self._rec(i)[1]
 
-    def rec(self, i: int) -> tuple[int, int, tuple[int, ...]]:
+    def rec(self, i: int) -> tuple[int, int, int, tuple[int, ...]]:
         r = self._rec(i)
-        return r[2], r[3], tuple(r[4:])
+        return r[2], r[3], r[4], tuple(r[5:])
+
+    def set_engine(self, i: int, n_engine: int) -> None:
+        off = self.base + (i % CAPACITY) * self.fmt.size + 24  # after t, e, the counts
+        struct.pack_into("<i", self.owner.mm, off, n_engine)
 
     def add_e(self, i: int, joules: float) -> None:
         off = self.base + (i % CAPACITY) * self.fmt.size + 8
         struct.pack_into("<d", self.owner.mm, off, self.e(i) + joules)
 
-    def append(self, t: float, n_prefill: int, n_decode: int, seqs: tuple[int, ...]) -> None:
+    def append(
+        self, t: float, n_prefill: int, n_decode: int, n_engine: int, seqs: tuple[int, ...]
+    ) -> None:
         n = self.count()
         w = self.owner.workers
         padded = (tuple(seqs) + (0,) * w)[:w]
@@ -99,6 +106,7 @@ class SharedStore:
             0.0,
             n_prefill,
             n_decode,
+            n_engine,
             *padded,
         )
         self._set("<q", _NAME, n + 1)  # published once the record is in place
@@ -126,7 +134,7 @@ class SharedRings:
 
     def __init__(self, path: str, workers: int) -> None:
         self.workers = workers
-        self.rec_struct = struct.Struct(f"<ddii{workers}q")
+        self.rec_struct = struct.Struct(f"<ddiii{workers}q")
         self.data_offset = _HEAD.size + MAX_GPUS * _SLOT.size
         self.mm = _file(path, self.data_offset + MAX_GPUS * CAPACITY * self.rec_struct.size)
         magic, cap, w, _ = _HEAD.unpack_from(self.mm, 0)

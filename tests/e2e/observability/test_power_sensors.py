@@ -57,6 +57,18 @@ def true_energy(sim_url: str) -> float:
     )
 
 
+def unbalanced(s: dict) -> float:
+    """attributed + unattributed + idle - the GPU counter (J)."""
+    return sum(
+        total(s, f"phasewatch_{name}")
+        for name in (
+            "request_phase_energy_joules_total",
+            "gpu_unattributed_energy_joules_total",
+            "gpu_idle_energy_joules_total",
+        )
+    ) - total(s, "phasewatch_gpu_energy_joules_total")
+
+
 def settled(proxy_url: str, want: dict[str, int]) -> dict | None:
     """The page once every request's phases are settled: observed or unresolved."""
     s = metric_samples(proxy_url)
@@ -166,14 +178,17 @@ def test_phase_power_is_true_or_unresolved_and_energy_is_conserved(profile):
         want["bf16"] += 4
         s1 = wait_for(lambda: settled(proxy.url, want), what="settled")
         # the counter's last step after the burst: energy of the idle after it is spread
+        # (from a page holding whole steps: one rendered while the sampler publishes a
+        # step can hold its idle part and not its total)
         s1 = wait_for(
             lambda: (
                 (s := metric_samples(proxy.url))
                 and total(s, "phasewatch_gpu_energy_joules_total")
                 > total(s1, "phasewatch_gpu_energy_joules_total") + 5
+                and abs(unbalanced(s)) < 0.01
                 and s
             ),
-            what="the counter past the burst",
+            what="the counter past the burst, conserved",
         )
         e1 = true_energy(sim.url)
 
@@ -182,6 +197,9 @@ def test_phase_power_is_true_or_unresolved_and_energy_is_conserved(profile):
         )
         attributed = total(s1, "phasewatch_request_phase_energy_joules_total")
         idle = total(s1, "phasewatch_gpu_idle_energy_joules_total")
+        # one phasewatch relays all: what it cannot tell is its own (an engine count read
+        # in a request's first or last moments) is unattributed, and little
+        others = total(s1, "phasewatch_gpu_unattributed_energy_joules_total")
         counted = total(s1, "phasewatch_gpu_energy_joules_total")
         unresolved = {
             ph: total(s1, "phasewatch_gpu_power_unresolved_total", phase=ph)
@@ -196,7 +214,8 @@ def test_phase_power_is_true_or_unresolved_and_energy_is_conserved(profile):
                     "unresolved": unresolved,
                     "gpu_joules": round(gpu, 1),
                     "true_joules": round(e1 - e0, 1),
-                    "conservation_error_joules": attributed + idle - counted,
+                    "unattributed_joules": round(others, 1),
+                    "conservation_error_joules": attributed + others + idle - counted,
                 }
             ),
         )
@@ -207,7 +226,8 @@ def test_phase_power_is_true_or_unresolved_and_energy_is_conserved(profile):
 
         assert gpu == pytest.approx(e1 - e0, rel=0.03)
         # conservation: every joule the counter counted is a request's or idle
-        assert attributed + idle == pytest.approx(counted, abs=0.01)
+        assert attributed + others + idle == pytest.approx(counted, abs=0.01)
+        assert others <= 0.02 * counted
         by_client = total(s1, "phasewatch_request_energy_joules_total")
         assert by_client == pytest.approx(attributed, abs=0.01)
         assert attributed > 0 and idle > 0
@@ -265,8 +285,9 @@ def test_energy_is_conserved_under_workers():
         )
         attributed = total(s, "phasewatch_request_phase_energy_joules_total")
         idle = total(s, "phasewatch_gpu_idle_energy_joules_total")
-        assert attributed > 0
-        assert attributed + idle == pytest.approx(
+        others = total(s, "phasewatch_gpu_unattributed_energy_joules_total")
+        assert attributed > 0 and others <= 0.02 * attributed
+        assert attributed + others + idle == pytest.approx(
             total(s, "phasewatch_gpu_energy_joules_total"), abs=0.01
         )
         for p in MODELS:  # every phase observed or unresolved once, the long decodes observed
