@@ -588,6 +588,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.client_held_streams = Gauge(
+            PREFIX + "client_held_streams",
+            "Streams in flight to the upstream held back by their own client (it stopped "
+            "reading, so the proxy paused reading the engine): never counted as stalled.",
+            ("upstream",),
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.stalls_total = Counter(
             PREFIX + "stalls",
             "Streams that stalled, by the phase they stalled in: prefill (no first "
