@@ -267,7 +267,8 @@ class Metrics:
             "head_too_large (431), header_timeout (408 or closed), body_too_large (413), "
             "body_memory (503, --max-body-memory), body_timeout (408), bad_path (400), "
             "upgrade (501), pipeline_full (429), trailers_too_large (431), admin_api (403), "
-            "pool_down (503), bad_chunked (400, a malformed chunked body); and "
+            "pool_down (503), bad_chunked (400, a malformed chunked body), loop (508, a "
+            "request that came back to the proxy that sent it); and "
             "stalled_stream (an answer closed past --max-stalled-streams).",
             ("reason",),
             registry=r,
