@@ -268,7 +268,8 @@ class Metrics:
             "body_memory (503, --max-body-memory), body_timeout (408), bad_path (400), "
             "upgrade (501), pipeline_full (429), trailers_too_large (431), admin_api (403), "
             "pool_down (503), bad_chunked (400, a malformed chunked body), loop (508, a "
-            "request that came back to the proxy that sent it); and "
+            "request that came back to the proxy that sent it), too_many_headers (431, "
+            "--max-header-fields), bad_version (505); and "
             "stalled_stream (an answer closed past --max-stalled-streams).",
             ("reason",),
             registry=r,

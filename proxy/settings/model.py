@@ -222,6 +222,12 @@ class Settings(BaseSettings):
         description="Largest request head (request line and headers) accepted (431 "
         "beyond), checked before any other work.",
     )
+    max_header_fields: int = Field(
+        100,
+        ge=8,
+        description="Most header fields a request head may have (431 beyond), however "
+        "small: a head of thousands of tiny fields costs a field's work in every layer.",
+    )
     header_timeout: float = Field(
         10.0,
         gt=0,

@@ -29,6 +29,7 @@ class ServerLimits:
 
     max_head_bytes: int
     header_timeout: float
+    max_header_fields: int
     max_pipelined_requests: int
     max_pipelined_bytes: int
     max_stalled_streams: int
@@ -51,6 +52,7 @@ def server_limits(s: Settings) -> ServerLimits:
     return ServerLimits(
         max_head_bytes=s.max_head_bytes,
         header_timeout=s.header_timeout,
+        max_header_fields=s.max_header_fields,
         max_pipelined_requests=s.max_pipelined_requests,
         max_pipelined_bytes=s.max_pipelined_bytes,
         max_stalled_streams=s.max_stalled_streams,
