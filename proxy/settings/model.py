@@ -429,6 +429,13 @@ class Settings(BaseSettings):
         description="Longest wait between probes of a down (ejected) upstream; the wait "
         "starts at 0.25 s and doubles.",
     )
+    eject_backoff_max: float = Field(
+        30.0,
+        gt=0,
+        description="Longest an upstream is held out after its trial request failed "
+        "again (its probe answers, its real requests fail): each such ejection doubles "
+        "the hold, from 0.25 s, up to this.",
+    )
     health_timeout: float = Field(
         2.0, gt=0, description="Seconds one health probe may take before it counts as failed."
     )

@@ -95,6 +95,7 @@ def upstream_options(s: Settings) -> UpstreamOptions:
         ),
         health_interval=s.health_interval,
         health_backoff_max=s.health_backoff_max,
+        eject_backoff_max=s.eject_backoff_max,
         health_timeout=s.health_timeout,
         eject_after_5xx=s.eject_after_5xx,
     )
