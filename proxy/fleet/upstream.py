@@ -213,6 +213,8 @@ class Upstream:
         #: sends new requests elsewhere, readiness reports the reason.
         self.stalled = 0
         self.stall_reason: str | None = None
+        #: Streams held back by their own clients (never stalls), from the same scan.
+        self.client_held = 0
         #: How many of them per model label (the decode batch a request joins).
         self.active_by_model: dict[str, int] = {}
 

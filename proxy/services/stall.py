@@ -206,6 +206,7 @@ class StallWatch:
     def _publish(self, u: Upstream, count: int, longest: float, held: int) -> None:
         self.view[u.name] = (count, longest)
         u.stalled = count
+        u.client_held = held
         u.stall_reason = (
             f"{count} stream(s) stalled, the longest silent {longest:.0f} s" if count else None
         )

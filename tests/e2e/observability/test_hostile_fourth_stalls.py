@@ -212,6 +212,8 @@ def test_a_client_that_stops_reading_is_not_an_engine_stall(scene):
         assert routed == {member: 5, other: 5}, figures
         assert figures["client_held"] == 1, figures
         assert sample(samples, "phasewatch_stalled_streams", upstream="c") == 1
+        cards = {u["name"]: u for u in client.get("/phasewatch/api/summary").json()["upstreams"]}
+        assert cards[member]["client_held"] == 1 and cards[member]["stalled"] == 0
     finally:
         held.close()
     # once the client is gone, the figure goes with it
