@@ -156,3 +156,27 @@ def test_expect_100_continue_with_a_body_to_come_gets_its_100_first(scene):
     s.close()
     assert got.startswith(b"HTTP/1.1 200 "), got[:200]
     assert [p.body for p in _chat_posts(engine)[before:]] == [BODY]
+
+
+def test_the_header_field_limit_is_set_by_its_variable_and_said_once():
+    engine = FakeEngine().start()
+    proxy = start_proxy(
+        f"e={engine.url}",
+        args=["--engine", "e=openai"],
+        env={"PHASEWATCH_MAX_HEADER_FIELDS": "20"},
+    )
+    try:
+        codes = []
+        for n in (15, 25, 25):
+            s = connect(proxy.url)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + b"x-f: v\r\n" * n + b"\r\n")
+            codes.append(read_response(s).split(b" ", 2)[1])
+            s.close()
+        assert codes == [b"200", b"431", b"431"]
+        refused = sample(metric_samples(proxy.url), "phasewatch_rejected_total")
+        assert refused == 2
+        lines = [line for line in proxy.log().splitlines() if "header fields" in line]
+        assert len(lines) == 1 and "--max-header-fields" in lines[0], lines
+    finally:
+        proxy.stop()
+        engine.stop()
