@@ -106,6 +106,7 @@ class SummaryUpstream(BaseModel):
     reason: str | None = None  # why it is down (a refused connection, HTTP 500 on /health)
     stalled: int = 0  # streams in flight whose output stopped (proxy.services.stall)
     stall_reason: str | None = None
+    client_held: int = 0  # streams held back by their own clients: never stalls
     #: False: the engine gives no count of what it runs, so its GPU's energy is divided
     #: as if phasewatch relayed every request (None: not known, or power not sampled)
     energy_counted: bool | None = None

@@ -176,12 +176,12 @@ class Responder:
             if tap is None or source is None:
                 # a body phasewatch cannot decode is not kept: nothing in it is readable
                 keep = MAX_KEPT_BODY if not applied or decodable(applied) else 0
-                await relay(reply, pipe, pipe.kept(keep))
+                await relay(reply, pipe, pipe.kept(keep), ex)
                 kept: bytes | None = pipe.body()
                 tail = b""
             else:
                 await relay(
-                    reply, pipe, pipe.stream(tap) if decoded is None else pipe.decoded(decoded)
+                    reply, pipe, pipe.stream(tap) if decoded is None else pipe.decoded(decoded), ex
                 )
                 tail = source.end(time.monotonic())
                 if not sealed:
@@ -367,9 +367,22 @@ class Responder:
             ex.fail(result.error_kind, result.error_message or result.error_kind)
 
 
-async def relay(reply: Reply, pipe: Pipe, read: Read) -> None:
-    """Relay `pipe`'s body through `read`, the client's flow routed to it meanwhile."""
-    reply.flow = pipe.flow
+async def relay(reply: Reply, pipe: Pipe, read: Read, ex: Exchange | None = None) -> None:
+    """Relay `pipe`'s body through `read`, the client's flow routed to it meanwhile (and
+    told to the exchange `ex`, whose stall watch must not take a stream its client holds
+    back for an engine's silence)."""
+    if ex is None:
+        reply.flow = pipe.flow
+    else:
+        pipe_flow, monotonic = pipe.flow, time.monotonic
+
+        def flow(paused: bool) -> None:
+            ex.client_flow(paused, monotonic())
+            pipe_flow(paused)
+
+        reply.flow = flow
+        if pipe.out.paused:
+            ex.client_flow(True, monotonic())
     try:
         await pipe.run(read)
     finally:

@@ -48,6 +48,19 @@ class Exchange:
     #: Requests of this upstream and model in flight when it was admitted, itself
     #: included (the decode batch it joined; 0 until admitted).
     batch: int = 0
+    #: The client's flow while the answer is relayed (the stall watcher reads them): since
+    #: when the client holds the stream back (it stopped reading; None while it reads),
+    #: and when it last caught up.
+    held_since: float | None = None
+    released: float | None = None
+
+    def client_flow(self, paused: bool, now: float) -> None:
+        """The client stopped reading (`paused`) or caught up again, at `now`."""
+        if paused:
+            if self.held_since is None:
+                self.held_since = now
+        elif self.held_since is not None:
+            self.held_since, self.released = None, now
 
     @property
     def upstream_name(self) -> str:

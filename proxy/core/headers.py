@@ -28,6 +28,27 @@ IDENTITY = (b"accept-encoding", b"identity")
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}
 
 
+def via(instance: str) -> tuple[bytes, bytes]:
+    """The ``Via`` field this proxy adds to each request it sends upstream (RFC 9110
+    §7.6.3: an intermediary names itself there, a pseudonym allowed): ``1.1
+    phasewatch-<instance>``. The one header the proxy adds of its own, and why: a request
+    that comes back with it (an upstream that leads back to this proxy, through others or
+    not) is a loop, cut on arrival (:func:`looped`) instead of fanning out until every
+    connection is spent."""
+    return b"via", b"1.1 phasewatch-" + instance.encode("ascii")
+
+
+def looped(scope_headers: Iterable[tuple[bytes, bytes]], mine: bytes) -> bool:
+    """Whether a request's ``Via`` fields name this proxy (`mine`: its :func:`via` value):
+    it was sent by this proxy and came back."""
+    for k, v in scope_headers:
+        if k == b"via" and mine in v:
+            for hop in v.split(b","):
+                if hop.strip() == mine:
+                    return True
+    return False
+
+
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     tokens: set[bytes] = set()
     for k, v in headers:

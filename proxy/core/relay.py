@@ -16,6 +16,7 @@ its record (:mod:`proxy.measure.recorder`, which counts every error kind).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -37,7 +38,15 @@ from .budget import Body, BodyBudget, ClientGone, OverBudget, Stalled, TooLarge
 from .clients import Clients
 from .errors import ErrorShape, UpstreamFailure, describe
 from .exchange import Exchange
-from .headers import IDENTITY, Headers, content_length, request_id, response_headers
+from .headers import (
+    IDENTITY,
+    Headers,
+    content_length,
+    looped,
+    request_id,
+    response_headers,
+    via,
+)
 from .limited import LimitedLog
 from .peek import reduced
 from .pipe import Pipe
@@ -59,6 +68,14 @@ UNAUTHENTICATED = Refusal(
     headers=((b"www-authenticate", b'Bearer realm="phasewatch"'),),
     counted=False,
     quiet=True,
+)
+#: A request that came back to the proxy that sent it (its Via names this proxy).
+LOOP = Refusal(
+    508,
+    "loop detected: this request was sent by this phasewatch and came back to it (its Via "
+    "header names this proxy): an upstream leads back to the proxy; check --upstream",
+    "loop_detected",
+    reason="loop",
 )
 #: After SIGTERM: in-flight requests finish, new measured ones are refused.
 DRAINING = Refusal(503, "phasewatch is shutting down", "unavailable", quiet=True)
@@ -91,7 +108,11 @@ class Relay:
         limited_log = LimitedLog(log)
         self.router = Router(upstreams, options.admin_api)
         self.refusals = Refusals(recorder.metrics, limited_log)
-        self.call = UpstreamCall(self.access, limited_log)
+        #: The Via field this process adds upstream, and checks on arrival: a loop is
+        #: cut at once (a random name per process: a loop through the workers of one
+        #: proxy ends after at most one pass through each).
+        self.via = via(secrets.token_hex(6))
+        self.call = UpstreamCall(self.access, limited_log, self.via)
         self.responder = Responder(log, limited_log, options)
 
     def busy(self) -> int:
@@ -100,6 +121,9 @@ class Relay:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
+        if looped(headers, self.via[1]):
+            await self.refusals.refuse(Reply(send), LOOP)
+            return
         try:
             key_client = self.access.client(headers, peer=peer_of(scope))
         except Throttled as exc:

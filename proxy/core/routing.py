@@ -1,6 +1,9 @@
 """Routing: where a request goes, read from its path and a peek at the model it names.
 
-Model-management requests are refused first where ``--admin-api`` says so. With one
+Model-management requests are refused first where ``--admin-api`` says so: an engine's
+admin paths, and an ordinary request whose body asks the engine to unload its model
+(Ollama's ``keep_alive: 0``): refused rather than stripped, since a request is never
+silently altered. With one
 upstream everything else goes to it. With several: a model list is answered by the
 proxy itself (every upstream's merged, :mod:`proxy.core.catalog`); a request that acts
 on an engine's own API (Ollama's ``/api/``) goes to an upstream of that engine; any
@@ -15,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..engines import MODEL_FIELDS, is_admin_path, native_api
+from ..engines import MODEL_FIELDS, UNLOAD_FIELDS, is_admin, native_api, unload_field
 from ..fleet.pool import PoolDown
 from . import catalog
 from .refusals import RETRY_AFTER, Refusal, Refused
@@ -50,13 +53,13 @@ class Router:
         large body's bounded reduction: proxy.core.peek)."""
         if not self.upstreams.probed:  # only the first requests after start
             await self.upstreams.wait_probed()
-        if (
-            self.admin_api != "allow"
-            and method not in ("GET", "HEAD")
-            and is_admin_path(path)
-            and (self.admin_api == "deny" or key_client != "")
-        ):
-            raise Refused(self._admin_refusal(path))
+        if self.admin_api != "allow" and (self.admin_api == "deny" or key_client != ""):
+            if is_admin(method, path):
+                raise Refused(self._admin_refusal(path))
+            if method == "POST" and path in UNLOAD_FIELDS and b"keep_alive" in body:
+                field_name = unload_field(path, _json(body))
+                if field_name is not None:
+                    raise Refused(self._admin_refusal(path, field_name))
         ups = self.upstreams
         if len(ups.all) == 1:
             return Route(ups.all[0])
@@ -87,11 +90,16 @@ class Router:
             ) from None
         return Route(upstream, chain)
 
-    def _admin_refusal(self, path: str) -> Refusal:
+    def _admin_refusal(self, path: str, field_name: str = "") -> Refusal:
         how = "with a proxy key that names no client" if self.admin_api == "keyed" else ""
+        what = (
+            f"{field_name} 0 on {path[:100]} unloads the engine's model"
+            if field_name
+            else f"{path[:100]} manages the engine's models"
+        )
         return Refusal(
             403,
-            f"{path[:100]} manages the engine's models; phasewatch refuses it "
+            f"{what}; phasewatch refuses it "
             f"(--admin-api {self.admin_api}{': allowed only ' + how if how else ''})",
             "permission_denied",
             "admin_api",
@@ -100,12 +108,17 @@ class Router:
         )
 
 
-def peek_model(body: bytes) -> str | None:
-    """The model a request body names, if it is a JSON object that names one."""
+def _json(body: bytes) -> object:
+    """A request body as JSON, or None where it is not."""
     try:
-        obj = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
+
+
+def peek_model(body: bytes) -> str | None:
+    """The model a request body names, if it is a JSON object that names one."""
+    obj = _json(body)
     if not isinstance(obj, dict):
         return None
     # the first of the engines' model fields present counts (Ollama's older "name")

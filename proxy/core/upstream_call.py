@@ -32,9 +32,13 @@ Moving = Callable[[Upstream, UpstreamFailure], Awaitable[None]]
 class UpstreamCall:
     """Sends requests upstream (see the module's docstring)."""
 
-    def __init__(self, access: Access, limited_log: LimitedLog) -> None:
+    def __init__(
+        self, access: Access, limited_log: LimitedLog, via: tuple[bytes, bytes] | None = None
+    ) -> None:
         self.access = access
         self.limited_log = limited_log
+        #: This proxy's ``Via`` field, added to every request sent (proxy.core.headers.via).
+        self.via = via
 
     async def open_route(
         self,
@@ -88,6 +92,8 @@ class UpstreamCall:
         if extra:
             names = {k for k, _ in extra}
             headers = [h for h in headers if h[0] not in names] + extra
+        if self.via is not None:
+            headers.append(self.via)
         where = f"upstream {upstream.name} ({upstream.url})"
         method = scope["method"].upper()  # as httpx's Request has it
         try:

@@ -125,6 +125,41 @@ def is_admin_path(path: str) -> bool:
     return any(path.startswith(p + "/") for p in ADMIN_PATHS)
 
 
+#: Admin paths whose GET and HEAD manage too, over every engine.
+ADMIN_READS: frozenset[str] = frozenset(p for e in ENGINES.values() for p in e.admin_reads)
+#: Generation paths -> the field whose zero unloads the model, over every engine.
+UNLOAD_FIELDS: dict[str, str] = {p: f for e in ENGINES.values() for p, f in e.unload_fields.items()}
+
+
+def is_admin(method: str, path: str) -> bool:
+    """Whether a request of `method` to `path` manages an engine: an admin path's
+    non-reading methods, and every method of the paths whose reads act too."""
+    if method in ("GET", "HEAD"):
+        return path in ADMIN_READS or any(path.startswith(p + "/") for p in ADMIN_READS)
+    return is_admin_path(path)
+
+
+def unload_field(path: str, obj: object) -> str | None:
+    """The field of request body `obj` (parsed JSON) to `path` that asks the engine to
+    unload its model (zero, as a number or a duration: ``0``, ``"0"``, ``"0s"``), or
+    None."""
+    name = UNLOAD_FIELDS.get(path)
+    if name is None or not isinstance(obj, dict) or name not in obj:
+        return None
+    value = obj[name]
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return name if value == 0 else None
+    if isinstance(value, str):
+        text = value.strip().lower().rstrip("hmsun")  # 0, 0s, 0m, 0h, 0ms, 0us, 0ns
+        try:
+            return name if text and float(text) == 0 else None
+        except ValueError:
+            return None
+    return None
+
+
 def get_dialect(name: str) -> Dialect:
     """A dialect instance by engine name (``vllm``, ``openai`` ...)."""
     try:
@@ -199,8 +234,10 @@ __all__ = [
     "engine_names",
     "find_tokenizer",
     "get_dialect",
+    "is_admin",
     "is_admin_path",
     "listed_context",
     "native_api",
     "served_file",
+    "unload_field",
 ]

@@ -429,6 +429,11 @@ class Dialect(Protocol):
     health_path: ClassVar[str]
     #: Model-management paths (and the paths under them), for --admin-api.
     admin_paths: ClassVar[frozenset[str]]
+    #: Those of them whose GET and HEAD manage too (a fetch on the engine's host).
+    admin_reads: ClassVar[frozenset[str]]
+    #: Generation paths -> the request field whose zero unloads the model (an admin
+    #: action in an ordinary request's body, refused as one by --admin-api).
+    unload_fields: ClassVar[dict[str, str]]
     #: Its own ``/metrics`` samples of requests running and waiting, and of tokens
     #: generated (a counter): how a client sees load that is not its own (the bench).
     busy_gauges: ClassVar[tuple[str, ...]]

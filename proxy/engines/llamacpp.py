@@ -152,6 +152,9 @@ class LlamaCppDialect(OpenAIDialect):
     admin_paths: ClassVar[frozenset[str]] = frozenset(
         {"/lora-adapters", "/slots", "/props", "/models", "/tools", "/cors-proxy"}
     )
+    #: The web UI's CORS proxy fetches any URL it is given from the engine's host, GET
+    #: included.
+    admin_reads: ClassVar[frozenset[str]] = frozenset({"/cors-proxy"})
     answers_any_model: ClassVar[bool] = True
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"

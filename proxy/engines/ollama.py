@@ -153,6 +153,10 @@ class OllamaDialect(OpenAIDialect):
     admin_paths: ClassVar[frozenset[str]] = frozenset(
         {"/api/copy", "/api/delete", "/api/pull", "/api/create", "/api/push", "/api/blobs"}
     )
+    #: ``keep_alive: 0`` unloads the model once the request is answered.
+    unload_fields: ClassVar[dict[str, str]] = {
+        p: "keep_alive" for p in ("/api/generate", "/api/chat", "/api/embed", "/api/embeddings")
+    }
     #: llama.cpp's default cache type (OLLAMA_KV_CACHE_TYPE / --cache-type-k f16)
     kv_default_dtype: ClassVar[str | None] = "fp16"
     empty_stream_options_is_usage: ClassVar[bool] = False

@@ -65,6 +65,8 @@ class OpenAIDialect:
     #: Paths (and what is under them) that manage the engine's models rather than use
     #: them: refused or allowed by --admin-api. A generic server has none known.
     admin_paths: ClassVar[frozenset[str]] = frozenset()
+    admin_reads: ClassVar[frozenset[str]] = frozenset()
+    unload_fields: ClassVar[dict[str, str]] = {}
     endpoints: ClassVar[dict[str, str]] = {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",

@@ -85,6 +85,9 @@ class UpstreamOptions:
     health_interval: float = 1.0
     #: Longest wait between probes of a down (ejected) upstream.
     health_backoff_max: float = 2.0
+    #: Longest hold of an upstream whose probe answers but whose real requests fail
+    #: again on trial: each such ejection doubles the hold, up to this.
+    eject_backoff_max: float = 30.0
     #: Seconds one health probe may take.
     health_timeout: float = 2.0
     #: 5xx answers in a row that eject an upstream (0: never on status alone).
@@ -210,6 +213,8 @@ class Upstream:
         #: sends new requests elsewhere, readiness reports the reason.
         self.stalled = 0
         self.stall_reason: str | None = None
+        #: Streams held back by their own clients (never stalls), from the same scan.
+        self.client_held = 0
         #: How many of them per model label (the decode batch a request joins).
         self.active_by_model: dict[str, int] = {}
 
@@ -406,13 +411,18 @@ class Upstream:
     def eject(self, kind: str, reason: str) -> None:
         """Mark the upstream down at once (a refused connection, a failed request); it is
         probed back after a backoff. `kind` is the bounded label of the counter."""
-        was = self.up
+        was, on_trial = self.up, self.trial
         self._set_up(False, reason)
         self.trial = False
         if was is not False:
             self.metrics.upstream_ejections_total.labels(self.name, kind).inc()
             self._ejections += 1
-            longest = self.options.health_backoff_max
+            # failed again on trial, its probe passing: real traffic is what fails, and
+            # a 5xx cannot be retried elsewhere, so it is tried less and less often
+            longest = max(
+                self.options.health_backoff_max,
+                self.options.eject_backoff_max if on_trial else 0.0,
+            )
             hold = min(BACKOFF_START * 2 ** min(self._ejections - 1, 16), longest)
             self._down_backoff = max(self._down_backoff, hold)
         # jittered, so members ejected together do not all come back at one moment

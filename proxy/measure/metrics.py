@@ -267,7 +267,9 @@ class Metrics:
             "head_too_large (431), header_timeout (408 or closed), body_too_large (413), "
             "body_memory (503, --max-body-memory), body_timeout (408), bad_path (400), "
             "upgrade (501), pipeline_full (429), trailers_too_large (431), admin_api (403), "
-            "pool_down (503), bad_chunked (400, a malformed chunked body); and "
+            "pool_down (503), bad_chunked (400, a malformed chunked body), loop (508, a "
+            "request that came back to the proxy that sent it), too_many_headers (431, "
+            "--max-header-fields), bad_version (505); and "
             "stalled_stream (an answer closed past --max-stalled-streams).",
             ("reason",),
             registry=r,
@@ -650,6 +652,14 @@ class Metrics:
             ("upstream",),
             registry=r,
             multiprocess_mode="livemax",
+        )
+        self.client_held_streams = Gauge(
+            PREFIX + "client_held_streams",
+            "Streams in flight to the upstream held back by their own client (it stopped "
+            "reading, so the proxy paused reading the engine): never counted as stalled.",
+            ("upstream",),
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.stalls_total = Counter(
             PREFIX + "stalls",

@@ -316,7 +316,8 @@ class Cycle:
             conn.real.write(body)
         if more_body:
             return
-        if answer.left != 0:
+        if answer.left != 0 and not conn.closing():
+            # (a connection closing already took no body bytes: nothing was short)
             raise RuntimeError("Response content shorter than Content-Length")
         self.response_complete = True
         answer.open = False
@@ -329,7 +330,8 @@ class Cycle:
 
     async def receive(self) -> dict[str, Any]:
         conn = self.conn
-        if self.waiting_for_100_continue and not conn.closing():
+        if self.waiting_for_100_continue and self.more_body and not conn.closing():
+            # (only when a body is still to come: one that announced none is answered)
             conn.real.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:

@@ -46,6 +46,24 @@ def head_too_large(max_head_bytes: int, trailers: bool) -> bytes:
     )
 
 
+def too_many_fields(max_header_fields: int) -> bytes:
+    return refusal(
+        431,
+        b"Request Header Fields Too Large",
+        f"request head with more than {max_header_fields} header fields (--max-header-fields)",
+        "request_header_too_large",
+    )
+
+
+def bad_version() -> bytes:
+    return refusal(
+        505,
+        b"HTTP Version Not Supported",
+        "only HTTP/1.1 and HTTP/1.0 requests are served",
+        "http_version_not_supported",
+    )
+
+
 def head_timeout(header_timeout: float) -> bytes:
     return refusal(
         408,

@@ -9,6 +9,12 @@ before any application code runs:
   read field by field, the rest of it as raw bytes), however many pipelined requests one
   read holds; past the limit the client gets a 431 in that request's turn and the
   connection is closed, having cost at most the limit (plus one socket read);
+- a **header-field limit** (``--max-header-fields``, 100 like Apache's): a head of many
+  small fields within the byte limit still costs a parse and a header list per field in
+  every layer after it; past the limit the client gets a 431 (``too_many_headers``);
+- an **HTTP version** other than 1.0 and 1.1 (an HTTP/0.9 request line, ``HTTP/0.9`` or
+  ``HTTP/2.0`` spelt out) gets a 505 (``bad_version``): it is never relayed as a request
+  of a version it is not;
 - the same limit for a chunked body's **trailer section**, whose fields are dropped (the
   engine never receives them as headers) (``trailers_too_large``: a 431, or only the
   close when the request is answered already);
@@ -33,8 +39,14 @@ before any application code runs:
 - a **keep-alive deadline** (uvicorn's ``timeout_keep_alive``, 5 s): an idle connection
   is closed, with one timer a connection rather than one an answer.
 
-Upgrade requests stay HTTP requests (a websocket one gets a 501 from the application);
-the parser reads nothing after one, so such a connection closes after its answer.
+Upgrade requests stay HTTP requests (a websocket one gets a 501 from the application): the
+upgrade is declined and the request served as HTTP/1.1, its body included (``Upgrade:
+h2c`` on a POST, as ``curl --http2`` sends it): the parser stops at an upgrade request's
+head, so its announced body is read by a parser of its own (:class:`_DeclinedBody`).
+Nothing after it is parsed, so such a connection closes after its answer.
+
+``Expect: 100-continue`` gets its interim ``100 Continue`` only when a body is still to
+come: a request that announces none is answered at once.
 
 And how a connection ends:
 
@@ -103,6 +115,7 @@ class Http1Protocol(asyncio.Protocol):
     :func:`guarded_protocol` makes the class for one server, with its limits."""
 
     max_head_bytes = 64 * 1024
+    max_header_fields = 100
     header_timeout = 10.0
     #: Requests read ahead of the one being answered, and bytes held unparsed beyond them.
     max_pipelined_requests = 16
@@ -154,6 +167,9 @@ class Http1Protocol(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.expect_100_continue = False
+        #: an upgrade request with a body, declined: its body parser (see the module)
+        self.declined: _DeclinedBody | None = None
+        self.declining = False  # its head is complete, its body not yet read
         # the guards
         self.in_head = True  # the next bytes belong to a request head
         self.head_open = False  # a head's first bytes are parsed, not yet its end
@@ -222,6 +238,9 @@ class Http1Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering or self.stopped:
             return  # the answer is out, or the connection refused: what arrives is dropped
+        if self.declined is not None:
+            self.declined.feed(data)
+            return
         if self.held:
             # reading is paused while bytes are held; a loop that still delivers some
             # keeps within the same bound
@@ -336,6 +355,9 @@ class Http1Protocol(asyncio.Protocol):
         while pos < end:
             if self.stopped or self.lingering or self.real.is_closing():
                 return
+            if self.declined is not None:  # the rest is the declined upgrade's body
+                self.declined.feed(view[pos:])
+                return
             running = self.running
             busy = bool(self.pipeline) or (
                 running is not None and not running.response_complete and not running.disconnected
@@ -368,8 +390,21 @@ class Http1Protocol(asyncio.Protocol):
         self.idle_since = None  # bytes came: not idle (the keep-alive timer finds that)
         try:
             self.parser.feed_data(piece)
-        except httptools.HttpParserUpgrade:
-            self.stopped = True  # nothing after an upgrade request is HTTP (see below)
+        except httptools.HttpParserUpgrade as exc:
+            if not self.declining:
+                self.stopped = True  # nothing after an upgrade request is HTTP (see below)
+                return
+            # an upgrade declined: its body follows the head (see the module)
+            self.declining = False
+            framing = (
+                b"transfer-encoding: chunked\r\n"
+                if self.body_left is None
+                else b"content-length: %d\r\n" % self.body_left
+            )
+            self.declined = _DeclinedBody(self, framing)
+            at = int(exc.args[0]) if exc.args else len(piece)
+            if at < len(piece):
+                self.declined.feed(piece[at:])
         except httptools.HttpParserError:
             if self.stopped:
                 return  # refused from a callback: answered already
@@ -418,6 +453,9 @@ class Http1Protocol(asyncio.Protocol):
             # a trailer field: counted like a head, never merged into the request's
             # headers (the engine would receive it as one): dropped
             return
+        if len(self.headers) >= self.max_header_fields:
+            self._refuse_fields()
+            raise _Refused
         name = name.lower()
         value = value.rstrip(b" \t")  # the parser keeps trailing whitespace: not the value's
         if name == b"expect" and value.lower() == b"100-continue":
@@ -452,6 +490,9 @@ class Http1Protocol(asyncio.Protocol):
             path = urllib.parse.unquote(path)
         root = self.root_path
         http_version = parser.get_http_version()
+        if http_version not in ("1.1", "1.0"):
+            self._refuse_version(http_version)
+            raise _Refused
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -468,11 +509,15 @@ class Http1Protocol(asyncio.Protocol):
             "query_string": url.query or b"",
         }
         keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        self.body_left = content_length(self.headers)
         if parser.should_upgrade():
             # the parser reads nothing after an upgrade request it does not switch to:
-            # this connection can carry no further request
+            # this connection can carry no further request; a body it announced is read
+            # by a parser of its own (see the module)
             keep_alive = False
-        self.body_left = content_length(self.headers)
+            self.declining = bool(self.body_left) or (
+                self.body_left is None and _chunked(self.headers)
+            )
         before = self.cycle
         cycle = self.cycle = Cycle(self, scope, keep_alive, self.expect_100_continue)
         if before is None or before.response_complete:
@@ -513,6 +558,8 @@ class Http1Protocol(asyncio.Protocol):
         self.head_bytes = 0
 
     def on_message_complete(self) -> None:
+        if self.declining:
+            return  # (the parser skips an upgrade request's body: it is yet to be read)
         self.in_trailers = False
         self.raw = False
         self.head_bytes = 0
@@ -634,6 +681,26 @@ class Http1Protocol(asyncio.Protocol):
             guards.head_too_large(self.max_head_bytes, trailers),
             self.cycle if trailers else None,
         )
+
+    def _refuse_fields(self) -> None:
+        self.on_reject("too_many_headers")
+        self.refusals.warning(
+            "too_many_headers",
+            "refused a request head of more than %d header fields from %s (--max-header-fields)",
+            self.max_header_fields,
+            guards.peer(self.client),
+        )
+        self._refuse(guards.too_many_fields(self.max_header_fields), None)
+
+    def _refuse_version(self, version: str) -> None:
+        self.on_reject("bad_version")
+        self.refusals.warning(
+            "bad_version",
+            "refused a request of HTTP version %r from %s (only HTTP/1.0 and 1.1 are served)",
+            version[:8],
+            guards.peer(self.client),
+        )
+        self._refuse(guards.bad_version(), None)
 
     def _refuse_body(self) -> None:
         """The parser rejected the body (or trailer section) of the request read last: a
@@ -777,6 +844,7 @@ def guarded_protocol(
     max_pipelined_requests: int = 16,
     max_pipelined_bytes: int = 64 * 1024,
     max_stalled_streams: int = 64,
+    max_header_fields: int = 100,
 ) -> type[Http1Protocol]:
     """The protocol class for one server, with its limits and its refusal counter (and a
     stalled-stream table of its own)."""
@@ -785,6 +853,7 @@ def guarded_protocol(
         (Http1Protocol,),
         {
             "max_head_bytes": max_head_bytes,
+            "max_header_fields": max_header_fields,
             "header_timeout": header_timeout,
             "max_pipelined_requests": max_pipelined_requests,
             "max_pipelined_bytes": max_pipelined_bytes,
@@ -794,3 +863,45 @@ def guarded_protocol(
             "refusals": LimitedLog(log),
         },
     )
+
+
+def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k == b"transfer-encoding" and b"chunked" in v.lower() for k, v in headers)
+
+
+class _DeclinedBody:
+    """The body of an upgrade request whose upgrade is declined: httptools skips the body
+    of a request it takes for an upgrade, so the bytes after its head are parsed here, by
+    a parser of their own given the request's framing; what it reads goes to the
+    connection's own body callbacks (its flow control, limits and trailer guard with it).
+    The connection carries nothing after this request."""
+
+    __slots__ = ("conn", "parser")
+
+    def __init__(self, conn: Http1Protocol, framing: bytes) -> None:
+        self.conn = conn
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n")
+
+    def feed(self, data: bytes | memoryview) -> None:
+        conn = self.conn
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if not conn.stopped:
+                conn._refuse_body()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.conn.on_header(name, value)  # (a trailer field: counted, dropped)
+
+    def on_body(self, body: bytes) -> None:
+        self.conn.on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self.conn.on_chunk_header()
+
+    def on_message_complete(self) -> None:
+        conn = self.conn
+        conn.declined = None
+        conn.stopped = True  # nothing after it is parsed: the connection closes
+        conn.on_message_complete()

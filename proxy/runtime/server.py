@@ -110,6 +110,7 @@ def guard(config: uvicorn.Config, app: ProxyApp) -> uvicorn.Config:
         max_pipelined_requests=limits.max_pipelined_requests,
         max_pipelined_bytes=limits.max_pipelined_bytes,
         max_stalled_streams=limits.max_stalled_streams,
+        max_header_fields=limits.max_header_fields,
     )
     return config
 

@@ -198,6 +198,8 @@ class StatusPage:
                     # streams whose output stopped (proxy.services.stall)
                     "stalled": u.stalled,
                     "stall_reason": u.stall_reason,
+                    # streams whose clients stopped reading: not stalls
+                    "client_held": u.client_held,
                     "watts": sum(g["watts"] for g in rep.gpus if u.name in g["upstream"].split("+"))
                     if rep.gpus
                     else None,

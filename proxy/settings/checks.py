@@ -101,6 +101,31 @@ _ENDPOINTS = (
 )
 
 
+#: Names and addresses of this host's loopback interface.
+_LOOPBACK = ("localhost", "::1", "0.0.0.0", "::")
+
+
+def _loopback(host: str) -> bool:
+    return host in _LOOPBACK or host.startswith("127.") or host.endswith(".localhost")
+
+
+def own_address(url: str, host: str, port: int) -> bool:
+    """Whether the upstream `url` is the address a proxy listening on `host`:`port` serves:
+    the same port at the same host, or at any loopback address where the proxy listens on
+    loopback or on every address. A loop this cannot see (another name of this host, a
+    proxy in between) is cut on arrival (the relay's ``Via`` check)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or port == 0:  # (the proxy serves plain HTTP)
+        return False
+    target = (parts.hostname or "").lower()
+    if (parts.port or 80) != port:
+        return False
+    listening = host.strip("[]").lower()
+    if target == listening:
+        return True
+    return _loopback(target) and (_loopback(listening) or listening in ("", "0.0.0.0", "::"))
+
+
 def endpoint_part(path: str) -> str:
     """The endpoint part of an upstream URL's path (``/v1/chat/completions``, any ``/v1/…``,
     Ollama's ``/api/chat``), or "" for a base path."""

@@ -224,6 +224,12 @@ class Settings(BaseSettings):
         description="Largest request head (request line and headers) accepted (431 "
         "beyond), checked before any other work.",
     )
+    max_header_fields: int = Field(
+        100,
+        ge=8,
+        description="Most header fields a request head may have (431 beyond), however "
+        "small: a head of thousands of tiny fields costs a field's work in every layer.",
+    )
     header_timeout: float = Field(
         10.0,
         gt=0,
@@ -444,6 +450,13 @@ class Settings(BaseSettings):
         gt=0,
         description="Longest wait between probes of a down (ejected) upstream; the wait "
         "starts at 0.25 s and doubles.",
+    )
+    eject_backoff_max: float = Field(
+        30.0,
+        gt=0,
+        description="Longest an upstream is held out after its trial request failed "
+        "again (its probe answers, its real requests fail): each such ejection doubles "
+        "the hold, from 0.25 s, up to this.",
     )
     health_timeout: float = Field(
         2.0, gt=0, description="Seconds one health probe may take before it counts as failed."

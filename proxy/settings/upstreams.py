@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from ..engines import ENGINES
 from ..fleet.upstream import UpstreamSpec
 from ..transport import TLSOptions
-from .checks import parse_upstream, readable_files
+from .checks import own_address, parse_upstream, readable_files
 
 if TYPE_CHECKING:
     from .model import Settings
@@ -60,6 +60,13 @@ def upstream_specs(s: Settings) -> tuple[list[UpstreamSpec], list[str]]:
             raise ValueError(
                 f"--upstream-key: no upstream is named {name!r} (upstreams: "
                 f"{', '.join(sorted(names))})"
+            )
+    for each in specs:
+        if own_address(each.url, s.host, s.port):
+            raise ValueError(
+                f"--upstream {each.url} is this proxy's own address (it listens on "
+                f"{s.host} port {s.port}): every request would come back to it, a loop. "
+                "Give the engine's address"
             )
     return specs, notes
 

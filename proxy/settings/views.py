@@ -29,6 +29,7 @@ class ServerLimits:
 
     max_head_bytes: int
     header_timeout: float
+    max_header_fields: int
     max_pipelined_requests: int
     max_pipelined_bytes: int
     max_stalled_streams: int
@@ -51,6 +52,7 @@ def server_limits(s: Settings) -> ServerLimits:
     return ServerLimits(
         max_head_bytes=s.max_head_bytes,
         header_timeout=s.header_timeout,
+        max_header_fields=s.max_header_fields,
         max_pipelined_requests=s.max_pipelined_requests,
         max_pipelined_bytes=s.max_pipelined_bytes,
         max_stalled_streams=s.max_stalled_streams,
@@ -93,6 +95,7 @@ def upstream_options(s: Settings) -> UpstreamOptions:
         ),
         health_interval=s.health_interval,
         health_backoff_max=s.health_backoff_max,
+        eject_backoff_max=s.eject_backoff_max,
         health_timeout=s.health_timeout,
         eject_after_5xx=s.eject_after_5xx,
     )

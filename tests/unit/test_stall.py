@@ -14,7 +14,7 @@ from proxy.fleet.upstream import Upstream, UpstreamOptions, UpstreamSpec
 from proxy.fleet.upstreams import Upstreams
 from proxy.measure.metrics import Metrics
 from proxy.measure.timeline import Figures, Marks
-from proxy.services.stall import BYTES_PER_TOKEN, StallOptions, StallWatch
+from proxy.services.stall import BYTES_PER_TOKEN, FALLBACK_PREFILL_TPS, StallOptions, StallWatch
 
 T0 = 1000.0
 
@@ -40,12 +40,18 @@ def stream(u: Upstream, sent: float, prompt_bytes: int = 100, rid: str = "r") ->
     return ex
 
 
-def learn(watch: StallWatch, u: Upstream, prefill_tps: float | None, itl: float | None) -> None:
-    """A finished request that taught the watch the upstream's rates."""
+def learn(
+    watch: StallWatch,
+    u: Upstream,
+    prefill_tps: float | None,
+    itl: float | None,
+    prompt_tokens: int = 100_000,
+) -> None:
+    """A finished request of `prompt_tokens` that taught the watch the upstream's rates."""
     ex = stream(u, T0 - 100)
     u.active.discard(ex)
     ex.marks.t_first = ex.marks.t_last = T0 - 90
-    f = Figures()
+    f = Figures(prompt_tokens=prompt_tokens)
     if prefill_tps is not None:
         f.prefill_tps["proxy"] = prefill_tps
     if itl is not None:
@@ -96,6 +102,51 @@ def test_a_long_prompt_gets_its_prefill_allowance():
     watch.scan(T0 + allowed - 1)
     assert a.stalled == 0
     watch.scan(T0 + allowed + 1)
+    assert a.stalled == 1
+
+
+def test_a_rate_learnt_on_short_prompts_does_not_judge_a_long_one():
+    watch, _, (a, _b) = setup(stall_floor=3.0, stall_prefill_factor=4.0)
+    for _ in range(3):  # tiny prompts, prefilled at once: a very fast rate
+        learn(watch, a, prefill_tps=500_000.0, itl=0.02, prompt_tokens=1000)
+    stream(a, T0, prompt_bytes=400_000)  # some 100k tokens: a band not measured yet
+    watch.scan(T0 + 60)  # the tiny prompts' rate would allow it about 3 s
+    assert a.stalled == 0
+    # the slow fallback rate for it, until its band is measured
+    allowed = 4.0 * (400_000 / BYTES_PER_TOKEN) / FALLBACK_PREFILL_TPS
+    watch.scan(T0 + allowed - 1)
+    assert a.stalled == 0
+    watch.scan(T0 + allowed + 1)
+    assert a.stalled == 1
+    # a short prompt is judged by the short prompts' rate (and the floor)
+    b_watch, _, (c, _d) = setup(stall_floor=3.0)
+    learn(b_watch, c, prefill_tps=500_000.0, itl=0.02, prompt_tokens=1000)
+    stream(c, T0, prompt_bytes=3000)
+    b_watch.scan(T0 + 4)
+    assert c.stalled == 1
+
+
+def test_a_stream_its_client_holds_back_is_not_stalled_and_counted_apart():
+    watch, metrics, (a, _b) = setup(stall_floor=10.0)
+    ex = stream(a, T0)
+    ex.marks.t_first = ex.marks.t_last = T0 + 1
+    ex.client_flow(True, T0 + 2)  # the client stopped reading
+    watch.scan(T0 + 100)
+    assert a.stalled == 0 and gauge(metrics, "phasewatch_client_held_streams", "a") == 1
+    assert not metrics.registry.get_sample_value(
+        "phasewatch_stalls_total", {"upstream": "a", "phase": "decode"}
+    )
+    # a request queued beside it is not taken for a stall of a silent engine either
+    stream(a, T0 + 50, rid="queued")
+    watch.scan(T0 + 100)
+    assert a.stalled == 0
+    a.active.clear()
+    a.active.add(ex)
+    # caught up: its silence counts from then
+    ex.client_flow(False, T0 + 100)
+    watch.scan(T0 + 109)
+    assert a.stalled == 0 and gauge(metrics, "phasewatch_client_held_streams", "a") == 0
+    watch.scan(T0 + 111)
     assert a.stalled == 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -121,6 +122,10 @@ def test_exactly_the_clients_end_to_end_headers_reach_the_engine():
         s.close()
         assert head.startswith(b"HTTP/1.1 200 ")
         (req,) = engine.posts()
+    # the client's end-to-end headers, with the framing and Host, and the proxy's one
+    # field of its own: Via, naming it (a request that comes back with it is a loop)
+    via = req.headers.pop(3)
+    assert via[0] == "via" and re.fullmatch(r"1\.1 phasewatch-[0-9a-f]{12}", via[1]), via
     assert req.headers == [
         ("Host", engine.url.removeprefix("http://")),
         ("content-type", "application/json"),

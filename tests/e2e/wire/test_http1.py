@@ -88,8 +88,10 @@ def test_answers_are_framed_and_connections_end_as_clients_expect():
         b"d\r\nGET /old [] 0\r\n0\r\n\r\n"
     )
     assert got["length"] == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
-    cont, rest = got["continue"].split(b"\r\n\r\n", 1)
-    assert cont == b"HTTP/1.1 100 Continue" and rest.endswith(b"POST /e [] 2\r\n0\r\n\r\n"), rest
+    # the body came with the head: no interim 100 (a server may omit it once the body is
+    # there); one that waits for it gets it (test_hostile_fourth_wire.py)
+    cont = got["continue"]
+    assert cont.startswith(b"HTTP/1.1 200 OK") and cont.endswith(b"POST /e [] 2\r\n0\r\n\r\n"), cont
     assert got["fail"].startswith(b"HTTP/1.1 500 Internal Server Error\r\n")
     assert got["fail"].endswith(b"connection: close\r\n\r\nInternal Server Error")
     assert got["cut"].endswith(b"4\r\npart\r\n"), got["cut"]  # closed, never completed
