@@ -254,11 +254,6 @@ def test_each_replica_reads_every_joule_and_its_ledger_adds_up(fleet: Fleet):
     assert abs(both / truth - REPLICAS) < 0.06, (both, truth)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the energy ledger to divide each counter step by the engine's running "
-    "count (issue 50 item 1, branch w-ledger): remove this mark when merging it",
-)
 def test_replicas_attributed_energy_sums_to_the_gpus_busy_energy(fleet: Fleet):
     """Each replica charges only its own share of what the engine ran: summed over
     replicas, the attributed energy is what the GPUs drew while the engine ran anything
