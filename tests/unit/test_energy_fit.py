@@ -246,18 +246,11 @@ def test_the_fitter_serves_rows_and_gauges_and_the_report_reads_them_back():
     assert row["decode"]["joules_per_token"] == pytest.approx(jd, rel=1e-3)
     assert row["prefill"]["watts"] == pytest.approx(PREFILL, rel=1e-3)
     assert row["prefill"]["requests"] == 40 and row["unattributed_joules"] == 0.0
-    # energy of requests phasewatch did not relay, where the ledger counts it: by GPU
-    # (the group alone on it) or by upstream
-    from prometheus_client import Counter
-
-    other = Counter(
-        "phasewatch_gpu_unattributed_energy_joules",
-        "test",
-        ("gpu", "reason"),
-        registry=fitter.metrics.registry,
-    )
-    other.labels("0", "not_relayed").inc(12.5)
-    other.labels("7", "not_relayed").inc(99.0)  # a GPU this group is not on
+    # energy of requests phasewatch did not relay, as the ledger counts it: the row's
+    # upstream's, never another upstream's
+    other = fitter.metrics.gpu_unattributed_energy_joules_total
+    other.labels(*KEY, "0", "not_relayed").inc(12.5)
+    other.labels("elsewhere", KEY[1], KEY[2], "7", "not_relayed").inc(99.0)
     assert fitter.rows()[0]["unattributed_joules"] == 12.5
     (back,) = energy_from_gauges(Samples.from_registry(fitter.metrics.registry))
     assert back["prefill"] == pytest.approx(row["prefill"])
@@ -279,3 +272,26 @@ def test_an_unstreamed_request_and_a_full_book_leave_their_steps_out(monkeypatch
     ex, f = _exchange(Work(KEY, 1.0, 1.1, 1.5, 1.5, 100, 10), stream=False)
     fitter.on_request(ex, f)
     assert fitter.works["0"][-1].first is None
+
+
+def test_steps_the_engine_shared_with_others_are_left_out():
+    """A step in which the engine also ran requests this process did not relay (another
+    replica's, a direct client's) holds work the fit cannot see: it is left out, and
+    what the fit finds on the rest is the truth still."""
+    from proxy.measure.metrics import Metrics
+    from proxy.services.power.fit import EnergyFitter
+
+    steps, works, jp, jd = synthetic(40)
+    fitter = EnergyFitter(Metrics(), _Gpus(), clock=lambda: steps[-1].b)
+    for i, s in enumerate(steps):
+        shared = i % 3 == 0
+        # a shared step carries others' energy on top of ours
+        fitter.on_step("0", s.a, s.b, s.joules * (3.0 if shared else 1.0), shared)
+    for w in works:
+        fitter.on_request(*_exchange(w))
+    kept, _ = fitter._snapshot(steps[-1].b)["0"]
+    assert fitter.shared_steps == len(range(0, len(steps), 3))
+    assert len(kept) == len(steps) - fitter.shared_steps
+    figs = fitter.fit(fitter._snapshot(steps[-1].b))
+    assert figs[KEY]["prefill"].joules_per_token == pytest.approx(jp, rel=1e-3)
+    assert figs[KEY]["decode"].joules_per_token == pytest.approx(jd, rel=1e-3)

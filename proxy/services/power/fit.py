@@ -4,7 +4,8 @@ every :data:`FIT_EVERY` s off the event loop; the rows of ``GET /phasewatch/api/
 and the ``energy_*`` gauges.
 
 The fit needs every request that ran on a GPU during a step, so it runs where the sampler
-and the requests are in one process (``--workers 1``); steps after the earliest request
+and the requests are in one process (``--workers 1``), and leaves out the steps in which
+the engine ran requests this process did not relay; steps after the earliest request
 still in flight wait until it has finished.
 """
 
@@ -47,6 +48,7 @@ class EnergyFitter:
         self.clock = clock
         self.lock = threading.Lock()
         self.steps: dict[str, collections.deque[Step]] = {}
+        self.shared_steps = 0  # steps left out: the engine ran others' requests in them
         self.works: dict[str, collections.deque[Work]] = {}
         self.figures: dict[tuple[str, str, str], dict[str, Figure]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -62,7 +64,12 @@ class EnergyFitter:
 
     # --- in ------------------------------------------------------------------------------
 
-    def on_step(self, gpu: str, a: float, b: float, joules: float) -> None:
+    def on_step(self, gpu: str, a: float, b: float, joules: float, shared: bool = False) -> None:
+        """One step of the GPU's energy; a *shared* one (the engine also ran requests this
+        process did not relay) is left out: its work is not known here."""
+        if shared:
+            self.shared_steps += 1
+            return
         with self.lock:
             q = self.steps.get(gpu)
             if q is None:

@@ -212,6 +212,10 @@ OURS_KEPT = 512
 #: The reason of energy owed to requests the engine ran and this host did not relay.
 NOT_RELAYED = "not_relayed"
 
+#: A step whose share owed to others is above this part of it is *shared*: the fit of
+#: energy per token leaves it out (its work is not all known here).
+SHARED_SHARE = 0.01
+
 #: A resolution above this (s) is too coarse for per-request figures: warned about once.
 COARSE_RESOLUTION = 2.0
 
@@ -293,9 +297,10 @@ class PowerSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._up_gauge = metrics.power_sampling_up.labels(source.name)
-        #: told each spread step of a GPU's energy (gpu, start, stop, joules): the
-        #: energy-per-token fit (:mod:`.fit`)
-        self.on_step: Callable[[str, float, float, float], None] | None = None
+        #: told each spread step of a GPU's energy (gpu, start, stop, joules, shared: the
+        #: engine ran requests this host did not relay in it): the energy-per-token fit
+        #: (:mod:`.fit`)
+        self.on_step: Callable[[str, float, float, float, bool], None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -426,6 +431,7 @@ class PowerSampler:
         joules = self._unspread.get(gpu, 0.0)
         joules += self.meters.setdefault(gpu, EnergyMeter()).step(t, watts, counter)
         spread = idle = 0.0
+        step: tuple[float, float] | None = None  # the interval spread this tick
         if counter is None:  # a power reading: held over the last poll
             if prev_t is not None:
                 # a counter that failed or was refused this tick: the energy since its
@@ -433,7 +439,7 @@ class PowerSampler:
                 since = self._since.get(gpu)
                 start = prev_t if since is None else min(since, prev_t)
                 spread, idle = joules, ring.distribute(start, t, joules)
-                self._told_step(gpu, start, t, joules)
+                step = (start, t)
                 if use == "energy_counter":
                     self._since[gpu] = t
         elif "energy_counter" in changed:  # the counter stepped: the energy since its last step
@@ -446,10 +452,12 @@ class PowerSampler:
             since = self._since.get(gpu)
             if since is not None and at > since:
                 spread, idle = joules, ring.distribute(since, at, joules)
-                self._told_step(gpu, since, at, joules)
+                step = (since, at)
             self._since[gpu] = at
         self._unspread[gpu] = joules - spread if self._since.get(gpu) is not None else 0.0
         others = ring.take_unattributed()  # owed to requests this host did not relay
+        if step is not None:
+            self._told_step(gpu, step[0], step[1], spread, others > SHARED_SHARE * spread)
         if not self.gpus.settled(gpu):
             # no series labelled with a precision not detected yet: the energy waits
             # for the labels
@@ -469,10 +477,10 @@ class PowerSampler:
             self._publish(gpu, watts, spread, idle, others, state if same else None)
         self._state[gpu] = state
 
-    def _told_step(self, gpu: str, a: float, b: float, joules: float) -> None:
+    def _told_step(self, gpu: str, a: float, b: float, joules: float, shared: bool) -> None:
         if self.on_step is not None:
             try:
-                self.on_step(gpu, a, b, joules)
+                self.on_step(gpu, a, b, joules, shared)
             except Exception:  # a listener's bug must not stop the sampling
                 log.exception("energy step listener failed")
 
