@@ -247,8 +247,9 @@ def test_each_replica_reads_every_joule_and_its_ledger_adds_up(fleet: Fleet):
             f"replica {port}: read {read:.0f} J of the GPUs' {truth:.0f} J; split {split:.1f} J of {counter:.1f} J"
         )
         # every replica reads all of engine 0's GPUs (counted once per GPU, not summed)
-        # (5 %: two counters read by different scrapes; 4.1 % seen beside a running suite)
-        assert abs(read / truth - 1) < 0.05, (port, read, truth)
+        # (8 %: on a loaded box a replica reads up to 6.1 % above the GPU's own counter,
+        # as the sidecars do (docs/kubernetes.md); one summing the GPU twice is 100 % off)
+        assert abs(read / truth - 1) < 0.08, (port, read, truth)
         # attributed + unattributed + idle = the counter it read
         assert abs(split - counter) < 1.0, (port, split, counter)
     both = fleet.energy(seen())
