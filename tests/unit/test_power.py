@@ -268,6 +268,7 @@ class Scenario:
                 prepared=SimpleNamespace(stream=stream),
                 marks=Marks(t_recv=sent),
                 client=f"c{i}",
+                request_id=f"r{i}",  # the follow-up energy line is keyed by it
             )
             for i, (sent, first, last, stream) in enumerate(spans)
         ]
