@@ -252,8 +252,8 @@ def test_each_replica_reads_every_joule_and_its_ledger_adds_up(fleet: Fleet):
         assert abs(read / truth - 1) < 0.08, (port, read, truth)
         # attributed + unattributed + idle = the counter it read
         assert abs(split - counter) < 1.0, (port, split, counter)
-    both = fleet.energy(seen())
-    assert abs(both / truth - REPLICAS) < 0.06, (both, truth)
+    both = fleet.energy(seen())  # each replica's read, summed: REPLICAS times the GPU's
+    assert abs(both / truth - REPLICAS) < 0.08 * REPLICAS, (both, truth)
 
 
 def test_replicas_attributed_energy_sums_to_the_gpus_busy_energy(fleet: Fleet):
