@@ -493,23 +493,28 @@ class GenerateWriter:
         await respond(self.stream.send, 200, self.body(count, finish).encode())
 
 
+def chunk_head(req: Request, deterministic: bool, prefix: str) -> tuple[str, int, str]:
+    """An OpenAI-style answer's id, created time and the start of each chunk's JSON (id,
+    object, created, model), as SGLang and trtllm-serve dump them; `deterministic` ties
+    the id to the request, so that a replayed answer is byte for byte the same."""
+    if deterministic:
+        tag = hashlib.sha256(f"{req.model}|{req.text}".encode()).hexdigest()[:32]
+        created = 1796012797
+    else:
+        tag, created = uuid.uuid4().hex, int(time.time())
+    ident = prefix + tag
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    head = f'{{"id":"{ident}","object":"{kind}","created":{created},"model":{quoted(req.model)},'
+    return ident, created, head
+
+
 class SGLangWriter:
     """Serialises one OpenAI-style answer as SGLang's pydantic models dump it."""
 
     def __init__(self, req: Request, deterministic: bool) -> None:
         self.req = req
         self.stream = Stream(None)
-        if deterministic:
-            tag = hashlib.sha256(f"{req.model}|{req.text}".encode()).hexdigest()[:32]
-            self.created = 1796012797
-        else:
-            tag, self.created = uuid.uuid4().hex, int(time.time())
-        self.ident = tag
-        kind = "chat.completion.chunk" if req.chat else "text_completion"
-        self.head = (
-            f'{{"id":"{self.ident}","object":"{kind}","created":{self.created},'
-            f'"model":{quoted(req.model)},'
-        )
+        self.ident, self.created, self.head = chunk_head(req, deterministic, "")
 
     def bind(self, send) -> SGLangWriter:
         self.stream.send = send

@@ -12,12 +12,10 @@ without.
 
 from __future__ import annotations
 
-import hashlib
 import time
-import uuid
 
 from .power import dcgm_metrics
-from .sglang import KV_TOKENS, Request, SGLangSim, Stream, respond
+from .sglang import KV_TOKENS, Request, SGLangSim, Stream, chunk_head, respond
 from .vllm_wire import dumps, quoted
 
 VERSION = "1.2.0"
@@ -150,17 +148,8 @@ class TRTLLMWriter:
     def __init__(self, req: Request, deterministic: bool) -> None:
         self.req = req
         self.stream = Stream(None)
-        if deterministic:
-            tag = hashlib.sha256(f"{req.model}|{req.text}".encode()).hexdigest()[:32]
-            self.created = 1796012797
-        else:
-            tag, self.created = uuid.uuid4().hex, int(time.time())
-        self.ident = ("chatcmpl-" if req.chat else "cmpl-") + tag
-        kind = "chat.completion.chunk" if req.chat else "text_completion"
-        self.head = (
-            f'{{"id":"{self.ident}","object":"{kind}","created":{self.created},'
-            f'"model":{quoted(req.model)},'
-        )
+        prefix = "chatcmpl-" if req.chat else "cmpl-"
+        self.ident, self.created, self.head = chunk_head(req, deterministic, prefix)
 
     def bind(self, send) -> TRTLLMWriter:
         self.stream.send = send
